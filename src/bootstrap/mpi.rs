@@ -1,0 +1,80 @@
+//! Exchanging the unique id over an MPI communicator (feature `mpi`).
+//!
+//! ```no_run
+//! use mpi::traits::*;
+//! use nccl::bootstrap::mpi::{exchange_id_mpi, launch_from_mpi};
+//!
+//! # fn main() -> nccl::Result<()> {
+//! let universe = mpi::initialize().expect("MPI initialises once");
+//! let world = universe.world();
+//! let launch = launch_from_mpi(&world);
+//! let id = exchange_id_mpi(&world)?;
+//! // Comm::init_rank(id, launch.rank, launch.world_size) on GPU launch.local_rank.
+//! # let _ = (launch, id);
+//! # Ok(())
+//! # }
+//! ```
+
+use ::mpi::topology::Communicator;
+use ::mpi::traits::Root;
+
+use super::{BootstrapError, Launch, Launcher};
+use crate::id::UNIQUE_ID_BYTES;
+use crate::UniqueId;
+
+/// The rank that creates the id and broadcasts it.
+const ROOT: ::mpi::Rank = 0;
+
+/// Rank 0 of `world` creates a [`UniqueId`] with [`UniqueId::new`] and broadcasts it
+/// (`MPI_Bcast`); every rank returns it. Collective: every rank of `world` must call it.
+///
+/// The broadcast carries a status byte before the 128 id bytes, so that when rank 0 cannot
+/// create the id the other ranks fail too instead of receiving garbage; rank 0 returns its
+/// own error.
+pub fn exchange_id_mpi(world: &impl Communicator) -> crate::Result<UniqueId> {
+    let mut message = [0u8; 1 + UNIQUE_ID_BYTES];
+    let mut root_error = None;
+    if world.rank() == ROOT {
+        match UniqueId::new() {
+            Ok(id) => {
+                message[0] = 1;
+                message[1..].copy_from_slice(id.as_bytes());
+            }
+            Err(error) => root_error = Some(error),
+        }
+    }
+    world.process_at_rank(ROOT).broadcast_into(&mut message[..]);
+    if let Some(error) = root_error {
+        return Err(error);
+    }
+    if message[0] != 1 {
+        return Err(BootstrapError::Config(
+            "rank 0 could not create the NCCL unique id (see rank 0's error)".to_owned(),
+        )
+        .into());
+    }
+    let mut bytes = [0u8; UNIQUE_ID_BYTES];
+    bytes.copy_from_slice(&message[1..]);
+    Ok(UniqueId::from_bytes(bytes))
+}
+
+/// This process's [`Launch`] from MPI itself: rank and size of `world`, and the local rank and
+/// size from the ranks sharing this node (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`).
+/// Collective: every rank of `world` must call it.
+pub fn launch_from_mpi(world: &impl Communicator) -> Launch {
+    let node = world.split_shared(world.rank());
+    // MPI ranks and sizes are non-negative by definition.
+    let count = |value: ::mpi::Rank| usize::try_from(value).unwrap_or(0);
+    Launch {
+        rank: count(world.rank()),
+        world_size: count(world.size()),
+        local_rank: count(node.rank()),
+        local_world_size: Some(count(node.size())),
+        // Name the launcher that started MPI when its variables say; MPI itself is PMI-based.
+        launcher: Launch::from_env()
+            .ok()
+            .map(|launch| launch.launcher)
+            .filter(|launcher| *launcher != Launcher::None)
+            .unwrap_or(Launcher::MpichOrPmi),
+    }
+}

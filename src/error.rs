@@ -1,0 +1,337 @@
+//! Error type shared by the whole crate.
+//!
+//! NCCL failures keep the raw code, its name, NCCL's own description and, when the library
+//! offers it, the text of `ncclGetLastError`. Whether an error leaves the communicator usable
+//! follows NCCL's documentation: see [`Error::is_fatal`].
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::library::Version;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A result code returned by NCCL (`ncclResult_t`).
+///
+/// Codes the crate does not know (a newer library) are kept as [`ResultCode::Unknown`]
+/// instead of being misread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ResultCode {
+    /// `ncclSuccess` (0).
+    Success,
+    /// `ncclUnhandledCudaError` (1): a CUDA call made by NCCL failed.
+    UnhandledCudaError,
+    /// `ncclSystemError` (2): a system call failed.
+    SystemError,
+    /// `ncclInternalError` (3): an internal check failed (NCCL bug or memory corruption).
+    InternalError,
+    /// `ncclInvalidArgument` (4): the call had no effect.
+    InvalidArgument,
+    /// `ncclInvalidUsage` (5): the call is incorrect, usually a programming error.
+    InvalidUsage,
+    /// `ncclRemoteError` (6, NCCL 2.13): a peer failed or the network broke.
+    RemoteError,
+    /// `ncclInProgress` (7, NCCL 2.14): a nonblocking operation is still being enqueued.
+    InProgress,
+    /// `ncclTimeout` (8, NCCL 2.30.3).
+    Timeout,
+    /// A code this crate does not know.
+    Unknown(u32),
+}
+
+impl ResultCode {
+    /// Decodes a raw `ncclResult_t`.
+    pub fn from_raw(raw: nccl_sys::ncclResult_t) -> Self {
+        match raw.0 {
+            0 => Self::Success,
+            1 => Self::UnhandledCudaError,
+            2 => Self::SystemError,
+            3 => Self::InternalError,
+            4 => Self::InvalidArgument,
+            5 => Self::InvalidUsage,
+            6 => Self::RemoteError,
+            7 => Self::InProgress,
+            8 => Self::Timeout,
+            other => Self::Unknown(other),
+        }
+    }
+
+    /// The raw numeric value.
+    pub fn code(self) -> u32 {
+        match self {
+            Self::Success => 0,
+            Self::UnhandledCudaError => 1,
+            Self::SystemError => 2,
+            Self::InternalError => 3,
+            Self::InvalidArgument => 4,
+            Self::InvalidUsage => 5,
+            Self::RemoteError => 6,
+            Self::InProgress => 7,
+            Self::Timeout => 8,
+            Self::Unknown(code) => code,
+        }
+    }
+
+    /// The C name of the code, e.g. `"ncclInvalidUsage"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Success => "ncclSuccess",
+            Self::UnhandledCudaError => "ncclUnhandledCudaError",
+            Self::SystemError => "ncclSystemError",
+            Self::InternalError => "ncclInternalError",
+            Self::InvalidArgument => "ncclInvalidArgument",
+            Self::InvalidUsage => "ncclInvalidUsage",
+            Self::RemoteError => "ncclRemoteError",
+            Self::InProgress => "ncclInProgress",
+            Self::Timeout => "ncclTimeout",
+            Self::Unknown(_) => "unknown ncclResult_t",
+        }
+    }
+
+    /// Whether NCCL documents this code as fatal for the communicator: the application must
+    /// abort the communicator and create a new one. `InvalidArgument` is not fatal: the call
+    /// had no effect.
+    pub fn is_fatal(self) -> bool {
+        !matches!(
+            self,
+            Self::Success | Self::InvalidArgument | Self::InProgress
+        )
+    }
+}
+
+impl fmt::Display for ResultCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name(), self.code())
+    }
+}
+
+/// Everything that can go wrong in this crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An NCCL function returned an error code.
+    #[error("{call} failed: {code}: {description}{}", last_error_suffix(.last_error))]
+    Nccl {
+        /// The NCCL function that failed, e.g. `"ncclAllReduce"`.
+        call: &'static str,
+        /// The result code.
+        code: ResultCode,
+        /// NCCL's text for the code (`ncclGetErrorString`).
+        description: String,
+        /// NCCL's last error message (`ncclGetLastError`), when it had one.
+        last_error: Option<String>,
+    },
+
+    /// The loaded NCCL library is too old for the requested API.
+    #[error("{api} needs NCCL {needs} or newer, but the loaded library is NCCL {found}")]
+    Unsupported {
+        /// The API or feature asked for.
+        api: &'static str,
+        /// The first NCCL version that has it.
+        needs: Version,
+        /// The version of the loaded library.
+        found: Version,
+    },
+
+    /// An argument was rejected before anything was handed to NCCL; nothing was enqueued.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The call is not allowed in the current state (e.g. a collective on a communicator that
+    /// was aborted, or a plain call while a [`Group`](crate::Group) is open on this thread).
+    #[error("invalid usage: {0}")]
+    InvalidUsage(String),
+
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error: {0}")]
+    Cuda(#[from] cudarc::driver::DriverError),
+
+    /// No NCCL library could be loaded.
+    #[error(transparent)]
+    LibraryNotFound(#[from] LibraryNotFound),
+
+    /// The loaded library does not export a function this call needs.
+    #[error("the NCCL library at {path} does not export `{symbol}` (library version {version})")]
+    MissingSymbol {
+        /// The missing function.
+        symbol: &'static str,
+        /// The library that was loaded.
+        path: PathBuf,
+        /// Its version.
+        version: Version,
+    },
+
+    /// Waiting for an operation took longer than allowed.
+    #[error("timed out after {waited:?} waiting for {what}")]
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// How long the wait lasted.
+        waited: Duration,
+    },
+
+    /// Bootstrapping (launcher detection or unique-id exchange) failed.
+    #[error(transparent)]
+    Bootstrap(#[from] crate::bootstrap::BootstrapError),
+}
+
+fn last_error_suffix(last: &Option<String>) -> String {
+    match last {
+        Some(text) if !text.trim().is_empty() => format!(" (last NCCL error: {})", text.trim()),
+        _ => String::new(),
+    }
+}
+
+impl Error {
+    /// The NCCL result code, if this is an NCCL failure.
+    pub fn nccl_code(&self) -> Option<ResultCode> {
+        match self {
+            Error::Nccl { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// Whether the communicator involved can no longer be used and must be aborted, per
+    /// NCCL's error table. Argument errors caught by this crate, unsupported APIs and
+    /// invalid-argument results from NCCL leave the communicator as it was.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            Error::Nccl { code, .. } => code.is_fatal(),
+            Error::Timeout { .. } | Error::Cuda(_) => true,
+            _ => false,
+        }
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    pub(crate) fn usage(msg: impl Into<String>) -> Self {
+        Error::InvalidUsage(msg.into())
+    }
+}
+
+/// The NCCL library could not be loaded from any of the places searched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibraryNotFound {
+    /// Every place tried, in order, with why it failed.
+    pub attempts: Vec<LoadAttempt>,
+}
+
+/// One failed attempt to load the NCCL library.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadAttempt {
+    /// Where the candidate came from (e.g. `"NCCL_HOME"`).
+    pub source: &'static str,
+    /// The path or soname handed to the dynamic loader.
+    pub candidate: PathBuf,
+    /// Why it failed.
+    pub reason: String,
+}
+
+impl fmt::Display for LibraryNotFound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "could not load the NCCL library (libnccl.so.2); tried:")?;
+        for attempt in &self.attempts {
+            writeln!(
+                f,
+                "  - {} [{}]: {}",
+                attempt.candidate.display(),
+                attempt.source,
+                attempt.reason
+            )?;
+        }
+        write!(
+            f,
+            "fix: install NCCL (e.g. the libnccl2 package or `pip install nvidia-nccl-cu13`), \
+             then set NCCL_LIBRARY=/path/to/libnccl.so.2, or NCCL_HOME to the directory holding \
+             lib/libnccl.so.2, or add that lib directory to LD_LIBRARY_PATH"
+        )
+    }
+}
+
+impl std::error::Error for LibraryNotFound {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_codes_round_trip_and_unknown_is_kept() {
+        for raw in 0..=12u32 {
+            let code = ResultCode::from_raw(nccl_sys::ncclResult_t(raw as _));
+            assert_eq!(code.code(), raw);
+        }
+        assert_eq!(
+            ResultCode::from_raw(nccl_sys::ncclResult_t(8)),
+            ResultCode::Timeout
+        );
+        assert_eq!(
+            ResultCode::from_raw(nccl_sys::ncclResult_t(42)),
+            ResultCode::Unknown(42)
+        );
+        assert_eq!(
+            ResultCode::from_raw(nccl_sys::ncclResult_t(6)).name(),
+            "ncclRemoteError"
+        );
+    }
+
+    #[test]
+    fn fatality_follows_nccl_table() {
+        assert!(!ResultCode::InvalidArgument.is_fatal());
+        assert!(!ResultCode::InProgress.is_fatal());
+        for fatal in [
+            ResultCode::UnhandledCudaError,
+            ResultCode::SystemError,
+            ResultCode::InternalError,
+            ResultCode::InvalidUsage,
+            ResultCode::RemoteError,
+            ResultCode::Timeout,
+            ResultCode::Unknown(99),
+        ] {
+            assert!(fatal.is_fatal(), "{fatal}");
+        }
+        assert!(!Error::invalid("x").is_fatal());
+    }
+
+    #[test]
+    fn nccl_error_message_names_call_code_and_last_error() {
+        let err = Error::Nccl {
+            call: "ncclAllReduce",
+            code: ResultCode::InvalidUsage,
+            description: "invalid usage".into(),
+            last_error: Some("peer 3 unreachable\n".into()),
+        };
+        let text = err.to_string();
+        assert!(text.contains("ncclAllReduce"), "{text}");
+        assert!(text.contains("ncclInvalidUsage (5)"), "{text}");
+        assert!(text.contains("peer 3 unreachable"), "{text}");
+        assert!(err.is_fatal());
+        assert_eq!(err.nccl_code(), Some(ResultCode::InvalidUsage));
+    }
+
+    #[test]
+    fn not_found_lists_every_attempt_and_a_fix() {
+        let err = LibraryNotFound {
+            attempts: vec![
+                LoadAttempt {
+                    source: "NCCL_HOME",
+                    candidate: "/opt/nccl/lib/libnccl.so.2".into(),
+                    reason: "no such file".into(),
+                },
+                LoadAttempt {
+                    source: "dynamic linker",
+                    candidate: "libnccl.so.2".into(),
+                    reason: "cannot open shared object file".into(),
+                },
+            ],
+        };
+        let text = err.to_string();
+        assert!(text.contains("/opt/nccl/lib/libnccl.so.2 [NCCL_HOME]: no such file"));
+        assert!(text.contains("libnccl.so.2 [dynamic linker]"));
+        assert!(text.contains("NCCL_LIBRARY"));
+    }
+}

@@ -1,0 +1,226 @@
+//! Group calls (`ncclGroupStart` / `ncclGroupEnd`).
+//!
+//! A [`Group`] fuses the operations enqueued through it into one NCCL launch when it ends.
+//! Groups are how one thread drives several GPUs (every rank's operation must be issued
+//! before any of them can complete), how point-to-point sends and receives that depend on each
+//! other progress together, and how many small operations are aggregated.
+//!
+//! NCCL's group state belongs to the calling thread, so a `Group` is neither `Send` nor
+//! `Sync`, and only one may be open per thread. While it is open, operations must go through
+//! it: a plain [`Comm::enqueue`] on the same thread is refused, because its buffers' cudarc
+//! events would be recorded before NCCL has actually enqueued the work. The group keeps every
+//! buffer borrowed, and records their events, only after `ncclGroupEnd`.
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+
+use cudarc::driver::{CudaStream, SyncOnDrop};
+
+use crate::collectives::{launch, Collective};
+use crate::comm::Comm;
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::library::{self, Library};
+
+thread_local! {
+    static OPEN_GROUPS: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether a group opened by this crate is active on the calling thread.
+pub fn is_open() -> bool {
+    OPEN_GROUPS.with(|open| open.get() > 0)
+}
+
+/// Fails if a group is open on this thread; `what` names the refused call.
+pub(crate) fn ensure_outside(what: &str) -> Result<()> {
+    if is_open() {
+        return Err(Error::usage(format!(
+            "{what} called while a Group is open on this thread: enqueue through the Group \
+             (or finish it first)"
+        )));
+    }
+    Ok(())
+}
+
+/// A started `ncclGroupStart` that is ended exactly once, by `end` or on drop.
+pub(crate) struct RawGroup {
+    lib: &'static Library,
+    open: bool,
+    _thread_bound: PhantomData<*const ()>,
+}
+
+impl RawGroup {
+    pub(crate) fn start(lib: &'static Library) -> Result<Self> {
+        if is_open() {
+            return Err(Error::usage(
+                "a Group is already open on this thread; NCCL groups here do not nest",
+            ));
+        }
+        // SAFETY: ncclGroupStart only updates this thread's group depth.
+        let status = unsafe { lib.api().ncclGroupStart() };
+        lib.check("ncclGroupStart", status)?;
+        OPEN_GROUPS.with(|open| open.set(open.get() + 1));
+        Ok(Self {
+            lib,
+            open: true,
+            _thread_bound: PhantomData,
+        })
+    }
+
+    /// Ends the group; `Ok(true)` means nonblocking communicators are still progressing.
+    pub(crate) fn end(&mut self) -> Result<bool> {
+        if !self.open {
+            return Ok(false);
+        }
+        self.open = false;
+        OPEN_GROUPS.with(|open| open.set(open.get().saturating_sub(1)));
+        // SAFETY: matches the ncclGroupStart of `start` on this same thread (the type is
+        // neither Send nor Sync).
+        let status = unsafe { self.lib.api().ncclGroupEnd() };
+        self.lib.check_pending("ncclGroupEnd", status)
+    }
+
+    pub(crate) fn end_ignoring_errors(&mut self) {
+        let _ = self.end();
+    }
+}
+
+impl Drop for RawGroup {
+    fn drop(&mut self) {
+        self.end_ignoring_errors();
+    }
+}
+
+/// An open NCCL group; see the [module docs](self).
+///
+/// ```no_run
+/// # fn main() -> nccl::Result<()> {
+/// use cudarc::driver::CudaContext;
+/// use nccl::{Collective, Comm, Group, ReduceOp};
+///
+/// let streams = (0..2)
+///     .map(|i| CudaContext::new(i).and_then(|ctx| ctx.new_stream()))
+///     .collect::<Result<Vec<_>, _>>()?;
+/// let comms = Comm::init_all(&streams)?;
+/// let mut grads = streams
+///     .iter()
+///     .map(|s| s.clone_htod(&[1.0f32; 1024]))
+///     .collect::<Result<Vec<_>, _>>()?;
+/// let mut group = Group::start()?;
+/// for (comm, grad) in comms.iter().zip(grads.iter_mut()) {
+///     group.enqueue(comm, Collective::all_reduce_in_place(grad, ReduceOp::Avg))?;
+/// }
+/// group.finish()?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Group<'g> {
+    raw: RawGroup,
+    comms: Vec<&'g Comm>,
+    // Dropped after `raw` was ended (see Drop), so the buffers' events are recorded after
+    // NCCL has enqueued the fused operation.
+    guards: Vec<SyncOnDrop<'g>>,
+}
+
+impl std::fmt::Debug for Group<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("open", &self.raw.open)
+            .field("communicators", &self.comms.len())
+            .field("buffers", &self.guards.len())
+            .finish()
+    }
+}
+
+impl<'g> Group<'g> {
+    /// Starts a group (`ncclGroupStart`). Fails if one is already open on this thread.
+    pub fn start() -> Result<Self> {
+        Ok(Self {
+            raw: RawGroup::start(library::get()?)?,
+            comms: Vec::new(),
+            guards: Vec::new(),
+        })
+    }
+
+    /// Adds `call` on `comm`'s own stream to the group.
+    pub fn enqueue<T: NcclType>(&mut self, comm: &'g Comm, call: Collective<'g, T>) -> Result<()> {
+        self.enqueue_on(comm, comm.stream(), call)
+    }
+
+    /// Adds `call` on `stream` (on `comm`'s device) to the group.
+    ///
+    /// A call rejected by validation leaves the group as it was, and the group can go on.
+    pub fn enqueue_on<T: NcclType>(
+        &mut self,
+        comm: &'g Comm,
+        stream: &'g CudaStream,
+        call: Collective<'g, T>,
+    ) -> Result<()> {
+        if !self.raw.open {
+            return Err(Error::usage("the group has already ended"));
+        }
+        if let Some(first) = self.comms.first() {
+            if first.is_blocking() != comm.is_blocking() {
+                return Err(Error::invalid(
+                    "NCCL does not allow blocking and nonblocking communicators in one group",
+                ));
+            }
+        }
+        let guards = launch(comm, stream, call, true)?;
+        if !self.comms.iter().any(|c| c.core_ptr() == comm.core_ptr()) {
+            self.comms.push(comm);
+        }
+        self.guards.extend(guards.into_iter().flatten());
+        Ok(())
+    }
+
+    /// Ends the group (`ncclGroupEnd`), launching everything in it, and returns its error.
+    ///
+    /// For nonblocking communicators it also waits until each is ready again. After an error
+    /// every communicator in the group should be aborted, as NCCL documents.
+    pub fn finish(mut self) -> Result<()> {
+        let pending = self.raw.end()?;
+        if pending {
+            for comm in &self.comms {
+                comm.wait_ready(comm.ready_timeout())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The number of buffers the group holds borrowed.
+    pub fn buffer_count(&self) -> usize {
+        self.guards.len()
+    }
+}
+
+impl Drop for Group<'_> {
+    fn drop(&mut self) {
+        // A group dropped without `finish` (an early return with `?`) still has to end, or
+        // this thread's NCCL group state would stay open; its error has nowhere to go.
+        self.raw.end_ignoring_errors();
+        self.guards.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outside_check_reflects_open_groups() {
+        assert!(!is_open());
+        assert!(ensure_outside("x").is_ok());
+        OPEN_GROUPS.with(|open| open.set(1));
+        let err = ensure_outside("ncclAllReduce").unwrap_err().to_string();
+        assert!(
+            err.contains("ncclAllReduce called while a Group is open"),
+            "{err}"
+        );
+        OPEN_GROUPS.with(|open| open.set(0));
+        // Other threads have their own state.
+        OPEN_GROUPS.with(|open| open.set(1));
+        std::thread::spawn(|| assert!(!is_open())).join().unwrap();
+        OPEN_GROUPS.with(|open| open.set(0));
+    }
+}

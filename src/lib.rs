@@ -1,0 +1,98 @@
+//! Safe, zero-overhead Rust bindings to NVIDIA NCCL, on top of [cudarc](cudarc).
+//!
+//! NCCL is loaded at run time (see [`library`]): building needs neither NCCL nor libclang,
+//! and a program runs against whatever NCCL 2.x the machine has, with APIs newer than the
+//! library returning [`Error::Unsupported`] instead of crashing.
+//!
+//! # Data-parallel training in a nutshell
+//!
+//! ```no_run
+//! # fn main() -> nccl::Result<()> {
+//! use cudarc::driver::CudaContext;
+//! use nccl::{Comm, ReduceOp, UniqueId};
+//!
+//! # let (rank, world, local_rank) = (0usize, 1usize, 0usize);
+//! # fn share(id: Option<UniqueId>) -> UniqueId { id.unwrap() }
+//! let stream = CudaContext::new(local_rank)?.new_stream()?;
+//! // Rank 0 creates the id; every rank gets it (MPI, a file, a socket: see `bootstrap`).
+//! let id = share((rank == 0).then(UniqueId::new).transpose()?);
+//! let comm = Comm::init_rank(stream.clone(), &id, rank, world)?;
+//!
+//! let mut params = stream.clone_htod(&vec![0.5f32; 1 << 20])?;
+//! comm.broadcast_in_place(&mut params, 0)?; // everyone starts from rank 0's parameters
+//! let mut grads = stream.alloc_zeros::<f32>(1 << 20)?;
+//! // ... compute gradients into `grads` ...
+//! comm.all_reduce_in_place(&mut grads, ReduceOp::Avg)?; // average over ranks
+//! comm.synchronize()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Map of the crate
+//!
+//! | NCCL concept | module | main items |
+//! |---|---|---|
+//! | loading, versions | [`library`] | [`version`], [`Version`], [`library::load_from`] |
+//! | errors | [`error`] | [`Error`], [`ResultCode`] |
+//! | unique id | [`id`] | [`UniqueId`] |
+//! | communicator | [`comm`] | [`Comm`] |
+//! | configuration | [`config`] | [`CommConfig`] |
+//! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
+//! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
+//! | collectives | [`collectives`] | [`Collective`], [`Comm::all_reduce`], ... |
+//! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
+//! | groups | [`group`] | [`Group`] |
+//! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
+//!
+//! # Safety guarantees
+//!
+//! Every operation is validated before NCCL sees it: buffer lengths against NCCL's count
+//! rules, roots and peers against the communicator size, buffers and streams against the
+//! communicator's device, element types and APIs against the loaded library's version. A
+//! rejected call returns [`Error::InvalidArgument`] and enqueues nothing. Buffers are cudarc
+//! slices whose event tracking is honoured, so work on other streams is ordered correctly.
+//!
+//! A [`Comm`] can move between threads but not be shared by them:
+//!
+//! ```compile_fail
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<nccl::Comm>();
+//! ```
+//!
+//! and a [`Group`] stays on the thread that opened it:
+//!
+//! ```compile_fail
+//! fn assert_send<T: Send>() {}
+//! assert_send::<nccl::Group<'static>>();
+//! ```
+
+#![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod bootstrap;
+pub mod collectives;
+pub mod comm;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod group;
+pub mod id;
+pub mod library;
+pub mod op;
+pub mod p2p;
+
+pub use collectives::Collective;
+pub use comm::Comm;
+pub use config::CommConfig;
+pub use dtype::{DataType, NcclType};
+pub use error::{Error, Result, ResultCode};
+pub use group::Group;
+pub use id::UniqueId;
+pub use library::{version, Version};
+pub use op::{PreMulSum, ReduceOp, Reduction};
+
+/// The raw bindings, for NCCL functions this crate does not wrap.
+pub use nccl_sys as sys;
+
+/// The cudarc version this crate is built on, re-exported so users name the same types.
+pub use cudarc;

@@ -1,0 +1,545 @@
+//! Finding, loading and versioning the NCCL shared library.
+//!
+//! Nothing links against NCCL at build time: `libnccl.so.2` is opened the first time any NCCL
+//! function is needed, and the result is cached for the life of the process.
+//!
+//! # Search order
+//!
+//! 1. `NCCL_LIBRARY`: the path of the library file itself. When it is set, it is the only
+//!    candidate: a library the user named explicitly that fails to load is an error, never
+//!    silently replaced by another one.
+//! 2. `NCCL_HOME`: `$NCCL_HOME/lib/libnccl.so.2`, then `lib/libnccl.so`, `lib64/libnccl.so.2`.
+//! 3. The path recorded at build time by this crate's build script from `NCCL_HOME` or
+//!    `CUDA_HOME`, if such a library existed then (the build never fails when none does).
+//! 4. The dynamic linker's own lookup (`LD_LIBRARY_PATH`, `ldconfig` cache, ...): `libnccl.so.2`,
+//!    then `libnccl.so`.
+//! 5. Python environments: `site-packages/nvidia/nccl/lib/libnccl.so.2` under `VIRTUAL_ENV`
+//!    and `CONDA_PREFIX`, and `$CONDA_PREFIX/lib/libnccl.so.2`.
+//!
+//! When nothing loads, [`Error::LibraryNotFound`] lists every place tried and why each failed.
+//! A program can also choose the library itself with [`load_from`] before its first NCCL call.
+//!
+//! # Versions
+//!
+//! [`version`] reports the version of the library that was loaded, which may differ from the
+//! header the bindings were generated from (2.32.3). Every API newer than NCCL 2.18 checks it
+//! first and returns [`Error::Unsupported`] on an older library, instead of failing inside
+//! NCCL or calling a symbol that is not there.
+
+use std::ffi::{CStr, OsString};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use nccl_sys::{ncclResult_t, MissingSymbol, NcclLib};
+
+use crate::error::{Error, LibraryNotFound, LoadAttempt, Result, ResultCode};
+
+/// An NCCL release version, e.g. 2.28.3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version {
+    /// Major version (2 for every NCCL 2.x).
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+    /// Patch level.
+    pub patch: u32,
+}
+
+impl Version {
+    /// A version from its parts.
+    pub const fn new(major: u32, minor: u32, patch: u32) -> Self {
+        Self {
+            major,
+            minor,
+            patch,
+        }
+    }
+
+    /// Decodes an `NCCL_VERSION_CODE` as returned by `ncclGetVersion`.
+    ///
+    /// NCCL changed the encoding at 2.9: before, `X*1000 + Y*100 + Z` (2.8.4 is 2804); since,
+    /// `X*10000 + Y*100 + Z` (2.28.3 is 22803). Codes of the new form are all at least 20900,
+    /// old ones at most 2899, so the magnitude tells them apart.
+    pub const fn from_code(code: u32) -> Self {
+        if code >= 10_000 {
+            Self::new(code / 10_000, (code % 10_000) / 100, code % 100)
+        } else {
+            Self::new(code / 1_000, (code % 1_000) / 100, code % 100)
+        }
+    }
+
+    /// Encodes the version the way NCCL's `NCCL_VERSION(X, Y, Z)` macro does.
+    pub const fn code(self) -> u32 {
+        if self.major <= 2 && self.minor <= 8 {
+            self.major * 1_000 + self.minor * 100 + self.patch
+        } else {
+            self.major * 10_000 + self.minor * 100 + self.patch
+        }
+    }
+
+    /// The version of the header the bindings were generated from.
+    pub const HEADER: Version = Version::new(
+        nccl_sys::NCCL_MAJOR as u32,
+        nccl_sys::NCCL_MINOR as u32,
+        nccl_sys::NCCL_PATCH as u32,
+    );
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// The loaded NCCL library: its function table, where it came from, and its version.
+pub struct Library {
+    api: NcclLib,
+    version: Version,
+    source: &'static str,
+}
+
+impl fmt::Debug for Library {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Library")
+            .field("path", &self.api.path())
+            .field("version", &self.version)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl Library {
+    /// Opens the library at `path` and checks that it is NCCL.
+    fn open(path: &Path, source: &'static str) -> std::result::Result<Self, String> {
+        // SAFETY: loading a shared library runs its initialisers; NCCL's are benign, and a
+        // candidate is only ever a file named like NCCL or chosen explicitly by the user.
+        let api = unsafe { NcclLib::open(path) }.map_err(|e| e.to_string())?;
+        let mut code = 0;
+        // SAFETY: `code` is a valid writable int for the duration of the call.
+        let status = unsafe { api.ncclGetVersion(&mut code) }
+            .map_err(|_| "not an NCCL library: it does not export ncclGetVersion".to_string())?;
+        if status != ncclResult_t::ncclSuccess || code <= 0 {
+            return Err(format!(
+                "ncclGetVersion failed ({}, version code {code})",
+                ResultCode::from_raw(status)
+            ));
+        }
+        Ok(Self {
+            api,
+            version: Version::from_code(code as u32),
+            source,
+        })
+    }
+
+    /// The version reported by the library's `ncclGetVersion`.
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    /// The path or soname the library was loaded from.
+    pub fn path(&self) -> &Path {
+        self.api.path()
+    }
+
+    /// Which step of the search order found the library (e.g. `"NCCL_HOME"`).
+    pub fn source(&self) -> &'static str {
+        self.source
+    }
+
+    /// The raw function table, for calls this crate does not wrap.
+    pub fn api(&self) -> &NcclLib {
+        &self.api
+    }
+
+    /// Fails with [`Error::Unsupported`] unless the library is at least `needs`.
+    pub fn require(&self, api: &'static str, needs: Version) -> Result<()> {
+        if self.version >= needs {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                api,
+                needs,
+                found: self.version,
+            })
+        }
+    }
+
+    /// Turns the outcome of an NCCL call into a `Result`. `ncclInProgress` is an error here:
+    /// calls that may legitimately return it use [`Library::check_pending`].
+    pub(crate) fn check(
+        &self,
+        call: &'static str,
+        status: std::result::Result<ncclResult_t, MissingSymbol>,
+    ) -> Result<()> {
+        match self.check_pending(call, status)? {
+            false => Ok(()),
+            true => Err(self.error(call, ResultCode::InProgress)),
+        }
+    }
+
+    /// Like [`Library::check`], but `ncclInProgress` is success that still has to complete:
+    /// returns whether the operation is pending.
+    pub(crate) fn check_pending(
+        &self,
+        call: &'static str,
+        status: std::result::Result<ncclResult_t, MissingSymbol>,
+    ) -> Result<bool> {
+        let status = status.map_err(|missing| self.missing(missing))?;
+        match ResultCode::from_raw(status) {
+            ResultCode::Success => Ok(false),
+            ResultCode::InProgress => Ok(true),
+            code => Err(self.error(call, code)),
+        }
+    }
+
+    pub(crate) fn missing(&self, missing: MissingSymbol) -> Error {
+        Error::MissingSymbol {
+            symbol: missing.name,
+            path: self.path().to_path_buf(),
+            version: self.version,
+        }
+    }
+
+    /// Builds the error for a failed call, with NCCL's texts.
+    pub(crate) fn error(&self, call: &'static str, code: ResultCode) -> Error {
+        let raw = ncclResult_t(code.code() as _);
+        // SAFETY: ncclGetErrorString returns a pointer to a static string (or null when the
+        // symbol is missing, handled by the Result); it is copied out immediately.
+        let description = unsafe { self.api.ncclGetErrorString(raw) }
+            .ok()
+            .and_then(copy_c_str)
+            .unwrap_or_else(|| code.name().to_string());
+        // SAFETY: ncclGetLastError ignores its argument (null is documented as allowed) and
+        // returns a pointer to a process-global buffer, copied out immediately.
+        let last_error = unsafe { self.api.ncclGetLastError(std::ptr::null_mut()) }
+            .ok()
+            .and_then(copy_c_str)
+            .filter(|text| !text.trim().is_empty());
+        Error::Nccl {
+            call,
+            code,
+            description,
+            last_error,
+        }
+    }
+}
+
+fn copy_c_str(ptr: *const std::os::raw::c_char) -> Option<String> {
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: NCCL returns NUL-terminated strings that stay valid at least until the next
+    // call on this thread; the text is copied before any further NCCL call.
+    Some(
+        unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+static LIBRARY: OnceLock<std::result::Result<Library, LibraryNotFound>> = OnceLock::new();
+
+/// The loaded library, loading it on first use by the documented search order.
+pub fn get() -> Result<&'static Library> {
+    LIBRARY
+        .get_or_init(|| search(&candidates(&env_var, option_env!("NCCL_RS_BUILD_HINT"))))
+        .as_ref()
+        .map_err(|not_found| Error::LibraryNotFound(not_found.clone()))
+}
+
+/// Loads NCCL from `path` instead of searching, before anything else used NCCL.
+///
+/// Returns the library if it is now the process's NCCL (also when the same path was already
+/// loaded), and an error if another library was already loaded or this one cannot be.
+pub fn load_from(path: impl AsRef<Path>) -> Result<&'static Library> {
+    let path = path.as_ref();
+    let loaded = LIBRARY.get_or_init(|| {
+        search(&[Candidate {
+            source: "load_from",
+            path: path.to_path_buf(),
+            explicit: true,
+        }])
+    });
+    match loaded {
+        Ok(lib) if lib.path() == path => Ok(lib),
+        Ok(lib) => Err(Error::usage(format!(
+            "NCCL was already loaded from {} before load_from({})",
+            lib.path().display(),
+            path.display()
+        ))),
+        Err(not_found) => Err(Error::LibraryNotFound(not_found.clone())),
+    }
+}
+
+/// The version of the loaded NCCL library (loading it if needed).
+pub fn version() -> Result<Version> {
+    Ok(get()?.version())
+}
+
+fn env_var(name: &str) -> Option<OsString> {
+    std::env::var_os(name).filter(|value| !value.is_empty())
+}
+
+/// One place the search will try.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Candidate {
+    pub(crate) source: &'static str,
+    pub(crate) path: PathBuf,
+    /// Named by the user: if it fails, the search stops there.
+    pub(crate) explicit: bool,
+}
+
+/// Every candidate, in search order, given the environment and the build-time hint.
+pub(crate) fn candidates(
+    env: &dyn Fn(&str) -> Option<OsString>,
+    build_hint: Option<&str>,
+) -> Vec<Candidate> {
+    let candidate = |source, path: PathBuf| Candidate {
+        source,
+        path,
+        explicit: false,
+    };
+    if let Some(file) = env("NCCL_LIBRARY") {
+        return vec![Candidate {
+            source: "NCCL_LIBRARY",
+            path: file.into(),
+            explicit: true,
+        }];
+    }
+    let mut list = Vec::new();
+    if let Some(home) = env("NCCL_HOME") {
+        let home = PathBuf::from(home);
+        for rel in ["lib/libnccl.so.2", "lib/libnccl.so", "lib64/libnccl.so.2"] {
+            list.push(candidate("NCCL_HOME", home.join(rel)));
+        }
+    }
+    if let Some(hint) = build_hint.filter(|hint| !hint.is_empty()) {
+        list.push(candidate("build-time NCCL_HOME/CUDA_HOME", hint.into()));
+    }
+    for soname in ["libnccl.so.2", "libnccl.so"] {
+        list.push(candidate("dynamic linker", soname.into()));
+    }
+    for (var, source) in [
+        ("VIRTUAL_ENV", "VIRTUAL_ENV site-packages"),
+        ("CONDA_PREFIX", "CONDA_PREFIX site-packages"),
+    ] {
+        if let Some(prefix) = env(var) {
+            for site in site_packages(Path::new(&prefix)) {
+                list.push(candidate(source, site.join("nvidia/nccl/lib/libnccl.so.2")));
+            }
+        }
+    }
+    if let Some(prefix) = env("CONDA_PREFIX") {
+        list.push(candidate(
+            "CONDA_PREFIX",
+            PathBuf::from(prefix).join("lib/libnccl.so.2"),
+        ));
+    }
+    list
+}
+
+/// `lib/python3.*/site-packages` directories under a Python prefix, sorted for determinism.
+fn site_packages(prefix: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(prefix.join("lib"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("python3"))
+        .map(|entry| entry.path().join("site-packages"))
+        .filter(|site| site.is_dir())
+        .collect();
+    found.sort();
+    found
+}
+
+/// Tries the candidates in order; the first that is a working NCCL wins.
+fn search(candidates: &[Candidate]) -> std::result::Result<Library, LibraryNotFound> {
+    let mut attempts = Vec::new();
+    for candidate in candidates {
+        // A bare soname goes to the dynamic linker; anything with a slash must exist.
+        let is_path = candidate.path.components().count() > 1;
+        let outcome = if is_path && !candidate.path.exists() {
+            Err("no such file".to_string())
+        } else {
+            Library::open(&candidate.path, candidate.source)
+        };
+        match outcome {
+            Ok(lib) => return Ok(lib),
+            Err(reason) => {
+                attempts.push(LoadAttempt {
+                    source: candidate.source,
+                    candidate: candidate.path.clone(),
+                    reason,
+                });
+                if candidate.explicit {
+                    break;
+                }
+            }
+        }
+    }
+    Err(LibraryNotFound { attempts })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
+        let map: HashMap<String, OsString> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn version_codes_decode_both_encodings() {
+        assert_eq!(Version::from_code(2804), Version::new(2, 8, 4));
+        assert_eq!(Version::from_code(2708), Version::new(2, 7, 8));
+        assert_eq!(Version::from_code(20903), Version::new(2, 9, 3));
+        assert_eq!(Version::from_code(22803), Version::new(2, 28, 3));
+        assert_eq!(Version::from_code(23203), Version::new(2, 32, 3));
+        for v in [
+            Version::new(2, 4, 8),
+            Version::new(2, 8, 4),
+            Version::new(2, 9, 6),
+            Version::new(2, 28, 9),
+            Version::new(2, 32, 3),
+        ] {
+            assert_eq!(Version::from_code(v.code()), v);
+        }
+        assert_eq!(Version::new(2, 28, 3).to_string(), "2.28.3");
+        assert!(Version::new(2, 28, 9) > Version::new(2, 28, 3));
+        assert!(Version::new(2, 9, 0) > Version::new(2, 8, 4));
+        assert_eq!(Version::HEADER, Version::new(2, 32, 3));
+        assert_eq!(Version::HEADER.code(), 23203);
+    }
+
+    #[test]
+    fn nccl_library_is_the_only_candidate_when_set() {
+        let list = candidates(
+            &env_of(&[("NCCL_LIBRARY", "/x/libnccl.so.2"), ("NCCL_HOME", "/h")]),
+            Some("/hint/libnccl.so.2"),
+        );
+        assert_eq!(list.len(), 1);
+        assert_eq!(list[0].path, PathBuf::from("/x/libnccl.so.2"));
+        assert!(list[0].explicit);
+    }
+
+    #[test]
+    fn search_order_is_home_hint_linker_then_python() {
+        let venv = std::env::temp_dir().join(format!("nccl-rs-venv-{}", std::process::id()));
+        let site = venv.join("lib/python3.12/site-packages");
+        std::fs::create_dir_all(&site).unwrap();
+        let list = candidates(
+            &env_of(&[
+                ("NCCL_HOME", "/h"),
+                ("VIRTUAL_ENV", venv.to_str().unwrap()),
+                ("CONDA_PREFIX", "/conda"),
+            ]),
+            Some("/hint/libnccl.so.2"),
+        );
+        let got: Vec<(String, &str)> = list
+            .iter()
+            .map(|c| (c.path.display().to_string(), c.source))
+            .collect();
+        let want = vec![
+            ("/h/lib/libnccl.so.2".to_string(), "NCCL_HOME"),
+            ("/h/lib/libnccl.so".to_string(), "NCCL_HOME"),
+            ("/h/lib64/libnccl.so.2".to_string(), "NCCL_HOME"),
+            (
+                "/hint/libnccl.so.2".to_string(),
+                "build-time NCCL_HOME/CUDA_HOME",
+            ),
+            ("libnccl.so.2".to_string(), "dynamic linker"),
+            ("libnccl.so".to_string(), "dynamic linker"),
+            (
+                site.join("nvidia/nccl/lib/libnccl.so.2")
+                    .display()
+                    .to_string(),
+                "VIRTUAL_ENV site-packages",
+            ),
+            ("/conda/lib/libnccl.so.2".to_string(), "CONDA_PREFIX"),
+        ];
+        assert_eq!(got, want);
+        assert!(list.iter().all(|c| !c.explicit));
+        std::fs::remove_dir_all(&venv).unwrap();
+    }
+
+    #[test]
+    fn empty_environment_still_asks_the_dynamic_linker() {
+        let list = candidates(&env_of(&[]), None);
+        let paths: Vec<_> = list.iter().map(|c| c.path.clone()).collect();
+        assert_eq!(
+            paths,
+            vec![PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")]
+        );
+    }
+
+    #[test]
+    fn not_found_lists_every_attempt_with_reasons() {
+        let list = vec![
+            Candidate {
+                source: "NCCL_HOME",
+                path: "/definitely/not/here/libnccl.so.2".into(),
+                explicit: false,
+            },
+            Candidate {
+                source: "dynamic linker",
+                path: "libnccl-does-not-exist.so.2".into(),
+                explicit: false,
+            },
+        ];
+        let err = search(&list).unwrap_err();
+        assert_eq!(err.attempts.len(), 2);
+        assert_eq!(err.attempts[0].reason, "no such file");
+        assert!(!err.attempts[1].reason.is_empty());
+        let text = Error::LibraryNotFound(err).to_string();
+        assert!(text.contains("/definitely/not/here/libnccl.so.2 [NCCL_HOME]: no such file"));
+        assert!(text.contains("libnccl-does-not-exist.so.2 [dynamic linker]"));
+    }
+
+    #[test]
+    fn a_library_without_nccl_symbols_is_rejected_and_explicit_stops_search() {
+        let list = vec![
+            Candidate {
+                source: "NCCL_LIBRARY",
+                path: "libc.so.6".into(),
+                explicit: true,
+            },
+            Candidate {
+                source: "dynamic linker",
+                path: "libnccl.so.2".into(),
+                explicit: false,
+            },
+        ];
+        let err = search(&list).unwrap_err();
+        assert_eq!(
+            err.attempts.len(),
+            1,
+            "explicit candidate must end the search"
+        );
+        assert!(
+            err.attempts[0]
+                .reason
+                .contains("does not export ncclGetVersion"),
+            "{:?}",
+            err.attempts
+        );
+    }
+
+    #[test]
+    fn require_reports_needed_and_found() {
+        let err = Error::Unsupported {
+            api: "ncclCommShrink",
+            needs: Version::new(2, 27, 0),
+            found: Version::new(2, 26, 2),
+        };
+        assert_eq!(
+            err.to_string(),
+            "ncclCommShrink needs NCCL 2.27.0 or newer, but the loaded library is NCCL 2.26.2"
+        );
+    }
+}

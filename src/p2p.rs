@@ -1,0 +1,40 @@
+//! Point-to-point communication (`ncclSend` / `ncclRecv`, NCCL 2.7).
+//!
+//! A send to rank `peer` must be matched by a receive from this rank on `peer`, with the same
+//! element type and count. Both block the GPU until the transfer happens, so sends and
+//! receives that depend on each other (a ring exchange, a send to oneself) must be issued in
+//! one [`Group`](crate::Group): outside a group, a rank whose send waits for a receive that
+//! its peer has not posted yet would hang.
+//!
+//! ```no_run
+//! # fn ring(comm: &nccl::Comm, send: &cudarc::driver::CudaSlice<f32>,
+//! #         recv: &mut cudarc::driver::CudaSlice<f32>) -> nccl::Result<()> {
+//! use nccl::{Collective, Group};
+//! let next = (comm.rank() + 1) % comm.size();
+//! let prev = (comm.rank() + comm.size() - 1) % comm.size();
+//! let mut group = Group::start()?;
+//! group.enqueue(comm, Collective::send(send, next))?;
+//! group.enqueue(comm, Collective::recv(recv, prev))?;
+//! group.finish()
+//! # }
+//! ```
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use crate::collectives::Collective;
+use crate::comm::Comm;
+use crate::dtype::NcclType;
+use crate::error::Result;
+
+impl Comm {
+    /// Sends `buf` to rank `peer` on the communicator's stream; see the [module docs](self).
+    pub fn send<T: NcclType>(&self, buf: &impl DevicePtr<T>, peer: usize) -> Result<()> {
+        self.enqueue(Collective::send(buf, peer))
+    }
+
+    /// Receives into `buf` from rank `peer` on the communicator's stream; see the
+    /// [module docs](self).
+    pub fn recv<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, peer: usize) -> Result<()> {
+        self.enqueue(Collective::recv(buf, peer))
+    }
+}

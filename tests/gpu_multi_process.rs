@@ -1,0 +1,177 @@
+//! One process per GPU, as under mpirun: the test re-executes its own binary once per rank,
+//! passing the unique id as hex in the environment.
+//!
+//! Run on a GPU host with `cargo test --test gpu_multi_process -- --include-ignored`.
+
+mod common;
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice};
+use nccl::{Comm, PreMulSum, ReduceOp, UniqueId};
+
+use common::{run_all_types, Ranks};
+
+const CHILD_ENV: &str = "NCCL_RS_TEST_CHILD";
+
+/// Starts one child per rank running `test`, and waits (bounded) for all of them.
+fn run_children(test: &str, size: usize) {
+    let id = UniqueId::new().expect("ncclGetUniqueId");
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut children: Vec<(usize, Child)> = (0..size)
+        .map(|rank| {
+            let child = Command::new(&exe)
+                .args([
+                    test,
+                    "--exact",
+                    "--include-ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD_ENV, format!("{rank},{size},{id}"))
+                .spawn()
+                .expect("spawn child");
+            (rank, child)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut failed = Vec::new();
+    while !children.is_empty() {
+        children.retain_mut(|(rank, child)| match child.try_wait() {
+            Ok(Some(status)) => {
+                if !status.success() {
+                    failed.push(format!("rank {rank}: {status}"));
+                }
+                false
+            }
+            Ok(None) => true,
+            Err(e) => {
+                failed.push(format!("rank {rank}: {e}"));
+                false
+            }
+        });
+        if Instant::now() > deadline {
+            for (rank, child) in &mut children {
+                let _ = child.kill();
+                failed.push(format!("rank {rank}: killed after 600 s"));
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(failed.is_empty(), "{test}: {failed:?}");
+}
+
+/// In a child: this rank's communicator; `None` when not started as a child.
+fn child_comm() -> Option<Comm> {
+    let spec = std::env::var(CHILD_ENV).ok()?;
+    let mut parts = spec.splitn(3, ',');
+    let rank: usize = parts.next()?.parse().ok()?;
+    let size: usize = parts.next()?.parse().ok()?;
+    let id: UniqueId = parts.next()?.parse().expect("id hex");
+    let stream = CudaContext::new(rank)
+        .and_then(|ctx| ctx.new_stream())
+        .expect("stream");
+    let comm = Comm::init_rank(stream, &id, rank, size).expect("ncclCommInitRank");
+    assert_eq!(
+        (comm.rank(), comm.size(), comm.device()),
+        (rank, size, rank)
+    );
+    Some(comm)
+}
+
+fn gpu_count(min: usize) -> usize {
+    let count = CudaContext::device_count().expect("CUDA driver") as usize;
+    assert!(
+        count >= min,
+        "this test needs {min} CUDA GPUs, found {count}"
+    );
+    count
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn every_collective_type_and_op_one_process_per_gpu() {
+    run_children("child_full_matrix", gpu_count(2));
+}
+
+#[test]
+#[ignore = "child process of every_collective_type_and_op_one_process_per_gpu"]
+fn child_full_matrix() {
+    let Some(comm) = child_comm() else { return };
+    let size = comm.size();
+    let ranks = Ranks {
+        comms: vec![comm],
+        size,
+    };
+    let checked = run_all_types(&ranks, 129);
+    println!(
+        "rank {} of {size} (NCCL {}): {checked} buffers checked against the host",
+        ranks.comms[0].rank(),
+        nccl::version().unwrap()
+    );
+    assert!(checked > 200);
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn split_premulsum_device_scalar_and_orderly_shutdown() {
+    run_children("child_split_and_shutdown", gpu_count(2));
+}
+
+#[test]
+#[ignore = "child process of split_premulsum_device_scalar_and_orderly_shutdown"]
+fn child_split_and_shutdown() {
+    let Some(comm) = child_comm() else { return };
+    let (rank, size) = (comm.rank(), comm.size());
+    let stream = comm.stream().clone();
+
+    // Split into even and odd ranks and reduce in each half.
+    let half = comm
+        .split(Some((rank % 2) as u32), rank as i32)
+        .unwrap()
+        .unwrap();
+    assert_eq!(half.rank(), rank / 2);
+    let mut buf: CudaSlice<i32> = stream.clone_htod(&vec![rank as i32 + 1; 100]).unwrap();
+    half.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+    half.synchronize_timeout(Duration::from_secs(60)).unwrap();
+    let want: i32 = (0..size)
+        .filter(|q| q % 2 == rank % 2)
+        .map(|q| q as i32 + 1)
+        .sum();
+    assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|&v| v == want));
+    // A rank without color gets no communicator.
+    let none = comm.split((rank != 0).then_some(0), 0).unwrap();
+    assert_eq!(none.is_none(), rank == 0);
+    if let Some(rest) = none {
+        assert_eq!(rest.size(), size - 1);
+        rest.finalize().unwrap();
+        rest.destroy().unwrap();
+    }
+
+    // PreMulSum with a device scalar: average by multiplying with 1/size on the device.
+    let scalar: CudaSlice<f64> = stream.clone_htod(&[1.0 / size as f64]).unwrap();
+    let avg = PreMulSum::with_device_scalar(&comm, &scalar).unwrap();
+    let data: Vec<f64> = (0..1000).map(|i| (i * (rank + 1)) as f64).collect();
+    let send = stream.clone_htod(&data).unwrap();
+    let mut recv: CudaSlice<f64> = stream.alloc_zeros(1000).unwrap();
+    comm.all_reduce(&send, &mut recv, &avg).unwrap();
+    drop(avg);
+    comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+    let got = stream.clone_dtoh(&recv).unwrap();
+    let ranks_sum: f64 = (1..=size).map(|r| r as f64).sum();
+    for (i, v) in got.iter().enumerate() {
+        let want = i as f64 * ranks_sum / size as f64;
+        assert!(
+            (v - want).abs() <= 1e-9 * want.abs().max(1.0),
+            "{i}: {v} != {want}"
+        );
+    }
+
+    // Orderly shutdown: every rank finalizes, then destroys.
+    half.finalize().unwrap();
+    half.destroy().unwrap();
+    comm.finalize().unwrap();
+    comm.destroy().unwrap();
+}

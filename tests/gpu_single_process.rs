@@ -1,0 +1,189 @@
+//! One process driving every visible GPU: `Comm::init_all` and `Group`.
+//!
+//! Run on a GPU host with `cargo test --test gpu_single_process -- --include-ignored`.
+
+mod common;
+
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaSlice};
+use nccl::{Collective, Comm, Error, Group, ReduceOp};
+
+use common::{run_all_types, Ranks};
+
+fn all_gpus(min: usize) -> Ranks {
+    let count = CudaContext::device_count().expect("CUDA driver") as usize;
+    assert!(
+        count >= min,
+        "this test needs {min} CUDA GPUs, found {count}"
+    );
+    let streams: Vec<_> = (0..count)
+        .map(|i| {
+            CudaContext::new(i)
+                .and_then(|ctx| ctx.new_stream())
+                .expect("stream")
+        })
+        .collect();
+    let comms = Comm::init_all(&streams).expect("ncclCommInitAll");
+    for (i, comm) in comms.iter().enumerate() {
+        assert_eq!(comm.rank(), i);
+        assert_eq!(comm.size(), count);
+        assert_eq!(comm.device(), i);
+    }
+    Ranks { comms, size: count }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn every_collective_type_and_op_single_process() {
+    let ranks = all_gpus(2);
+    println!(
+        "NCCL {} from {}",
+        ranks.comms[0].library().version(),
+        ranks.comms[0].library().path().display()
+    );
+    let checked = run_all_types(&ranks, 257);
+    println!(
+        "single process, {} ranks: {checked} buffers checked against the host",
+        ranks.size
+    );
+    assert!(checked > 500, "only {checked} buffers checked");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn invalid_calls_are_rejected_and_leave_the_group_usable() {
+    let ranks = all_gpus(2);
+    let n = ranks.size;
+    let s0 = ranks.stream(0).clone();
+    let s1 = ranks.stream(1).clone();
+    let a: CudaSlice<f32> = s0.clone_htod(&vec![1.0f32; 16]).unwrap();
+    let mut short: CudaSlice<f32> = s0.alloc_zeros(15).unwrap();
+    // Length mismatch: rejected before NCCL sees it.
+    let err = ranks.comms[0]
+        .all_reduce(&a, &mut short, ReduceOp::Sum)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // A buffer on another GPU.
+    let mut other_gpu: CudaSlice<f32> = s1.alloc_zeros(16).unwrap();
+    let err = ranks.comms[0]
+        .all_reduce(&a, &mut other_gpu, ReduceOp::Sum)
+        .unwrap_err();
+    assert!(err.to_string().contains("device 1"), "{err}");
+    // Root out of range.
+    let mut buf: CudaSlice<f32> = s0.alloc_zeros(16).unwrap();
+    let err = ranks.comms[0].broadcast_in_place(&mut buf, n).unwrap_err();
+    assert!(err.to_string().contains("out of range"), "{err}");
+    // all_gather receive buffer too small.
+    let mut small: CudaSlice<f32> = s0.alloc_zeros(16 * n - 1).unwrap();
+    assert!(ranks.comms[0].all_gather(&a, &mut small).is_err());
+
+    // Inside a group, plain calls are refused; a bad call leaves the group usable.
+    let mut bufs: Vec<CudaSlice<f32>> = ranks
+        .comms
+        .iter()
+        .enumerate()
+        .map(|(i, c)| c.stream().clone_htod(&vec![(i + 1) as f32; 64]).unwrap())
+        .collect();
+    let mut stray: CudaSlice<f32> = s0.alloc_zeros(64).unwrap();
+    {
+        let mut group = Group::start().unwrap();
+        assert!(Group::start().is_err(), "groups do not nest");
+        let err = ranks.comms[0]
+            .all_reduce_in_place(&mut stray, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidUsage(_)), "{err}");
+        let err = group
+            .enqueue(
+                &ranks.comms[0],
+                Collective::broadcast_in_place(&mut stray, n + 3),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)));
+        for (comm, buf) in ranks.comms.iter().zip(bufs.iter_mut()) {
+            group
+                .enqueue(comm, Collective::all_reduce_in_place(buf, ReduceOp::Sum))
+                .unwrap();
+        }
+        group.finish().unwrap();
+    }
+    ranks.sync();
+    let want = (n * (n + 1) / 2) as f32;
+    for (comm, buf) in ranks.comms.iter().zip(&bufs) {
+        let got = comm.stream().clone_dtoh(buf).unwrap();
+        assert!(
+            got.iter().all(|&v| v == want),
+            "rank {}: {:?}",
+            comm.rank(),
+            &got[..4]
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn split_all_into_even_and_odd_ranks() {
+    let ranks = all_gpus(2);
+    let n = ranks.size;
+    let colors: Vec<_> = (0..n).map(|r| Some((r % 2) as u32)).collect();
+    let keys: Vec<_> = (0..n).map(|r| -(r as i32)).collect(); // reversed order inside each half
+    let children = Comm::split_all(&ranks.comms, &colors, &keys).unwrap();
+    let children: Vec<Comm> = children
+        .into_iter()
+        .map(|c| c.expect("every rank has a color"))
+        .collect();
+    for (r, child) in children.iter().enumerate() {
+        let members = (0..n).filter(|q| q % 2 == r % 2).count();
+        assert_eq!(child.size(), members, "rank {r}");
+        // Keys are descending, so the highest parent rank becomes child rank 0.
+        let higher_same_color = (r + 1..n).filter(|q| q % 2 == r % 2).count();
+        assert_eq!(child.rank(), higher_same_color, "rank {r}");
+    }
+    let mut bufs: Vec<CudaSlice<i64>> = children
+        .iter()
+        .enumerate()
+        .map(|(r, c)| {
+            c.stream()
+                .clone_htod(&vec![(r as i64 + 1) * 10; 33])
+                .unwrap()
+        })
+        .collect();
+    let mut group = Group::start().unwrap();
+    for (child, buf) in children.iter().zip(bufs.iter_mut()) {
+        group
+            .enqueue(child, Collective::all_reduce_in_place(buf, ReduceOp::Sum))
+            .unwrap();
+    }
+    group.finish().unwrap();
+    for (r, (child, buf)) in children.iter().zip(&bufs).enumerate() {
+        child.synchronize_timeout(Duration::from_secs(60)).unwrap();
+        let want: i64 = (0..n)
+            .filter(|q| q % 2 == r % 2)
+            .map(|q| (q as i64 + 1) * 10)
+            .sum();
+        let got = child.stream().clone_dtoh(buf).unwrap();
+        assert!(
+            got.iter().all(|&v| v == want),
+            "rank {r}: {} != {want}",
+            got[0]
+        );
+    }
+    // No color: the rank takes part but gets no communicator.
+    let none = vec![None; n];
+    let split = Comm::split_all(&ranks.comms, &none, &vec![0; n]).unwrap();
+    assert!(split.iter().all(Option::is_none));
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn abort_then_use_is_an_error_and_drop_does_not_hang() {
+    let ranks = all_gpus(2);
+    let mut comms = ranks.comms;
+    assert!(comms[0].async_error().unwrap().is_none());
+    let last = comms.pop().unwrap();
+    last.abort().unwrap();
+    // The others are dropped (abort after a bounded wait) without hanging.
+    let start = std::time::Instant::now();
+    drop(comms);
+    assert!(start.elapsed() < Duration::from_secs(30));
+}
