@@ -145,6 +145,10 @@ pub enum Error {
     #[error("invalid usage: {0}")]
     InvalidUsage(String),
 
+    /// No CUDA driver or no GPU: this machine cannot run NCCL work.
+    #[error("no CUDA GPU available: {0}")]
+    NoGpu(String),
+
     /// A CUDA driver call failed.
     #[error("CUDA driver error: {0}")]
     Cuda(#[from] cudarc::driver::DriverError),

@@ -277,6 +277,28 @@ pub fn version() -> Result<Version> {
     Ok(get()?.version())
 }
 
+/// The number of CUDA devices visible to this process (`CUDA_VISIBLE_DEVICES` applies).
+///
+/// Unlike cudarc's own calls, which panic when the CUDA driver library is missing, this returns
+/// [`Error::NoGpu`] on a machine without an NVIDIA driver, and also when no device is visible.
+pub fn cuda_device_count() -> Result<usize> {
+    // SAFETY: only tries to dlopen the driver library under its usual names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::NoGpu(
+            "the CUDA driver library (libcuda.so.1) was not found; is an NVIDIA driver installed?"
+                .into(),
+        ));
+    }
+    let count = cudarc::driver::CudaContext::device_count()?;
+    match usize::try_from(count) {
+        Ok(0) | Err(_) => Err(Error::NoGpu(format!(
+            "the CUDA driver reports no usable device (CUDA_VISIBLE_DEVICES={:?})",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
+        ))),
+        Ok(count) => Ok(count),
+    }
+}
+
 fn env_var(name: &str) -> Option<OsString> {
     std::env::var_os(name).filter(|value| !value.is_empty())
 }
@@ -528,6 +550,16 @@ mod tests {
             "{:?}",
             err.attempts
         );
+    }
+
+    #[test]
+    fn device_count_is_an_error_not_a_panic_without_gpus() {
+        // On machines with GPUs this is a count; elsewhere a typed error, never a panic.
+        match cuda_device_count() {
+            Ok(count) => assert!(count > 0),
+            Err(Error::NoGpu(reason)) => assert!(!reason.is_empty()),
+            Err(other) => panic!("unexpected error {other}"),
+        }
     }
 
     #[test]

@@ -22,6 +22,9 @@ use nccl::UniqueId;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
+/// Variables given as name/value pairs.
+type Vars<'a> = &'a [(&'a str, &'a str)];
+
 fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
     let map: HashMap<&str, &str> = pairs.iter().copied().collect();
     move |name| map.get(name).map(|value| (*value).to_owned())
@@ -487,7 +490,7 @@ fn slurm_outside_a_step_is_not_a_launch() {
 
 #[test]
 fn malformed_values_name_the_variable() {
-    let cases: &[(&[(&str, &str)], &str)] = &[
+    let cases: &[(Vars, &str)] = &[
         (&[("RANK", "one"), ("WORLD_SIZE", "2")], "RANK"),
         (&[("RANK", "-1"), ("WORLD_SIZE", "2")], "RANK"),
         (&[("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
@@ -541,7 +544,7 @@ fn malformed_values_name_the_variable() {
 
 #[test]
 fn partial_sets_say_what_is_missing() {
-    let cases: &[(&[(&str, &str)], &str, &str)] = &[
+    let cases: &[(Vars, &str, &str)] = &[
         (&[("RANK", "0")], "RANK", "WORLD_SIZE"),
         (&[("WORLD_SIZE", "4")], "WORLD_SIZE", "RANK"),
         (
@@ -627,7 +630,7 @@ fn nested_launchers_believe_the_innermost() {
 
 #[test]
 fn conflicting_launchers_are_errors() {
-    let cases: &[&[(&str, &str)]] = &[
+    let cases: &[Vars] = &[
         // Same size, different rank.
         &[
             ("OMPI_COMM_WORLD_RANK", "1"),
