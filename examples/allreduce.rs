@@ -64,7 +64,7 @@ fn run(options: &Options) -> nccl::Result<()> {
         println!(
             "all-reduce of {} f32 ({} MiB) over {n} ranks ({}), NCCL {}",
             options.elements,
-            options.elements * 4 >> 20,
+            (options.elements * 4) >> 20,
             launch.launcher,
             nccl::version()?
         );

@@ -4,7 +4,7 @@
 //! exactly implement it, so a buffer's element count is always NCCL's `count`. There is no
 //! `bool` (a sum could produce an invalid `bool`) and no `char` (4 bytes in Rust).
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use nccl_sys::ncclDataType_t;
 
 use crate::library::Version;
@@ -132,7 +132,9 @@ mod sealed {
 /// A Rust element type with an exact NCCL counterpart. Sealed: implemented for `i8`, `u8`,
 /// `i32`, `u32`, `i64`, `u64`, [`half::f16`], [`half::bf16`], `f32`, `f64`,
 /// [`float8::F8E4M3`] and [`float8::F8E5M2`].
-pub trait NcclType: DeviceRepr + Copy + Send + Sync + 'static + sealed::Sealed {
+pub trait NcclType:
+    DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + 'static + sealed::Sealed
+{
     /// The matching NCCL data type.
     const DATA_TYPE: DataType;
 }

@@ -42,6 +42,7 @@
 //! | collectives | [`collectives`] | [`Collective`], [`Comm::all_reduce`], ... |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups | [`group`] | [`Group`] |
+//! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
 //! # Safety guarantees
@@ -78,6 +79,7 @@ pub mod error;
 pub mod group;
 pub mod id;
 pub mod library;
+pub mod memory;
 pub mod op;
 pub mod p2p;
 
@@ -89,6 +91,7 @@ pub use error::{Error, Result, ResultCode};
 pub use group::Group;
 pub use id::UniqueId;
 pub use library::{version, Version};
+pub use memory::{NcclBuffer, Registration};
 pub use op::{PreMulSum, ReduceOp, Reduction};
 
 /// The raw bindings, for NCCL functions this crate does not wrap.

@@ -187,3 +187,53 @@ fn abort_then_use_is_an_error_and_drop_does_not_hang() {
     drop(comms);
     assert!(start.elapsed() < Duration::from_secs(30));
 }
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn nccl_memory_registered_all_reduce() {
+    use nccl::NcclBuffer;
+    let ranks = all_gpus(2);
+    let n = ranks.size;
+    let len = 1 << 16;
+    let mut bufs: Vec<NcclBuffer<f32>> = ranks
+        .comms
+        .iter()
+        .map(|c| NcclBuffer::alloc_zeros(c.stream(), len).unwrap())
+        .collect();
+    for (r, (comm, buf)) in ranks.comms.iter().zip(bufs.iter_mut()).enumerate() {
+        let data: Vec<f32> = (0..len).map(|i| (r * 3 + i % 11) as f32).collect();
+        comm.stream().memcpy_htod(&data, buf).unwrap();
+    }
+    {
+        let registrations: Vec<_> = ranks
+            .comms
+            .iter()
+            .zip(&bufs)
+            .map(|(comm, buf)| comm.register(buf).unwrap())
+            .collect();
+        assert_eq!(registrations.len(), n);
+        let mut outs: Vec<CudaSlice<f32>> = ranks
+            .comms
+            .iter()
+            .map(|c| c.stream().alloc_zeros(len).unwrap())
+            .collect();
+        let mut group = Group::start().unwrap();
+        for ((comm, buf), out) in ranks.comms.iter().zip(&bufs).zip(outs.iter_mut()) {
+            group
+                .enqueue(comm, Collective::all_reduce(buf, out, ReduceOp::Sum))
+                .unwrap();
+        }
+        group.finish().unwrap();
+        ranks.sync();
+        for (comm, out) in ranks.comms.iter().zip(&outs) {
+            let got = comm.stream().clone_dtoh(out).unwrap();
+            for (i, v) in got.iter().enumerate() {
+                let want: f32 = (0..n).map(|r| (r * 3 + i % 11) as f32).sum();
+                assert_eq!(*v, want, "rank {} element {i}", comm.rank());
+            }
+        }
+        for registration in registrations {
+            registration.deregister().unwrap();
+        }
+    }
+}

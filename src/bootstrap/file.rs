@@ -11,7 +11,9 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::util::{fnv1a, io_error, job_key_hash, lookup, process_var, random_u64, time_left};
+use super::util::{
+    deadline_after, fnv1a, io_error, job_key_hash, lookup, process_var, random_u64, time_left,
+};
 use super::{
     check_rank, job_key_from, timeout_from, vars, BootstrapError, Launch, Result, DEFAULT_JOB_KEY,
     DEFAULT_TIMEOUT,
@@ -376,7 +378,7 @@ impl FileRendezvous {
             BootstrapError::Config(format!("world size {} is too large", self.world_size))
         })?;
         let started = Instant::now();
-        let deadline = started + self.timeout;
+        let deadline = deadline_after(started, self.timeout);
         fs::create_dir_all(&self.dir).map_err(|e| {
             io_error(
                 format!("creating the rendezvous directory {}", self.dir.display()),
@@ -461,7 +463,7 @@ impl FileRendezvous {
             .map_err(|_| BootstrapError::Config(format!("rank {} is too large", self.rank)))?;
         let path = self.id_path();
         let started = Instant::now();
-        let deadline = started + self.timeout;
+        let deadline = deadline_after(started, self.timeout);
         let mut pause = FIRST_POLL_PAUSE;
         loop {
             let sighting = self.look(&path);

@@ -36,10 +36,11 @@
 //! * **`srun -n 8 ./app`** (Slurm): the rank comes from the step variables and the job key
 //!   from `SLURM_JOB_ID`; set `NCCL_RS_ADDR` or `MASTER_ADDR`/`MASTER_PORT` as for MPI when
 //!   the step spans nodes.
-//! * **`torchrun --nproc-per-node 8 ./app`**, or any tool exporting `RANK`, `WORLD_SIZE`,
-//!   `LOCAL_RANK` and `MASTER_ADDR`/`MASTER_PORT` (as torchrun does).
+//! * **`torchrun --nproc-per-node 8 --no-python ./app`**, or any tool exporting `RANK`,
+//!   `WORLD_SIZE`, `LOCAL_RANK` and `MASTER_ADDR`/`MASTER_PORT` (as torchrun does).
 //! * **No launcher**: `cargo run --example x` is rank 0 of 1, unless the program calls
-//!   [`spawn_local`] with its GPU count, which re-executes it once per extra rank.
+//!   [`spawn_local`] with its GPU count: then the process becomes rank 0 and re-executes
+//!   itself once per other rank, so `cargo run` on a 4-GPU machine runs 4 ranks.
 //!
 //! # Environment variables
 //!
@@ -71,7 +72,7 @@
 //! | variable | meaning |
 //! | --- | --- |
 //! | `NCCL_RS_ADDR` | `host:port` where rank 0 listens for the TCP rendezvous (`[v6]:port` for IPv6) |
-//! | `MASTER_ADDR`, `MASTER_PORT` | used when `NCCL_RS_ADDR` is unset, as torchrun exports them |
+//! | `MASTER_ADDR`, `MASTER_PORT` | used when `NCCL_RS_ADDR` is unset, as torchrun exports them; when `TORCHELASTIC_USE_AGENT_STORE=True` (torchrun's agent already listens on `MASTER_PORT`), the port after it |
 //! | `NCCL_RS_JOB_KEY` | names the job, so that two jobs on one address or one directory cannot mix |
 //! | `NCCL_RS_RENDEZVOUS_DIR` | directory of the file rendezvous (default: [`std::env::temp_dir`]) |
 //! | `NCCL_RS_BOOTSTRAP_TIMEOUT` | seconds every rank waits for the others (default 300) |
@@ -83,8 +84,10 @@
 //! while one job at a time runs on a rendezvous address or directory. The key is sent as a
 //! 64-bit hash; it tells jobs apart and is not a secret.
 //!
-//! One rendezvous per job key at a time: to create several communicators, use a distinct key
-//! for each exchange or split an existing communicator.
+//! One rendezvous per job key at a time: to create several communicators, exchange one after
+//! the other, or better use a distinct key for each exchange (or split an existing
+//! communicator). Over TCP, a rank that starts its second exchange while rank 0 still serves
+//! the first is told its rank is taken.
 //!
 //! # Several launchers at once
 //!
@@ -135,7 +138,8 @@
 //! A file left by a job that crashed is recognised as stale when its writer process is gone
 //! (or its pid now belongs to a newer process), and ignored; the new rank 0 replaces it. Ack
 //! files carry the nonce, so leftovers of an old job are never counted. Files are created
-//! readable by their owner only, and files owned by another user are ignored.
+//! readable by their owner only, and a file owned by another user is never trusted. A rank that
+//! exchanges twice under one key skips the publication it already used.
 
 mod file;
 mod launch;
@@ -385,19 +389,48 @@ fn address_from(vars: Vars<'_>) -> Result<Option<String>> {
             vars::MASTER_PORT,
             vars::MASTER_ADDR
         ))),
-        (Some(host), Some(port)) => {
+        (Some(host), Some(port_text)) => {
+            let port = match port_text.trim().parse::<u16>() {
+                Ok(port) if port > 0 => port,
+                _ => {
+                    return Err(BootstrapError::Env {
+                        var: vars::MASTER_PORT.to_owned(),
+                        value: port_text,
+                        reason: "expected a port number from 1 to 65535".to_owned(),
+                    })
+                }
+            };
+            // torchrun's agent hosts its own store on MASTER_PORT when it says so: rank 0
+            // cannot listen there, so every rank uses the next port instead.
+            let agent_holds_port = lookup(vars, TORCHELASTIC_AGENT_STORE)
+                .is_some_and(|v| matches!(v.trim(), "True" | "true" | "1"));
+            let port = if agent_holds_port {
+                port.checked_add(1).ok_or_else(|| BootstrapError::Env {
+                    var: vars::MASTER_PORT.to_owned(),
+                    value: port_text.clone(),
+                    reason: format!(
+                        "{TORCHELASTIC_AGENT_STORE} is set, so the rendezvous would use the \
+                         next port, but there is none; set {} instead",
+                        vars::ADDR
+                    ),
+                })?
+            } else {
+                port
+            };
             let host = host.trim();
             // A bare IPv6 literal needs brackets before a port can follow it.
-            let host = if host.contains(':') && !host.starts_with('[') {
-                format!("[{host}]")
+            let joined = if host.contains(':') && !host.starts_with('[') {
+                format!("[{host}]:{port}")
             } else {
-                host.to_owned()
+                format!("{host}:{port}")
             };
-            let joined = format!("{host}:{}", port.trim());
-            parse_address(vars::MASTER_PORT, &joined).map(Some)
+            parse_address(vars::MASTER_ADDR, &joined).map(Some)
         }
     }
 }
+
+/// Set by torchrun in its workers' environment when its agent hosts the store on MASTER_PORT.
+const TORCHELASTIC_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// How the ranks exchange the unique id.
 #[derive(Debug, Clone)]
@@ -565,5 +598,21 @@ mod tests {
         }
         let err = address_from(&vars(&[("MASTER_ADDR", "node0")])).unwrap_err();
         assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+        let err =
+            address_from(&vars(&[("MASTER_ADDR", "node0"), ("MASTER_PORT", "http")])).unwrap_err();
+        assert!(
+            matches!(err, BootstrapError::Env { ref var, .. } if var == "MASTER_PORT"),
+            "{err}"
+        );
+        // Under torchrun's agent store, MASTER_PORT is taken: the next port is used.
+        assert_eq!(
+            address_from(&vars(&[
+                ("MASTER_ADDR", "node0"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ]))
+            .unwrap(),
+            Some("node0:29501".to_owned())
+        );
     }
 }

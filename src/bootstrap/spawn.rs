@@ -19,12 +19,13 @@ use crate::UniqueId;
 const SUPERVISION_PERIOD: Duration = Duration::from_millis(20);
 
 /// Makes this program a job of `world_size` ranks on this machine, unless a launcher already
-/// started it.
+/// started several ranks.
 ///
-/// * Under a launcher (any rank variables set, see [`Launch::from_env`]), nothing is spawned:
-///   the returned job describes the launcher's rank. So are the ranks started here, which find
-///   the variables this function sets for them.
-/// * Otherwise `NCCL_RS_LOCAL_RANKS`, when set, replaces `world_size` (e.g. `1` to debug a
+/// * When [`Launch::from_env`] finds a job of more than one rank, nothing is spawned: the
+///   returned job describes that rank. This includes the ranks started here, which find the
+///   variables this function sets for them.
+/// * Otherwise (no launcher, or a launcher that started this process alone, like
+///   `srun -n 1`), `NCCL_RS_LOCAL_RANKS`, when set, replaces `world_size` (e.g. `1` to debug a
 ///   single rank). With one rank nothing is spawned. With more, this process becomes rank 0
 ///   and re-executes [`std::env::current_exe`] with the same arguments for ranks
 ///   `1..world_size`, setting `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
@@ -59,7 +60,7 @@ const SUPERVISION_PERIOD: Duration = Duration::from_millis(20);
 /// ```
 pub fn spawn_local(world_size: usize) -> Result<LocalJob> {
     let launch = Launch::from_env()?;
-    if launch.launcher != Launcher::None {
+    if launch.world_size > 1 {
         return Ok(LocalJob::unsupervised(launch));
     }
     let ranks = match lookup(&process_var, vars::LOCAL_RANKS) {

@@ -3,7 +3,7 @@
 //! The wire format is described in the [module documentation](super#tcp-protocol-version-1).
 
 use std::fmt;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::ToSocketAddrs;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -11,7 +11,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::util::{
-    io_error, job_key_hash, process_var, read_full, time_left, write_full, ReadShort,
+    deadline_after, io_error, job_key_hash, process_var, read_full, time_left, write_full,
+    ReadShort,
 };
 use super::{
     address_from, check_rank, job_key_from, timeout_from, BootstrapError, Launch, Result,
@@ -308,7 +309,7 @@ impl TcpRendezvous {
         }
         let request = self.request_bytes()?;
         let started = Instant::now();
-        let deadline = started + self.timeout;
+        let deadline = deadline_after(started, self.timeout);
         let mut pause = Duration::from_millis(5);
         loop {
             let last_failure = match self.attempt(&request, deadline) {
@@ -352,7 +353,7 @@ impl TcpRendezvous {
 
         // Rank 0 answers right after reading the request; a peer that stays silent longer than
         // a connection timeout is busy or not a rendezvous, and is tried again.
-        let reply_deadline = deadline.min(Instant::now() + self.connection_timeout);
+        let reply_deadline = deadline.min(deadline_after(Instant::now(), self.connection_timeout));
         let mut header = [0u8; REPLY_HEADER_LEN];
         match read_full(&stream, &mut header, reply_deadline) {
             Ok(()) => {}
@@ -551,8 +552,13 @@ fn bind_listener(addr: &str) -> Result<TcpListener> {
     };
     // std sets SO_REUSEADDR on Unix, so a port left in TIME_WAIT by a previous job is reusable.
     TcpListener::bind(&candidates[..]).map_err(|e| {
+        let hint = if e.kind() == io::ErrorKind::AddrInUse {
+            "; another program holds the port: pick a free one with NCCL_RS_ADDR"
+        } else {
+            ""
+        };
         io_error(
-            format!("rank 0 cannot listen on {addr} ({candidates:?})"),
+            format!("rank 0 cannot listen on {addr} ({candidates:?}){hint}"),
             e,
         )
     })
@@ -702,7 +708,7 @@ impl TcpServer {
             id,
             world_size: self.world_size,
             job_hash: self.job_hash,
-            serve_deadline: started + self.timeout,
+            serve_deadline: deadline_after(started, self.timeout),
             connection_timeout: self.connection_timeout,
         });
         // Enough handlers for every rank to connect at once, bounded against connection floods.
@@ -806,7 +812,11 @@ impl TcpServer {
             }
         };
         if registered.is_none() {
-            send_refusal(&stream, Status::Busy, 0);
+            // Answer without lingering: this runs on the accept loop, which must keep going.
+            // If the reply is lost, the peer sees a reset and retries all the same.
+            if stream.set_nonblocking(true).is_ok() {
+                let _ = (&stream).write(&reply_header(Status::Busy, 0));
+            }
             return;
         }
         let worker = Arc::clone(shared);
@@ -835,7 +845,7 @@ fn list_ranks(ranks: &[usize]) -> String {
 fn handle_connection(shared: &Shared, stream: TcpStream, peer: SocketAddr, connection: u64) {
     let deadline = shared
         .serve_deadline
-        .min(Instant::now() + shared.connection_timeout);
+        .min(deadline_after(Instant::now(), shared.connection_timeout));
     let _ = stream.set_nodelay(true);
     let outcome = converse(shared, &stream, deadline);
     // Record the outcome before answering a refused peer: the answer may take a grace period,
@@ -1101,7 +1111,6 @@ fn send_refusal(stream: &TcpStream, status: Status, detail: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     fn sample_id(seed: u8) -> UniqueId {
         let mut bytes = [0u8; UNIQUE_ID_BYTES];
@@ -1287,6 +1296,45 @@ mod tests {
         let err = client.fetch().unwrap_err();
         assert!(matches!(err, BootstrapError::Protocol(_)), "{err}");
         fake.join().expect("join");
+    }
+
+    #[test]
+    fn connection_flood_gets_busy_and_a_good_rank_still_gets_through() {
+        let server = TcpRendezvous::new("127.0.0.1:0", 0, 2)
+            .with_job_key("unit")
+            .with_timeout(Duration::from_secs(10))
+            .with_connection_timeout(Duration::from_millis(300))
+            .bind()
+            .expect("bind");
+        let addr = server.local_addr();
+        let id = sample_id(17);
+        let serving = thread::spawn(move || server.serve(id));
+        // 16 silent peers fill every handler slot a world of 2 gets.
+        let silent: Vec<TcpStream> = (0..16)
+            .map(|_| TcpStream::connect(addr).expect("connect"))
+            .collect();
+        thread::sleep(Duration::from_millis(100));
+        let mut extra = TcpStream::connect(addr).expect("connect");
+        extra
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let mut header = [0u8; REPLY_HEADER_LEN];
+        extra.read_exact(&mut header).expect("busy reply");
+        assert_eq!(u16_at(&header, 8), Status::Busy as u16);
+        // A real rank retries through the busy period and gets the id once the silent peers
+        // have timed out.
+        let client = TcpRendezvous::new(addr.to_string(), 1, 2)
+            .with_job_key("unit")
+            .with_timeout(Duration::from_secs(5));
+        assert_eq!(client.fetch().expect("fetch"), id);
+        let report = serving.join().expect("join").expect("serve");
+        let timeouts = report
+            .rejected
+            .iter()
+            .filter(|r| matches!(r.error, BootstrapError::Timeout { .. }))
+            .count();
+        assert_eq!(timeouts, 16, "{:?}", report.rejected);
+        drop(silent);
     }
 
     #[test]

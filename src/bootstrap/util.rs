@@ -50,6 +50,16 @@ pub(crate) fn random_u64() -> u64 {
     hasher.finish()
 }
 
+/// The instant `timeout` after `start`, saturating far in the future for timeouts too large
+/// to represent (e.g. `Duration::MAX` meaning "wait forever").
+pub(crate) fn deadline_after(start: Instant, timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+    start
+        .checked_add(timeout)
+        .or_else(|| start.checked_add(CENTURY))
+        .unwrap_or(start)
+}
+
 /// Time left until `deadline`, or `None` once it has passed.
 pub(crate) fn time_left(deadline: Instant) -> Option<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -179,6 +189,16 @@ mod tests {
     fn random_values_differ() {
         let values: std::collections::HashSet<u64> = (0..64).map(|_| random_u64()).collect();
         assert_eq!(values.len(), 64);
+    }
+
+    #[test]
+    fn huge_timeouts_saturate() {
+        let now = Instant::now();
+        assert!(deadline_after(now, Duration::MAX) > now + Duration::from_secs(3600));
+        assert_eq!(
+            deadline_after(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
     }
 
     #[test]
