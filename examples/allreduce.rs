@@ -15,9 +15,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use cudarc::driver::CudaContext;
 use nccl::bootstrap::spawn_local;
-use nccl::{Comm, ReduceOp};
+use nccl::ReduceOp;
 
 struct Options {
     elements: usize,
@@ -55,17 +54,16 @@ fn run(options: &Options) -> nccl::Result<()> {
     let gpus = nccl::library::cuda_device_count()?;
     let job = spawn_local(gpus)?;
     let launch = job.launch().clone();
-    let device = launch.device_ordinal(gpus)?;
-    let stream = CudaContext::new(device)?.new_stream()?;
-    let id = job.exchange_id()?;
-    let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
+    let (comm, stream) = job.init_comm()?;
+    let device = comm.device();
     let (rank, n) = (comm.rank(), comm.size());
     if rank == 0 {
         println!(
-            "all-reduce of {} f32 ({} MiB) over {n} ranks ({}), NCCL {}",
+            "all-reduce of {} f32 ({} MiB) over {n} ranks ({}{}), NCCL {}",
             options.elements,
             (options.elements * 4) >> 20,
             launch.launcher,
+            if job.uses_mpi() { ", id over MPI" } else { "" },
             nccl::version()?
         );
     }

@@ -12,19 +12,15 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use cudarc::driver::CudaContext;
 use nccl::bootstrap::spawn_local;
-use nccl::{Collective, Comm, Group};
+use nccl::{Collective, Group};
 
 const ELEMENTS: usize = 1 << 20;
 
 fn run() -> nccl::Result<()> {
     let gpus = nccl::library::cuda_device_count()?;
     let job = spawn_local(gpus)?;
-    let launch = job.launch().clone();
-    let stream = CudaContext::new(launch.device_ordinal(gpus)?)?.new_stream()?;
-    let id = job.exchange_id()?;
-    let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
+    let (comm, stream) = job.init_comm()?;
     let (rank, n) = (comm.rank(), comm.size());
     let next = (rank + 1) % n;
     let prev = (rank + n - 1) % n;

@@ -11,17 +11,13 @@
 
 use std::process::ExitCode;
 
-use cudarc::driver::CudaContext;
 use nccl::bootstrap::spawn_local;
-use nccl::{Comm, ReduceOp};
+use nccl::ReduceOp;
 
 fn run() -> nccl::Result<()> {
     let gpus = nccl::library::cuda_device_count()?;
     let job = spawn_local(gpus)?;
-    let launch = job.launch().clone();
-    let stream = CudaContext::new(launch.device_ordinal(gpus)?)?.new_stream()?;
-    let id = job.exchange_id()?;
-    let world = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
+    let (world, stream) = job.init_comm()?;
     let (rank, n) = (world.rank(), world.size());
 
     let color = (rank % 2) as u32;

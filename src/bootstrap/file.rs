@@ -90,7 +90,13 @@ impl IdRecord {
     /// Validates and decodes an id file; `path` is for messages only.
     fn decode(bytes: &[u8], path: &Path) -> Result<Self> {
         let shown = path.display();
-        if bytes.len() < 6 || bytes[0..4] != ID_MAGIC {
+        if bytes.len() < 6 {
+            return Err(BootstrapError::Protocol(format!(
+                "{shown} is truncated ({} bytes)",
+                bytes.len()
+            )));
+        }
+        if bytes[0..4] != ID_MAGIC {
             return Err(BootstrapError::Protocol(format!(
                 "{shown} is not an nccl-rs rendezvous file (bad magic)"
             )));

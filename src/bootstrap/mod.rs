@@ -84,10 +84,10 @@
 //! while one job at a time runs on a rendezvous address or directory. The key is sent as a
 //! 64-bit hash; it tells jobs apart and is not a secret.
 //!
-//! One rendezvous per job key at a time: to create several communicators, exchange one after
-//! the other, or better use a distinct key for each exchange (or split an existing
-//! communicator). Over TCP, a rank that starts its second exchange while rank 0 still serves
-//! the first is told its rank is taken.
+//! Several exchanges under one key (e.g. one per communicator) must run one after the other,
+//! in the same order on every rank; both methods keep them apart (TCP by counting rounds, the
+//! file rendezvous by skipping a publication the rank already used). A distinct key per
+//! exchange, or splitting an existing communicator, avoids the question.
 //!
 //! # Several launchers at once
 //!
@@ -109,14 +109,17 @@
 //!
 //! | message | bytes |
 //! | --- | --- |
-//! | request (rank → rank 0), 24 bytes | magic `NRSB`, version `u16`, kind `u16` = 1, job-key hash `u64`, world size `u32`, rank `u32` |
+//! | request (rank → rank 0), 32 bytes | magic `NRSB`, version `u16`, kind `u16` = 1, job-key hash `u64`, world size `u32`, rank `u32`, round `u32`, reserved `u32` |
 //! | reply (rank 0 → rank), 16 bytes | magic `NRSB`, version `u16`, kind `u16` = 2, status `u16`, reserved `u16`, detail `u32`; then the 128-byte id when status is 0 |
 //! | ack (rank → rank 0), 24 bytes | magic `NRSB`, version `u16`, kind `u16` = 3, rank `u32`, reserved `u32`, id fingerprint `u64` |
 //!
 //! Status codes: 0 ok, 1 bad magic, 2 unsupported version (detail: rank 0's version), 3
 //! malformed request, 4 wrong job key, 5 world-size mismatch (detail: rank 0's size), 6 rank
 //! out of range (detail: world size), 7 rank already taken (detail 1: another connection is
-//! still fetching it, retry; 2: it has acked), 8 timed out (retry), 9 busy (retry). Later
+//! still fetching it, retry; 2: it has acked), 8 timed out (retry), 9 busy (retry), 10 early
+//! (rank 0 still serves an earlier round, retry; detail: rank 0's round), 11 late (rank 0
+//! already serves a later round). The round counts the exchanges this process made under the
+//! job key before, from 0, on every rank alike. Later
 //! versions keep the first 16 bytes of a reply as they are, so a peer of any version can read
 //! why it was turned away.
 //!

@@ -32,10 +32,18 @@ const ROOT: ::mpi::Rank = 0;
 /// create the id the other ranks fail too instead of receiving garbage; rank 0 returns its
 /// own error.
 pub fn exchange_id_mpi(world: &impl Communicator) -> crate::Result<UniqueId> {
+    exchange_id_mpi_with(world, UniqueId::new)
+}
+
+/// Like [`exchange_id_mpi`], but rank 0 creates the id by calling `make_id`.
+pub fn exchange_id_mpi_with(
+    world: &impl Communicator,
+    make_id: impl FnOnce() -> crate::Result<UniqueId>,
+) -> crate::Result<UniqueId> {
     let mut message = [0u8; 1 + UNIQUE_ID_BYTES];
     let mut root_error = None;
     if world.rank() == ROOT {
-        match UniqueId::new() {
+        match make_id() {
             Ok(id) => {
                 message[0] = 1;
                 message[1..].copy_from_slice(id.as_bytes());

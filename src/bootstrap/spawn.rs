@@ -1,5 +1,8 @@
 //! One process per GPU on a single machine, without a launcher.
 
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::comm::Comm;
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -43,6 +46,9 @@ const SUPERVISION_PERIOD: Duration = Duration::from_millis(20);
 /// otherwise rank 0 would block forever in NCCL calls waiting for the dead rank, so the
 /// supervisor prints the failure to stderr and exits this process with the child's exit code
 /// (128 + signal when it was killed). Dropping the job without `wait` kills the children.
+/// The children stay in this process's process group, so Ctrl-C in a terminal stops them all;
+/// if rank 0 alone is killed outright (`SIGKILL`), the children are not, and end at their own
+/// rendezvous timeout or NCCL error.
 ///
 /// ```no_run
 /// use nccl::bootstrap::spawn_local;
@@ -143,6 +149,8 @@ fn spawn_children(ranks: usize) -> Result<LocalJob> {
         .with_timeout(timeout)
         .with_prebound(listener);
     Ok(LocalJob {
+        #[cfg(feature = "mpi")]
+        mpi: None,
         launch,
         exchange: Exchange::Tcp(rendezvous),
         supervisor: Some(Supervisor::start(children)),
@@ -156,14 +164,40 @@ pub struct LocalJob {
     exchange: Exchange,
     /// Present on the process that spawned the other ranks.
     supervisor: Option<Supervisor>,
+    /// With the `mpi` feature, under an MPI launcher: MPI, initialised for the id broadcast
+    /// and finalised when the job is dropped.
+    #[cfg(feature = "mpi")]
+    mpi: Option<MpiUniverse>,
+}
+
+/// MPI's universe, kept alive (MPI initialised) as long as the job.
+#[cfg(feature = "mpi")]
+struct MpiUniverse(::mpi::environment::Universe);
+
+#[cfg(feature = "mpi")]
+impl std::fmt::Debug for MpiUniverse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MpiUniverse")
+    }
 }
 
 impl LocalJob {
     fn unsupervised(launch: Launch) -> Self {
+        // With the `mpi` feature, a job started by an MPI launcher broadcasts the id over MPI
+        // (`MPI_Init` happens here, once; `None` if the program already initialised MPI).
+        #[cfg(feature = "mpi")]
+        let mpi = match launch.launcher {
+            Launcher::OpenMpi | Launcher::MpichOrPmi | Launcher::Pmix => {
+                ::mpi::initialize().map(MpiUniverse)
+            }
+            _ => None,
+        };
         LocalJob {
             launch,
             exchange: Exchange::Auto,
             supervisor: None,
+            #[cfg(feature = "mpi")]
+            mpi,
         }
     }
 
@@ -194,7 +228,26 @@ impl LocalJob {
         &self,
         make_id: impl FnOnce() -> crate::Result<UniqueId>,
     ) -> crate::Result<UniqueId> {
+        #[cfg(feature = "mpi")]
+        if let Some(universe) = &self.mpi {
+            return super::mpi::exchange_id_mpi_with(&universe.0.world(), make_id);
+        }
         exchange_id_with(&self.launch, self.exchange.clone(), make_id)
+    }
+
+    /// Whether the id is exchanged over MPI (feature `mpi`, under an MPI launcher).
+    pub fn uses_mpi(&self) -> bool {
+        #[cfg(feature = "mpi")]
+        if self.mpi.is_some() {
+            return true;
+        }
+        false
+    }
+
+    /// The common case in one call: picks this rank's GPU from its local rank, creates a
+    /// stream on it, exchanges the unique id and joins the communicator.
+    pub fn init_comm(&self) -> crate::Result<(Comm, Arc<CudaStream>)> {
+        init_comm(&self.launch, || self.exchange_id())
     }
 
     /// On the spawning process: waits for every spawned rank to exit, and fails with
@@ -407,6 +460,33 @@ fn supervise(shared: &SupervisorShared, mut children: Vec<(usize, Child)>) {
     }
     drop(state);
     shared.changed.notify_all();
+}
+
+/// Joins the communicator described by `launch` on the GPU of its local rank.
+pub(crate) fn init_comm(
+    launch: &Launch,
+    exchange: impl FnOnce() -> crate::Result<UniqueId>,
+) -> crate::Result<(Comm, Arc<CudaStream>)> {
+    let gpus = crate::library::cuda_device_count()?;
+    let device = launch.device_ordinal(gpus)?;
+    let stream = CudaContext::new(device)?.new_stream()?;
+    let id = exchange()?;
+    let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
+    Ok((comm, stream))
+}
+
+impl Comm {
+    /// The common case in one call, for programs started by a launcher (`mpirun`, `srun`,
+    /// torchrun-style): reads rank and size from the environment ([`Launch::from_env`]),
+    /// picks the GPU of the local rank, creates a stream on it, exchanges the unique id
+    /// ([`Exchange::Auto`]: TCP when an address is set, else a file on one node) and joins.
+    ///
+    /// Without a launcher this is a single rank on GPU 0; to start one process per GPU
+    /// instead, use [`spawn_local`] and [`LocalJob::init_comm`].
+    pub fn from_env() -> crate::Result<(Comm, Arc<CudaStream>)> {
+        let launch = Launch::from_env()?;
+        init_comm(&launch, || super::exchange_id(&launch, Exchange::Auto))
+    }
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ const VERSION: u16 = 1;
 const KIND_REQUEST: u16 = 1;
 const KIND_REPLY: u16 = 2;
 const KIND_ACK: u16 = 3;
-const REQUEST_LEN: usize = 24;
+const REQUEST_LEN: usize = 32;
 const REPLY_HEADER_LEN: usize = 16;
 const ACK_LEN: usize = 24;
 
@@ -59,6 +59,8 @@ enum Status {
     DuplicateRank = 7,
     TimedOut = 8,
     Busy = 9,
+    Early = 10,
+    Late = 11,
 }
 
 impl Status {
@@ -74,6 +76,8 @@ impl Status {
             7 => Status::DuplicateRank,
             8 => Status::TimedOut,
             9 => Status::Busy,
+            10 => Status::Early,
+            11 => Status::Late,
             _ => return None,
         })
     }
@@ -110,6 +114,47 @@ fn wire_u32(value: usize, what: &str) -> Result<u32> {
             "{what} {value} does not fit the protocol's 32 bits"
         ))
     })
+}
+
+/// Per-process exchange counters, so that a program exchanging several ids under one job key
+/// keeps its exchanges apart: a rank that finished exchange `n` and starts `n + 1` while rank
+/// 0 still serves `n` to slower ranks is told to come back, instead of being taken for a
+/// duplicate of itself. Every process runs the same sequence of exchanges, so the counts agree.
+mod rounds {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock, PoisonError};
+
+    /// Next exchange per (job-key hash, rank); rank 0's entry counts the serves.
+    fn table() -> &'static Mutex<HashMap<(u64, usize), u32>> {
+        static TABLE: OnceLock<Mutex<HashMap<(u64, usize), u32>>> = OnceLock::new();
+        TABLE.get_or_init(|| Mutex::new(HashMap::new()))
+    }
+
+    fn with<T>(f: impl FnOnce(&mut HashMap<(u64, usize), u32>) -> T) -> T {
+        f(&mut table().lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The exchange a fetching rank is on.
+    pub(super) fn current(job_hash: u64, rank: usize) -> u32 {
+        with(|table| table.get(&(job_hash, rank)).copied().unwrap_or(0))
+    }
+
+    /// Records that `rank` completed exchange `round`.
+    pub(super) fn finished(job_hash: u64, rank: usize, round: u32) {
+        with(|table| {
+            table.insert((job_hash, rank), round.saturating_add(1));
+        });
+    }
+
+    /// Rank 0: the exchange this serve is, counting it as started.
+    pub(super) fn start_serving(job_hash: u64) -> u32 {
+        with(|table| {
+            let next = table.entry((job_hash, 0)).or_insert(0);
+            let round = *next;
+            *next = next.saturating_add(1);
+            round
+        })
+    }
 }
 
 /// A TCP rendezvous for one rank: rank 0 serves the id at `addr`, the others fetch it.
@@ -307,13 +352,18 @@ impl TcpRendezvous {
                 "rank 0 serves the unique id; it does not fetch it".to_owned(),
             ));
         }
-        let request = self.request_bytes()?;
+        let job_hash = job_key_hash(&self.job_key);
+        let round = rounds::current(job_hash, self.rank);
+        let request = self.request_bytes(round)?;
         let started = Instant::now();
         let deadline = deadline_after(started, self.timeout);
         let mut pause = Duration::from_millis(5);
         loop {
             let last_failure = match self.attempt(&request, deadline) {
-                Ok(id) => return Ok(id),
+                Ok(id) => {
+                    rounds::finished(job_hash, self.rank, round);
+                    return Ok(id);
+                }
                 Err(Attempt::Fatal(error)) => return Err(error),
                 Err(Attempt::Retry(why)) => why,
             };
@@ -332,7 +382,7 @@ impl TcpRendezvous {
         }
     }
 
-    fn request_bytes(&self) -> Result<[u8; REQUEST_LEN]> {
+    fn request_bytes(&self, round: u32) -> Result<[u8; REQUEST_LEN]> {
         let mut request = [0u8; REQUEST_LEN];
         request[0..4].copy_from_slice(&MAGIC);
         request[4..6].copy_from_slice(&VERSION.to_be_bytes());
@@ -340,6 +390,7 @@ impl TcpRendezvous {
         request[8..16].copy_from_slice(&job_key_hash(&self.job_key).to_be_bytes());
         request[16..20].copy_from_slice(&wire_u32(self.world_size, "world size")?.to_be_bytes());
         request[20..24].copy_from_slice(&wire_u32(self.rank, "rank")?.to_be_bytes());
+        request[24..28].copy_from_slice(&round.to_be_bytes());
         Ok(request)
     }
 
@@ -449,6 +500,20 @@ impl TcpRendezvous {
                 )))
             }
             Some(Status::DuplicateRank) => return fatal(BootstrapError::DuplicateRank(self.rank)),
+            Some(Status::Early) => {
+                return Err(Attempt::Retry(format!(
+                    "rank 0 still serves exchange {detail} under this job key, this rank is on \
+                     exchange {}",
+                    u32_at(request, 24)
+                )))
+            }
+            Some(Status::Late) => {
+                return fatal(BootstrapError::Protocol(format!(
+                    "this rank is on exchange {} under this job key, but rank 0 is already on \
+                     exchange {detail}: a previous exchange of this rank failed or was skipped",
+                    u32_at(request, 24)
+                )))
+            }
             None => {
                 return fatal(BootstrapError::Protocol(format!(
                     "rank 0 at {} replied with unknown status {status_code}",
@@ -626,6 +691,8 @@ struct ServeState {
 
 struct Shared {
     state: Mutex<ServeState>,
+    /// Which exchange under this job key this is, counted per process from 0.
+    round: u32,
     id: UniqueId,
     world_size: usize,
     job_hash: u64,
@@ -646,6 +713,8 @@ struct Refusal {
     error: BootstrapError,
     reply: Option<(Status, u32)>,
     rank: Option<usize>,
+    /// Whether to list the peer in the report (not for the normal "come back later").
+    record: bool,
 }
 
 impl Refusal {
@@ -654,6 +723,7 @@ impl Refusal {
             error,
             reply: Some((status, detail)),
             rank: None,
+            record: true,
         }
     }
 
@@ -662,6 +732,7 @@ impl Refusal {
             error,
             reply: None,
             rank: None,
+            record: true,
         }
     }
 
@@ -706,6 +777,7 @@ impl TcpServer {
                 finished: false,
             }),
             id,
+            round: rounds::start_serving(self.job_hash),
             world_size: self.world_size,
             job_hash: self.job_hash,
             serve_deadline: deadline_after(started, self.timeout),
@@ -859,7 +931,7 @@ fn handle_connection(shared: &Shared, stream: TcpStream, peer: SocketAddr, conne
                 None
             }
             Err(refusal) => {
-                if !state.finished {
+                if refusal.record && !state.finished {
                     state.rejected.push(RejectedPeer {
                         peer,
                         rank: refusal.rank,
@@ -937,6 +1009,7 @@ fn converse(shared: &Shared, stream: &TcpStream, deadline: Instant) -> Result<us
     let job_hash = u64_at(&request, 8);
     let world_size = u32_at(&request, 16) as usize;
     let rank = u32_at(&request, 20) as usize;
+    let round = u32_at(&request, 24);
     let world_detail = u32::try_from(shared.world_size).unwrap_or(u32::MAX);
     if job_hash != shared.job_hash {
         return Err(Refusal::new(
@@ -959,6 +1032,33 @@ fn converse(shared: &Shared, stream: &TcpStream, deadline: Instant) -> Result<us
             },
             Status::WorldSizeMismatch,
             world_detail,
+        )
+        .for_rank(rank));
+    }
+    if round > shared.round {
+        // This rank already finished this exchange and runs the next one under the same key;
+        // rank 0 will serve it once this one is over.
+        let mut early = Refusal::new(
+            BootstrapError::Protocol(format!(
+                "the peer is on exchange {round}, rank 0 on exchange {}",
+                shared.round
+            )),
+            Status::Early,
+            shared.round,
+        )
+        .for_rank(rank);
+        early.record = false;
+        return Err(early);
+    }
+    if round < shared.round {
+        return Err(Refusal::new(
+            BootstrapError::Protocol(format!(
+                "the peer is on exchange {round} under this job key, rank 0 already on exchange \
+                 {}",
+                shared.round
+            )),
+            Status::Late,
+            shared.round,
         )
         .for_rank(rank));
     }
@@ -1120,9 +1220,11 @@ mod tests {
         UniqueId::from_bytes(bytes)
     }
 
-    fn server(world_size: usize, timeout: Duration) -> TcpServer {
+    /// Each test uses its own job key: exchange rounds are counted per key and process, and
+    /// the tests share a process.
+    fn server(world_size: usize, timeout: Duration, key: &str) -> TcpServer {
         TcpRendezvous::new("127.0.0.1:0", 0, world_size)
-            .with_job_key("unit")
+            .with_job_key(key)
             .with_timeout(timeout)
             .with_connection_timeout(Duration::from_millis(500))
             .bind()
@@ -1159,12 +1261,51 @@ mod tests {
         bytes.extend_from_slice(&job_key_hash(job).to_be_bytes());
         bytes.extend_from_slice(&world.to_be_bytes());
         bytes.extend_from_slice(&rank.to_be_bytes());
+        bytes.extend_from_slice(&[0u8; 8]);
+        bytes
+    }
+
+    fn request_in_round(job: &str, world: u32, rank: u32, round: u32) -> Vec<u8> {
+        let mut bytes = request(job, world, rank, VERSION);
+        bytes[24..28].copy_from_slice(&round.to_be_bytes());
         bytes
     }
 
     #[test]
+    fn requests_from_other_rounds_are_told_apart() {
+        let key = "rounds";
+        let first = server(2, Duration::from_secs(10), key);
+        let addr = first.local_addr();
+        let serving = thread::spawn(move || first.serve(sample_id(1)));
+        let client = TcpRendezvous::new(addr.to_string(), 1, 2)
+            .with_job_key(key)
+            .with_timeout(Duration::from_secs(5));
+        assert_eq!(client.fetch().expect("round 0"), sample_id(1));
+        serving.join().expect("join").expect("serve");
+
+        let second = server(2, Duration::from_secs(10), key);
+        let addr = second.local_addr();
+        let serving = thread::spawn(move || second.serve(sample_id(2)));
+        assert_eq!(
+            raw_exchange(addr, &request_in_round(key, 2, 1, 0), false),
+            Some(Status::Late as u16)
+        );
+        assert_eq!(
+            raw_exchange(addr, &request_in_round(key, 2, 1, 5), false),
+            Some(Status::Early as u16)
+        );
+        let client = TcpRendezvous::new(addr.to_string(), 1, 2)
+            .with_job_key(key)
+            .with_timeout(Duration::from_secs(5));
+        assert_eq!(client.fetch().expect("round 1"), sample_id(2));
+        let report = serving.join().expect("join").expect("serve");
+        // "Come back later" is normal and not listed; a rank from a past round is.
+        assert_eq!(report.rejected.len(), 1, "{:?}", report.rejected);
+    }
+
+    #[test]
     fn raw_bad_requests_get_their_status_and_server_still_serves() {
-        let server = server(2, Duration::from_secs(10));
+        let server = server(2, Duration::from_secs(10), "raw");
         let addr = server.local_addr();
         let id = sample_id(3);
         let serving = thread::spawn(move || server.serve(id));
@@ -1174,11 +1315,11 @@ mod tests {
             Some(Status::BadMagic as u16)
         );
         assert_eq!(
-            raw_exchange(addr, &request("unit", 2, 1, 99), false),
+            raw_exchange(addr, &request("raw", 2, 1, 99), false),
             Some(Status::UnsupportedVersion as u16)
         );
         assert_eq!(
-            raw_exchange(addr, &request("unit", 2, 1, VERSION)[..10], true),
+            raw_exchange(addr, &request("raw", 2, 1, VERSION)[..10], true),
             Some(Status::Malformed as u16)
         );
         assert_eq!(
@@ -1186,18 +1327,18 @@ mod tests {
             Some(Status::WrongJob as u16)
         );
         assert_eq!(
-            raw_exchange(addr, &request("unit", 3, 1, VERSION), false),
+            raw_exchange(addr, &request("raw", 3, 1, VERSION), false),
             Some(Status::WorldSizeMismatch as u16)
         );
         assert_eq!(
-            raw_exchange(addr, &request("unit", 2, 7, VERSION), false),
+            raw_exchange(addr, &request("raw", 2, 7, VERSION), false),
             Some(Status::RankOutOfRange as u16)
         );
         assert_eq!(
-            raw_exchange(addr, &request("unit", 2, 0, VERSION), false),
+            raw_exchange(addr, &request("raw", 2, 0, VERSION), false),
             Some(Status::DuplicateRank as u16)
         );
-        let mut kind = request("unit", 2, 1, VERSION);
+        let mut kind = request("raw", 2, 1, VERSION);
         kind[7] = KIND_ACK as u8;
         assert_eq!(
             raw_exchange(addr, &kind, false),
@@ -1205,7 +1346,7 @@ mod tests {
         );
 
         let client = TcpRendezvous::new(addr.to_string(), 1, 2)
-            .with_job_key("unit")
+            .with_job_key("raw")
             .with_timeout(Duration::from_secs(5));
         assert_eq!(client.fetch().expect("fetch"), id);
         let report = serving.join().expect("join").expect("serve");
@@ -1245,7 +1386,7 @@ mod tests {
 
     #[test]
     fn bad_ack_releases_the_rank_for_a_retry() {
-        let server = server(2, Duration::from_secs(10));
+        let server = server(2, Duration::from_secs(10), "bad-ack");
         let addr = server.local_addr();
         let id = sample_id(9);
         let serving = thread::spawn(move || server.serve(id));
@@ -1253,7 +1394,7 @@ mod tests {
         // Take the id but acknowledge with a wrong fingerprint.
         let mut stream = TcpStream::connect(addr).expect("connect");
         stream
-            .write_all(&request("unit", 2, 1, VERSION))
+            .write_all(&request("bad-ack", 2, 1, VERSION))
             .expect("write");
         let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
         stream
@@ -1273,7 +1414,7 @@ mod tests {
         drop(stream);
 
         let client = TcpRendezvous::new(addr.to_string(), 1, 2)
-            .with_job_key("unit")
+            .with_job_key("bad-ack")
             .with_timeout(Duration::from_secs(5));
         assert_eq!(client.fetch().expect("fetch"), id);
         let report = serving.join().expect("join").expect("serve");
@@ -1301,7 +1442,7 @@ mod tests {
     #[test]
     fn connection_flood_gets_busy_and_a_good_rank_still_gets_through() {
         let server = TcpRendezvous::new("127.0.0.1:0", 0, 2)
-            .with_job_key("unit")
+            .with_job_key("flood")
             .with_timeout(Duration::from_secs(10))
             .with_connection_timeout(Duration::from_millis(300))
             .bind()
@@ -1324,7 +1465,7 @@ mod tests {
         // A real rank retries through the busy period and gets the id once the silent peers
         // have timed out.
         let client = TcpRendezvous::new(addr.to_string(), 1, 2)
-            .with_job_key("unit")
+            .with_job_key("flood")
             .with_timeout(Duration::from_secs(5));
         assert_eq!(client.fetch().expect("fetch"), id);
         let report = serving.join().expect("join").expect("serve");
