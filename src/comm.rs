@@ -15,6 +15,8 @@
 //! `ncclCommAbort`, which releases the communicator without waiting for peers. It never panics
 //! and never blocks forever, also when a peer has died. For an orderly shutdown in which all
 //! ranks take part, call [`Comm::finalize`] and then [`Comm::destroy`]; both report errors.
+//! A communicator that failed (see [`crate::fault`]) is aborted at once, without the wait,
+//! and one already aborted from another thread is left alone.
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -28,6 +30,7 @@ use nccl_sys::ncclComm_t;
 
 use crate::config::CommConfig;
 use crate::error::{Error, Result, ResultCode};
+use crate::fault::{Failure, FailureState, Handle};
 use crate::group;
 use crate::id::UniqueId;
 use crate::library::{self, Library, Version};
@@ -37,9 +40,10 @@ use crate::library::{self, Library, Version};
 pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The raw handle, shared with the handles that may outlive a borrow of the `Comm` (abort
-/// handles). The mutex serialises every NCCL call on the communicator.
+/// handles, watchdogs). The mutex serialises every NCCL call on the communicator and guards
+/// its fault state (see [`crate::fault`]).
 pub(crate) struct CommCore {
-    raw: Mutex<ncclComm_t>,
+    handle: Mutex<Handle>,
     blocking: bool,
 }
 
@@ -50,10 +54,10 @@ unsafe impl Send for CommCore {}
 unsafe impl Sync for CommCore {}
 
 impl CommCore {
-    fn lock(&self) -> MutexGuard<'_, ncclComm_t> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Handle> {
         // A poisoned lock only means another thread panicked between NCCL calls; the handle
         // itself is still what it was.
-        self.raw
+        self.handle
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -79,7 +83,7 @@ impl std::fmt::Debug for Comm {
             .field("size", &self.size)
             .field("device", &self.device)
             .field("blocking", &self.core.blocking)
-            .field("released", &self.core.lock().is_null())
+            .field("released", &self.core.lock().ptr.is_null())
             .finish()
     }
 }
@@ -132,7 +136,18 @@ impl Comm {
         } else {
             "ncclCommInitRank"
         };
-        Self::adopt(lib, raw, stream, config, call, status)
+        Self::adopt(lib, raw, stream, config, call, status).map_err(|err| match err {
+            // Say what a nonblocking init waits for: usually a rank that never joined.
+            Error::Timeout { waited, .. } => Error::Timeout {
+                what: format!(
+                    "{call} of rank {rank} of {size} to complete (every rank must join with \
+                     the same id; one has not, or the bootstrap network is unreachable); the \
+                     communicator was aborted"
+                ),
+                waited,
+            },
+            other => other,
+        })
     }
 
     /// Creates one communicator per stream, all in this process (`ncclCommInitAll`); rank `i`
@@ -228,7 +243,7 @@ impl Comm {
     ) -> Result<Comm> {
         let mut comm = Comm {
             core: Arc::new(CommCore {
-                raw: Mutex::new(raw),
+                handle: Mutex::new(Handle::new(raw)),
                 blocking: config.is_blocking(),
             }),
             stream,
@@ -240,6 +255,9 @@ impl Comm {
             drop_timeout: DEFAULT_DROP_TIMEOUT,
             _not_sync: PhantomData,
         };
+        // A communicator that never became ready has no work to wait for: if anything below
+        // fails, Drop aborts it at once.
+        comm.drop_timeout = Duration::ZERO;
         comm.wait_ready(comm.ready_timeout)?;
         comm.size = comm.query("ncclCommCount", |lib, raw, out| {
             // SAFETY: `raw` is a live handle (held under the lock) and `out` a valid int.
@@ -260,6 +278,7 @@ impl Comm {
                 comm.device
             )));
         }
+        comm.drop_timeout = DEFAULT_DROP_TIMEOUT;
         Ok(comm)
     }
 
@@ -284,19 +303,20 @@ impl Comm {
     }
 
     /// Runs `f` with the raw handle while holding the communicator's lock; fails if the
-    /// communicator was already aborted or destroyed.
+    /// communicator was already aborted or destroyed, or, for calls that enqueue work, if it
+    /// failed (see [`crate::fault`]).
     pub(crate) fn with_raw<R>(
         &self,
         call: &'static str,
         f: impl FnOnce(ncclComm_t) -> R,
     ) -> Result<R> {
-        let raw = self.core.lock();
-        if raw.is_null() {
-            return Err(Error::usage(format!(
-                "{call} on a communicator that was already aborted or destroyed"
-            )));
-        }
-        Ok(f(*raw))
+        let handle = self.core.lock();
+        handle.usable_for(call, self.rank)?;
+        Ok(f(handle.ptr))
+    }
+
+    pub(crate) fn core(&self) -> &Arc<CommCore> {
+        &self.core
     }
 
     /// Completes a call on this communicator: `ncclInProgress` from a nonblocking
@@ -317,10 +337,14 @@ impl Comm {
     ///
     /// For a nonblocking communicator this is how creation, split and enqueueing finish; for
     /// a blocking one it returns at once unless an asynchronous error is pending.
+    ///
+    /// Returns early with the failure if the communicator was aborted, revoked or reported
+    /// failed by an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog).
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         let mut backoff = Backoff::new();
         loop {
+            self.check_failure("Comm::wait_ready")?;
             match self.async_code()? {
                 ResultCode::Success => return Ok(()),
                 ResultCode::InProgress => {}
@@ -336,7 +360,12 @@ impl Comm {
         }
     }
 
-    fn async_code(&self) -> Result<ResultCode> {
+    /// Fails with the recorded failure, if the communicator has one.
+    pub(crate) fn check_failure(&self, call: &'static str) -> Result<()> {
+        self.core.lock().check_failure(call, self.rank)
+    }
+
+    pub(crate) fn async_code(&self) -> Result<ResultCode> {
         let mut code = nccl_sys::ncclResult_t::ncclSuccess;
         let status = self.with_raw("ncclCommGetAsyncError", |raw| {
             // SAFETY: live handle under the lock; `code` is a valid out-pointer.
@@ -371,23 +400,45 @@ impl Comm {
     }
 
     fn wait_stream(&self, stream: &CudaStream, timeout: Option<Duration>) -> Result<()> {
-        let done = stream.record_event(None)?;
         let start = Instant::now();
+        let expired = |start: Instant| timeout.is_some_and(|limit| start.elapsed() >= limit);
         let mut backoff = Backoff::new();
+        // NCCL forbids CUDA work on the communicator's streams while it is in progress (only
+        // possible here after an earlier call timed out): wait for it first, issuing nothing.
+        loop {
+            self.check_failure("Comm::synchronize")?;
+            match self.async_code()? {
+                ResultCode::Success => break,
+                ResultCode::InProgress => {}
+                code => return Err(self.lib.error("ncclCommGetAsyncError", code)),
+            }
+            if expired(start) {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "communicator rank {} to finish its last call before synchronizing",
+                        self.rank
+                    ),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
+        let done = stream.record_event(None)?;
         loop {
             if done.try_is_complete()? {
-                return Ok(());
+                // Work cut short by an abort from another thread also completes: report the
+                // abort rather than success.
+                return self.check_failure("Comm::synchronize");
             }
+            self.check_failure("Comm::synchronize")?;
             if let Some(err) = self.async_error()? {
                 return Err(err);
             }
-            if let Some(limit) = timeout {
-                if start.elapsed() >= limit {
-                    return Err(Error::Timeout {
-                        what: format!("work on the stream of rank {}", self.rank),
-                        waited: start.elapsed(),
-                    });
-                }
+            if expired(start) {
+                return Err(Error::Timeout {
+                    what: format!("work on the stream of rank {}", self.rank),
+                    waited: start.elapsed(),
+                });
             }
             backoff.wait();
         }
@@ -447,15 +498,19 @@ impl Comm {
             self.complete("ncclCommSplit", status)?;
             return Ok(None);
         }
-        Comm::adopt(
+        let child = Comm::adopt(
             self.lib,
             child,
             stream,
             &child_config,
             "ncclCommSplit",
             status,
-        )
-        .map(Some)
+        )?;
+        // A nonblocking split keeps the parent in progress until NCCL's background job has
+        // finished, which may be a moment after the child became ready; the parent's next
+        // call would be refused before that.
+        self.wait_ready(self.ready_timeout)?;
+        Ok(Some(child))
     }
 
     /// Splits several communicators driven by this thread (for example from
@@ -490,6 +545,8 @@ impl Comm {
             .collect::<Result<Vec<_>>>()?;
         let mut children: Vec<ncclComm_t> = vec![ptr::null_mut(); comms.len()];
         let mut group = group::RawGroup::start(lib)?;
+        // Aborts from other threads wait until the group has ended (see `crate::fault`).
+        let _entered = group::Membership::enter(comms.iter());
         for (i, comm) in comms.iter().enumerate() {
             let child = &mut children[i];
             let status = comm.with_raw("ncclCommSplit", |raw| {
@@ -506,7 +563,9 @@ impl Comm {
                 return Err(err);
             }
         }
-        let pending = group.end()?;
+        let pending = group.end();
+        drop(_entered);
+        let pending = pending?;
         let mut out = Vec::with_capacity(comms.len());
         let mut first_err = None;
         for ((raw, parent), color) in children.into_iter().zip(comms).zip(&colors) {
@@ -532,6 +591,14 @@ impl Comm {
                 Err(err) => {
                     first_err.get_or_insert(err);
                     out.push(None);
+                }
+            }
+        }
+        if pending {
+            // As in `split`: the parents stay in progress until NCCL's job has finished.
+            for parent in comms {
+                if let Err(err) = parent.wait_ready(parent.ready_timeout) {
+                    first_err.get_or_insert(err);
                 }
             }
         }
@@ -581,6 +648,13 @@ impl Comm {
         self.ready_timeout
     }
 
+    /// Sets how long a nonblocking communicator may stay in progress before a call fails
+    /// with [`Error::Timeout`] (for example a short one once creation, which can take long,
+    /// is over).
+    pub fn set_ready_timeout(&mut self, timeout: Duration) {
+        self.ready_timeout = timeout;
+    }
+
     /// How long [`Drop`] waits for enqueued work before aborting.
     pub fn drop_timeout(&self) -> Duration {
         self.drop_timeout
@@ -599,7 +673,7 @@ impl Comm {
     /// not be destroyed or aborted through it, and must not be used concurrently with calls
     /// through this `Comm`.
     pub unsafe fn as_raw(&self) -> ncclComm_t {
-        *self.core.lock()
+        self.core.lock().ptr
     }
 
     pub(crate) fn core_ptr(&self) -> *const CommCore {
@@ -623,6 +697,10 @@ impl Comm {
     /// Frees the communicator (`ncclCommDestroy`). Without a prior [`Comm::finalize`] this
     /// is an intra-node collective that every rank on the node must call; after a finalize
     /// it is local.
+    ///
+    /// If an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog) already
+    /// aborted the communicator, nothing is left to free and the error says why it was
+    /// aborted.
     pub fn destroy(self) -> Result<()> {
         self.release("ncclCommDestroy", |lib, raw| {
             // SAFETY: the handle was taken out of the core, so no one else can use it.
@@ -632,11 +710,22 @@ impl Comm {
 
     /// Aborts the communicator (`ncclCommAbort`): stops its outstanding operations and frees
     /// it without waiting for peers. After a failure every rank should abort.
+    ///
+    /// Aborting a communicator that an [`AbortHandle`](crate::AbortHandle) or a
+    /// [`Watchdog`](crate::Watchdog) already aborted is a no-op that returns `Ok`.
     pub fn abort(self) -> Result<()> {
-        self.release("ncclCommAbort", |lib, raw| {
-            // SAFETY: the handle was taken out of the core, so no one else can use it.
-            unsafe { lib.api().ncclCommAbort(raw) }
-        })
+        let raw = {
+            let mut handle = self.core.lock();
+            if handle.ptr.is_null() {
+                // Only another thread can have released it: `self` is still owned here.
+                return Ok(());
+            }
+            handle.take(Failure::owner(FailureState::Released))
+        };
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the handle was taken out of the core, so no one else can use it.
+        let status = unsafe { self.lib.api().ncclCommAbort(raw) };
+        self.lib.check("ncclCommAbort", status)
     }
 
     fn release(
@@ -647,12 +736,13 @@ impl Comm {
             ncclComm_t,
         ) -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<()> {
-        let raw = std::mem::replace(&mut *self.core.lock(), ptr::null_mut());
-        if raw.is_null() {
-            return Err(Error::usage(format!(
-                "{call} on a communicator that was already aborted or destroyed"
-            )));
-        }
+        let raw = {
+            let mut handle = self.core.lock();
+            if handle.ptr.is_null() {
+                return Err(handle.released_error(call, self.rank));
+            }
+            handle.take(Failure::owner(FailureState::Released))
+        };
         // Best effort: the calls find their device themselves, but NCCL's cleanup may touch
         // the current context.
         let _ = self.stream.context().bind_to_thread();
@@ -674,15 +764,25 @@ impl Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        if self.core.lock().is_null() {
+        let (live, failed) = {
+            let handle = self.core.lock();
+            (!handle.ptr.is_null(), handle.failure.is_some())
+        };
+        if !live {
             return;
         }
-        if !self.drop_timeout.is_zero() {
-            // Let the last operations finish; a dead peer or a timeout ends the wait, and the
-            // abort below then cancels what is left.
+        // Let the last operations finish, unless the communicator already failed or is stuck
+        // in progress (every call waits until it is ready, so a communicator still in
+        // progress here has timed out and its work will not finish). A dead peer or the
+        // timeout ends the wait, and the abort below then cancels what is left.
+        let healthy = !failed && matches!(self.async_code(), Ok(ResultCode::Success));
+        if healthy && !self.drop_timeout.is_zero() {
             let _ = self.wait_stream(&self.stream, Some(self.drop_timeout));
         }
-        let raw = std::mem::replace(&mut *self.core.lock(), ptr::null_mut());
+        let raw = self
+            .core
+            .lock()
+            .take(Failure::owner(FailureState::Released));
         if !raw.is_null() {
             let _ = self.stream.context().bind_to_thread();
             // SAFETY: the handle was taken out of the core, so no one else can use it; abort
@@ -693,7 +793,7 @@ impl Drop for Comm {
 }
 
 /// Validates and converts a rank and size for NCCL's `int` parameters.
-fn rank_and_size(rank: usize, size: usize) -> Result<(c_int, c_int)> {
+pub(crate) fn rank_and_size(rank: usize, size: usize) -> Result<(c_int, c_int)> {
     if size == 0 {
         return Err(Error::invalid(
             "a communicator needs at least one rank (size 0)",

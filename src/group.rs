@@ -91,6 +91,45 @@ impl Drop for RawGroup {
     }
 }
 
+/// Marks communicators as members of a group open on this thread until [`Membership::leave`]
+/// (or drop): an abort or revoke requested from another thread meanwhile is carried out
+/// when the group has ended, because NCCL forbids aborting a communicator while a thread is
+/// inside a call on it (see [`crate::fault`]).
+pub(crate) struct Membership<'c> {
+    comms: Vec<&'c Comm>,
+}
+
+impl<'c> Membership<'c> {
+    pub(crate) fn enter(comms: impl IntoIterator<Item = &'c Comm>) -> Self {
+        let mut membership = Self { comms: Vec::new() };
+        for comm in comms {
+            membership.add(comm);
+        }
+        membership
+    }
+
+    /// Adds `comm` unless it is already a member.
+    pub(crate) fn add(&mut self, comm: &'c Comm) {
+        if !self.comms.iter().any(|c| c.core_ptr() == comm.core_ptr()) {
+            comm.group_enter();
+            self.comms.push(comm);
+        }
+    }
+
+    /// Ends the membership of every communicator, carrying out deferred aborts.
+    pub(crate) fn leave(&mut self) {
+        for comm in self.comms.drain(..) {
+            comm.group_leave();
+        }
+    }
+}
+
+impl Drop for Membership<'_> {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
 /// An open NCCL group; see the [module docs](self).
 ///
 /// ```no_run
@@ -117,6 +156,7 @@ impl Drop for RawGroup {
 pub struct Group<'g> {
     raw: RawGroup,
     comms: Vec<&'g Comm>,
+    membership: Membership<'g>,
     // Dropped after `raw` was ended (see Drop), so the buffers' events are recorded after
     // NCCL has enqueued the fused operation.
     guards: Vec<SyncOnDrop<'g>>,
@@ -138,6 +178,7 @@ impl<'g> Group<'g> {
         Ok(Self {
             raw: RawGroup::start(library::get()?)?,
             comms: Vec::new(),
+            membership: Membership::enter([]),
             guards: Vec::new(),
         })
     }
@@ -166,6 +207,9 @@ impl<'g> Group<'g> {
                 ));
             }
         }
+        // Membership starts before NCCL sees the communicator, so no abort from another
+        // thread can free it while it sits in this thread's NCCL group.
+        self.membership.add(comm);
         let guards = launch(comm, stream, call, true)?;
         if !self.comms.iter().any(|c| c.core_ptr() == comm.core_ptr()) {
             self.comms.push(comm);
@@ -178,11 +222,22 @@ impl<'g> Group<'g> {
     ///
     /// For nonblocking communicators it also waits until each is ready again. After an error
     /// every communicator in the group should be aborted, as NCCL documents.
+    ///
+    /// Every communicator is waited for, also after one of them failed, so the buffers'
+    /// events are recorded (when the group is dropped) only once NCCL has finished
+    /// enqueueing, or has given up, on all of them.
     pub fn finish(mut self) -> Result<()> {
-        let pending = self.raw.end()?;
-        if pending {
+        let pending = self.raw.end();
+        self.membership.leave();
+        if pending? {
+            let mut first_err = None;
             for comm in &self.comms {
-                comm.wait_ready(comm.ready_timeout())?;
+                if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
+                    first_err.get_or_insert(err);
+                }
+            }
+            if let Some(err) = first_err {
+                return Err(err);
             }
         }
         Ok(())
@@ -199,6 +254,7 @@ impl Drop for Group<'_> {
         // A group dropped without `finish` (an early return with `?`) still has to end, or
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         self.raw.end_ignoring_errors();
+        self.membership.leave();
         self.guards.clear();
     }
 }

@@ -42,6 +42,7 @@
 //! | collectives | [`collectives`] | [`Collective`], [`Comm::all_reduce`], ... |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups | [`group`] | [`Group`] |
+//! | failures: timeouts, abort, revoke, shrink, grow | [`fault`] | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`] |
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
@@ -76,6 +77,7 @@ pub mod comm;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod fault;
 pub mod group;
 pub mod id;
 pub mod library;
@@ -88,6 +90,9 @@ pub use comm::Comm;
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};
 pub use error::{Error, Result, ResultCode};
+pub use fault::{
+    AbortHandle, AbortOutcome, ShrinkMode, Watchdog, WatchdogAction, WatchdogOptions, WatchdogTrip,
+};
 pub use group::Group;
 pub use id::UniqueId;
 pub use library::{version, Version};
