@@ -34,29 +34,56 @@ fn run() -> nccl::Result<()> {
     let mut current = stream.clone_htod(&block(rank))?;
     let mut incoming = stream.alloc_zeros::<u64>(ELEMENTS)?;
 
-    let start = Instant::now();
-    for step in 1..=n {
-        let mut group = Group::start()?;
-        group.enqueue(&comm, Collective::send(&current, next))?;
-        group.enqueue(&comm, Collective::recv(&mut incoming, prev))?;
-        group.finish()?;
-        std::mem::swap(&mut current, &mut incoming);
-        // After `step` steps this rank holds the block of rank - step.
-        if step == 1 || step == n {
-            comm.synchronize()?;
-            let origin = (rank + n * step - step) % n;
-            if stream.clone_dtoh(&current)? != block(origin) {
-                return Err(nccl::Error::InvalidUsage(format!(
-                    "rank {rank}: after {step} steps the block is not rank {origin}'s"
-                )));
-            }
+    // One pass around the ring: each step sends the current block on and receives the
+    // previous rank's; after `n` steps every block is home again.
+    let pass = |current: &mut cudarc::driver::CudaSlice<u64>,
+                incoming: &mut cudarc::driver::CudaSlice<u64>|
+     -> nccl::Result<()> {
+        for _ in 0..n {
+            let mut group = Group::start()?;
+            group.enqueue(&comm, Collective::send(&*current, next))?;
+            group.enqueue(&comm, Collective::recv(&mut *incoming, prev))?;
+            group.finish()?;
+            std::mem::swap(current, incoming);
         }
+        Ok(())
+    };
+
+    // Check one step: this rank now holds its predecessor's block.
+    let mut group = Group::start()?;
+    group.enqueue(&comm, Collective::send(&current, next))?;
+    group.enqueue(&comm, Collective::recv(&mut incoming, prev))?;
+    group.finish()?;
+    comm.synchronize()?;
+    if stream.clone_dtoh(&incoming)? != block(prev) {
+        return Err(nccl::Error::InvalidUsage(format!(
+            "rank {rank}: after one step the block is not rank {prev}'s"
+        )));
+    }
+    // A full pass (which also warms up the connections), then timed passes.
+    pass(&mut current, &mut incoming)?;
+    comm.synchronize()?;
+    if stream.clone_dtoh(&current)? != block(rank) {
+        return Err(nccl::Error::InvalidUsage(format!(
+            "rank {rank}: after a full pass the block is not back home"
+        )));
+    }
+    let passes = 10;
+    let start = Instant::now();
+    for _ in 0..passes {
+        pass(&mut current, &mut incoming)?;
     }
     comm.synchronize()?;
-    let per_step = start.elapsed().as_secs_f64() / n as f64;
+    let per_step = start.elapsed().as_secs_f64() / (passes * n) as f64;
+    if stream.clone_dtoh(&current)? != block(rank) {
+        return Err(nccl::Error::InvalidUsage(format!(
+            "rank {rank}: after {passes} timed passes the block is not back home"
+        )));
+    }
     println!(
-        "rank {rank}/{n}: ring of {n} steps verified; {:.1} us per step, {:.1} GB/s per link",
+        "rank {rank}/{n}: ring verified; {:.1} us per step ({} KiB to the next rank), {:.1} GB/s",
         per_step * 1e6,
+        ELEMENTS * 8 / 1024,
         (ELEMENTS * 8) as f64 / per_step / 1e9
     );
     drop(comm);

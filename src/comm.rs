@@ -375,6 +375,19 @@ impl Comm {
         Ok(ResultCode::from_raw(code))
     }
 
+    /// `ncclCommGetAsyncError` as is, also on a communicator marked failed (not released).
+    fn async_code_raw(&self) -> Result<ResultCode> {
+        let handle = self.core.lock();
+        if handle.ptr.is_null() {
+            return Err(handle.released_error("ncclCommGetAsyncError", self.rank));
+        }
+        let mut code = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: live handle under its lock; `code` is a valid out-pointer.
+        let status = unsafe { self.lib.api().ncclCommGetAsyncError(handle.ptr, &mut code) };
+        self.lib.check("ncclCommGetAsyncError", status)?;
+        Ok(ResultCode::from_raw(code))
+    }
+
     /// The communicator's asynchronous error, if it has one (`ncclCommGetAsyncError`).
     ///
     /// `Ok(None)` means healthy (or, for a nonblocking communicator, still progressing).
@@ -483,34 +496,116 @@ impl Comm {
             .as_mut()
             .and_then(|raw| raw.as_mut())
             .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
-        self.stream.context().bind_to_thread()?;
-        let mut child: ncclComm_t = ptr::null_mut();
-        let status = self.with_raw("ncclCommSplit", |raw| {
-            // SAFETY: live parent handle under its lock; `child` is a valid out-pointer and
-            // `cfg_ptr` is null or an initialised config alive until the call returns.
-            unsafe {
-                self.lib
-                    .api()
-                    .ncclCommSplit(raw, color, key, &mut child, cfg_ptr)
-            }
-        })?;
-        if color == nccl_sys::NCCL_SPLIT_NOCOLOR {
-            self.complete("ncclCommSplit", status)?;
-            return Ok(None);
-        }
-        let child = Comm::adopt(
-            self.lib,
-            child,
+        self.create_child(
+            "ncclCommSplit",
             stream,
             &child_config,
-            "ncclCommSplit",
-            status,
-        )?;
-        // A nonblocking split keeps the parent in progress until NCCL's background job has
-        // finished, which may be a moment after the child became ready; the parent's next
-        // call would be refused before that.
-        self.wait_ready(self.ready_timeout)?;
-        Ok(Some(child))
+            color != nccl_sys::NCCL_SPLIT_NOCOLOR,
+            |raw, child| {
+                // SAFETY: live parent handle under its lock; `child` stays valid until NCCL's
+                // job has written it (see `create_child`); `cfg_ptr` is null or an
+                // initialised config alive until the call returns (NCCL copies it).
+                unsafe {
+                    self.lib
+                        .api()
+                        .ncclCommSplit(raw, color, key, child, cfg_ptr)
+                }
+            },
+        )
+    }
+
+    /// Runs a call that creates a child of this communicator (split, shrink, grow) and adopts
+    /// the child.
+    ///
+    /// For a nonblocking parent NCCL writes the child handle from its background job, after
+    /// the call has returned, and keeps the parent in progress until then. So the handle's
+    /// slot lives on the heap, and is read only once the parent has settled; if it never
+    /// settles (timeout), the slot is leaked rather than freed under NCCL's feet.
+    /// `expect_child` is false for a split without color, which yields no communicator.
+    pub(crate) fn create_child(
+        &self,
+        call: &'static str,
+        stream: Arc<CudaStream>,
+        child_config: &CommConfig,
+        expect_child: bool,
+        issue: impl FnOnce(
+            ncclComm_t,
+            *mut ncclComm_t,
+        )
+            -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
+    ) -> Result<Option<Comm>> {
+        self.stream.context().bind_to_thread()?;
+        let slot: *mut ncclComm_t = Box::into_raw(Box::new(ptr::null_mut()));
+        // SAFETY (of the reads and the free below): `slot` came from Box::into_raw and is
+        // only freed once NCCL can no longer write to it.
+        let free_slot = |slot: *mut ncclComm_t| drop(unsafe { Box::from_raw(slot) });
+        let status = match self.with_raw(call, |raw| issue(raw, slot)) {
+            Ok(status) => status,
+            Err(err) => {
+                free_slot(slot);
+                return Err(err);
+            }
+        };
+        let parent_error = match self.lib.check_pending(call, status) {
+            // On a timeout NCCL's job may still write the slot: it is left allocated.
+            Ok(_) => self.settle(call, self.ready_timeout)?,
+            Err(err) => {
+                // The call failed before starting anything; a partial child is aborted.
+                // SAFETY: see above; NCCL returned, nothing runs in the background.
+                let partial = unsafe { *slot };
+                free_slot(slot);
+                if !partial.is_null() {
+                    // SAFETY: a handle from a failed creation that nobody else holds.
+                    let _ = unsafe { self.lib.api().ncclCommAbort(partial) };
+                }
+                return Err(err);
+            }
+        };
+        // SAFETY: the parent has settled, so NCCL's job has finished writing the slot.
+        let child = unsafe { *slot };
+        free_slot(slot);
+        match (child.is_null(), expect_child) {
+            (true, false) => Ok(None),
+            (true, true) => Err(match parent_error {
+                ResultCode::Success => Error::Nccl {
+                    call,
+                    code: ResultCode::InternalError,
+                    description: "NCCL reported success but returned no communicator".into(),
+                    last_error: None,
+                },
+                code => self.lib.error(call, code),
+            }),
+            (false, _) => Comm::adopt(
+                self.lib,
+                child,
+                stream,
+                child_config,
+                call,
+                Ok(nccl_sys::ncclResult_t::ncclSuccess),
+            )
+            .map(Some),
+        }
+    }
+
+    /// Waits until the communicator is no longer in progress and returns its state then
+    /// (success, or the error it reports). Unlike [`Comm::wait_ready`], an error state is a
+    /// result here: after a failure NCCL's jobs (shrink) still finish on a failed parent.
+    pub(crate) fn settle(&self, call: &'static str, timeout: Duration) -> Result<ResultCode> {
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        loop {
+            let code = self.async_code_raw()?;
+            if code != ResultCode::InProgress {
+                return Ok(code);
+            }
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    what: format!("{call} on rank {} to complete", self.rank),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
     }
 
     /// Splits several communicators driven by this thread (for example from
@@ -566,6 +661,16 @@ impl Comm {
         let pending = group.end();
         drop(_entered);
         let pending = pending?;
+        if pending {
+            // As in `create_child`: NCCL's jobs write the children and keep the parents in
+            // progress until done. If a parent never settles, the slots stay allocated.
+            for parent in comms {
+                if let Err(err) = parent.settle("ncclCommSplit", parent.ready_timeout) {
+                    std::mem::forget(children);
+                    return Err(err);
+                }
+            }
+        }
         let mut out = Vec::with_capacity(comms.len());
         let mut first_err = None;
         for ((raw, parent), color) in children.into_iter().zip(comms).zip(&colors) {
@@ -574,31 +679,18 @@ impl Comm {
                 continue;
             }
             let config = CommConfig::default().blocking(parent.core.blocking);
-            let status = Ok(if pending {
-                nccl_sys::ncclResult_t::ncclInProgress
-            } else {
-                nccl_sys::ncclResult_t::ncclSuccess
-            });
             match Comm::adopt(
                 lib,
                 raw,
                 parent.stream.clone(),
                 &config,
                 "ncclCommSplit",
-                status,
+                Ok(nccl_sys::ncclResult_t::ncclSuccess),
             ) {
                 Ok(child) => out.push(Some(child)),
                 Err(err) => {
                     first_err.get_or_insert(err);
                     out.push(None);
-                }
-            }
-        }
-        if pending {
-            // As in `split`: the parents stay in progress until NCCL's job has finished.
-            for parent in comms {
-                if let Err(err) = parent.wait_ready(parent.ready_timeout) {
-                    first_err.get_or_insert(err);
                 }
             }
         }

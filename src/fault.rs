@@ -1123,6 +1123,7 @@ impl Comm {
             }
         }
         self.settle("ncclCommRevoke", self.ready_timeout())
+            .map(drop)
     }
 
     /// Builds a communicator of the surviving ranks (`ncclCommShrink`, NCCL 2.27): every
@@ -1155,35 +1156,35 @@ impl Comm {
             .as_mut()
             .and_then(|raw| raw.as_mut())
             .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
-        self.context().bind_to_thread()?;
-        let mut child: ncclComm_t = ptr::null_mut();
-        let status = self.with_raw("ncclCommShrink", |raw| {
-            // SAFETY: live parent handle under its lock; `list` holds `count` ranks and may
-            // be sorted in place by NCCL (it is ours); `child` is a valid out-pointer and
-            // `cfg_ptr` null or an initialised config alive until the call returns.
-            unsafe {
-                lib.api().ncclCommShrink(
-                    raw,
-                    list.as_mut_ptr(),
-                    count,
-                    &mut child,
-                    cfg_ptr,
-                    mode.raw(),
-                )
-            }
-        })?;
-        let child = Comm::adopt(
-            lib,
-            child,
+        // The exclude list is boxed with the call: NCCL may read it from its background job.
+        let list_ptr = list.as_mut_ptr();
+        let child = self.create_child(
+            "ncclCommShrink",
             self.stream().clone(),
             &child_config,
-            "ncclCommShrink",
-            status,
-        )?;
-        // NCCL's job keeps the parent in progress until it is done; after a failure the
-        // parent may keep reporting its error, which is not this call's failure.
-        self.settle("ncclCommShrink", self.ready_timeout())?;
-        Ok(child)
+            true,
+            |raw, child| {
+                // SAFETY: live parent handle under its lock; `list` holds `count` ranks and
+                // outlives the parent's settling in `create_child`; `child` stays valid until
+                // NCCL's job wrote it; `cfg_ptr` is null or an initialised config alive until
+                // the call returns.
+                unsafe {
+                    lib.api()
+                        .ncclCommShrink(raw, list_ptr, count, child, cfg_ptr, mode.raw())
+                }
+            },
+        );
+        match child {
+            Ok(child) => {
+                drop(list);
+                child.ok_or_else(|| Error::usage("ncclCommShrink returned no communicator"))
+            }
+            Err(err) => {
+                // NCCL's job may still read the list (the parent never settled).
+                std::mem::forget(list);
+                Err(err)
+            }
+        }
     }
 
     /// A unique id for growing this communicator (`ncclCommGetUniqueId`, NCCL 2.29). Called
@@ -1228,32 +1229,37 @@ impl Comm {
             .as_mut()
             .and_then(|raw| raw.as_mut())
             .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
-        let raw_id = id.map(|id| id.to_raw());
+        // Boxed like the child slot: NCCL's job may read it after the call returned.
+        let raw_id = id.map(|id| Box::new(id.to_raw()));
         let id_ptr = raw_id
-            .as_ref()
+            .as_deref()
             .map_or(ptr::null(), |id| id as *const nccl_sys::ncclUniqueId);
-        self.context().bind_to_thread()?;
-        let mut child: ncclComm_t = ptr::null_mut();
-        let status = self.with_raw("ncclCommGrow", |raw| {
-            // SAFETY: live parent handle under its lock; `id_ptr` is null or points to an id
-            // alive until the call returns; `child` is a valid out-pointer and `cfg_ptr`
-            // null or an initialised config alive until the call returns. Existing ranks
-            // pass rank -1, as NCCL requires.
-            unsafe {
-                lib.api()
-                    .ncclCommGrow(raw, nranks, id_ptr, -1, &mut child, cfg_ptr)
-            }
-        })?;
-        let child = Comm::adopt(
-            lib,
-            child,
+        let child = self.create_child(
+            "ncclCommGrow",
             self.stream().clone(),
             &child_config,
-            "ncclCommGrow",
-            status,
-        )?;
-        self.wait_ready(self.ready_timeout())?;
-        Ok(child)
+            true,
+            |raw, child| {
+                // SAFETY: live parent handle under its lock; `id_ptr` is null or points to an
+                // id alive until the call returns; `child` stays valid until NCCL's job wrote
+                // it; `cfg_ptr` null or an initialised config alive until the call returns.
+                // Existing ranks pass rank -1, as NCCL requires.
+                unsafe {
+                    lib.api()
+                        .ncclCommGrow(raw, nranks, id_ptr, -1, child, cfg_ptr)
+                }
+            },
+        );
+        match child {
+            Ok(child) => {
+                drop(raw_id);
+                child.ok_or_else(|| Error::usage("ncclCommGrow returned no communicator"))
+            }
+            Err(err) => {
+                std::mem::forget(raw_id);
+                Err(err)
+            }
+        }
     }
 
     /// Joins a growing communicator as new rank `rank` of `new_size` (`ncclCommGrow` without
@@ -1293,39 +1299,6 @@ impl Comm {
             None => CommConfig::default()
                 .blocking(self.is_blocking())
                 .with_ready_timeout(self.ready_timeout()),
-        }
-    }
-
-    /// Polls until the communicator is no longer in progress, whatever its state then.
-    fn settle(&self, call: &'static str, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        let mut backoff = crate::comm::Backoff::new();
-        loop {
-            let code = {
-                let handle = self.core().lock();
-                if handle.ptr.is_null() {
-                    return Err(handle.released_error(call, self.rank()));
-                }
-                let mut code = nccl_sys::ncclResult_t::ncclSuccess;
-                // SAFETY: live handle under its lock; `code` is a valid out-pointer.
-                let status = unsafe {
-                    self.library()
-                        .api()
-                        .ncclCommGetAsyncError(handle.ptr, &mut code)
-                };
-                self.library().check("ncclCommGetAsyncError", status)?;
-                ResultCode::from_raw(code)
-            };
-            if code != ResultCode::InProgress {
-                return Ok(());
-            }
-            if start.elapsed() >= timeout {
-                return Err(Error::Timeout {
-                    what: format!("{call} on rank {} to complete", self.rank()),
-                    waited: start.elapsed(),
-                });
-            }
-            backoff.wait();
         }
     }
 

@@ -240,7 +240,12 @@ impl<'g> Group<'g> {
                 return Err(err);
             }
         }
-        Ok(())
+        // An abort deferred while the group was open ran in `leave`: the fused operation
+        // was cut short, which is this group's failure.
+        match self.comms.iter().find_map(|comm| comm.failure()) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
     }
 
     /// The number of buffers the group holds borrowed.
