@@ -614,14 +614,23 @@ fn child_kill_and_shrink() {
     let survivors = match comm.shrink(&[dead], ShrinkMode::Abort, Some(&config)) {
         Ok(survivors) => survivors,
         // Over sockets the parent records the peer's death as an asynchronous error, and
-        // NCCL refuses to shrink a parent in error; revoking it first (NCCL 2.28.7) quiesces
-        // it so that shrink proceeds.
+        // NCCL 2.28 refuses to shrink a parent in error (the error is sticky, also after a
+        // revoke). The survivors rebuild instead: abort the parent, agree on a fresh id
+        // through the file rendezvous, and create the 3-rank communicator from scratch.
         Err(err) if err.nccl_code() == Some(nccl::ResultCode::RemoteError) => {
-            println!("rank {rank}: shrink refused ({err}); revoking the parent first");
-            comm.revoke()
-                .unwrap_or_else(|e| panic!("rank {rank}: revoke failed: {e}"));
-            comm.shrink(&[dead], ShrinkMode::Default, Some(&config))
-                .unwrap_or_else(|e| panic!("rank {rank}: shrink after revoke failed: {e}"))
+            println!("REBUILT_INSTEAD_OF_SHRINK rank={rank} reason={err}");
+            let outcome = comm.abort_handle().and_then(|h| h.abort());
+            println!("rank {rank}: parent aborted: {outcome:?}");
+            let new_rank = if rank < dead { rank } else { rank - 1 };
+            let rendezvous = nccl::bootstrap::FileRendezvous::new(&dir, new_rank, size - 1)
+                .with_job_key("survivors")
+                .with_timeout(Duration::from_secs(60));
+            let fresh = (new_rank == 0).then(|| UniqueId::new().expect("ncclGetUniqueId"));
+            let id = rendezvous
+                .exchange(fresh)
+                .unwrap_or_else(|e| panic!("rank {rank}: survivors' rendezvous failed: {e}"));
+            Comm::init_rank_with_config(stream.clone(), &id, new_rank, size - 1, &config)
+                .unwrap_or_else(|e| panic!("rank {rank}: rebuilding failed: {e}"))
         }
         Err(err) => panic!("rank {rank}: shrink failed: {err}"),
     };
