@@ -1,0 +1,543 @@
+//! An nccl-tests compatible benchmark of nccl-rs: same flags, same columns, same formulas, one
+//! process per GPU, and the same operations issued through raw nccl-sys calls for a baseline
+//! measured in the same process.
+//!
+//! ```text
+//! cargo run --release --example bench -- all_reduce -b 8 -e 1G -f 2       # every local GPU
+//! cargo run --release --example bench -- all_reduce -b 8 -e 1G -f 2 --compare --rounds 3
+//! cargo run --release --example bench -- all_gather -b 1M -e 512M -f 4 --ranks 2
+//! cargo run --release --example bench -- all_reduce -b 8 -e 8 -n 1000 -G 10 --compare
+//! cargo run --release --example bench -- all_reduce -b 8 -e 1M -f 4 -n 1000 --latency
+//! mpirun -np 4 target/release/examples/bench all_reduce -b 8 -e 1G -f 2
+//! ```
+//!
+//! # Launch
+//!
+//! Under a launcher (`mpirun`, `srun`, torchrun-style variables) every process is one rank;
+//! without one, the program starts one process per visible GPU itself (or `--ranks N`) with
+//! [`nccl::bootstrap::spawn_local`]. The unique id travels through the bootstrap's rendezvous
+//! (TCP, or a file on one machine), never through MPI. Only rank 0 prints.
+//!
+//! # What is measured
+//!
+//! For every element type (`-d`) and reduction (`-o`), nccl-tests' sequence: warm-up at the
+//! largest and at the smallest size (`-w` operations each), then for every size, out of place
+//! and then in place: one operation and a wait, a barrier, then `-n` operations issued back to
+//! back, timed on the host from the first issue until the stream is idle (polled with
+//! `cuStreamQuery`, as nccl-tests does). The time per operation is that time over `-n`; the
+//! reported time is the mean over ranks (nccl-tests' default `-a 1`; `-a 0/2/3`: rank 0's,
+//! the smallest, the largest). As in nccl-tests, successive iterations use buffers shifted
+//! through the whole allocation (`size * (iter % (maxbytes / size))`), and buffers come from
+//! `ncclMemAlloc` (`--alloc cuda` for cudarc's allocator).
+//!
+//! * `-G N` (graph mode): the `-n` operations are captured into a CUDA graph (thread-local
+//!   capture mode, as nccl-tests), instantiated and uploaded, then replayed `N` times back to
+//!   back; time per operation = elapsed / (`n` * `N`). cudarc's event tracking is turned off in
+//!   this mode: its waits on events recorded outside the capture would invalidate it.
+//! * `--latency`: each of the `-n` operations is bracketed by CUDA events; the columns show the
+//!   median and the 99th percentile of the per-call device times, and the bandwidths follow
+//!   the median.
+//! * `-C 1`: the time column shows the host time spent issuing instead (the bandwidths still
+//!   follow the completion time), as nccl-tests does.
+//!
+//! `--raw` issues every operation as `comm.library().api().ncclAllReduce(...)` on
+//! `Comm::as_raw()` and raw device pointers of the same buffers, which is what nccl-tests'
+//! `all_reduce_perf` does; `--compare` runs both, alternately, and prints them side by side
+//! with the difference in percent, the safe/raw ratio of times below 1 MiB and of bus
+//! bandwidths from 1 MiB (`--rounds N` repeats each measurement and reports the median).
+//!
+//! # Sizes and bandwidths (nccl-tests' conventions)
+//!
+//! The size is the bytes of the whole buffer: for all_reduce, broadcast, reduce and sendrecv
+//! the buffer each rank sends and receives; for all_gather the receive buffer (each rank sends
+//! size/n); for reduce_scatter the send buffer (each rank receives size/n); for alltoall either
+//! buffer (size/n per peer). It is rounded down to whole elements, and to multiples of n
+//! elements where it is split. "count" is NCCL's count argument (per rank for all_gather,
+//! reduce_scatter, alltoall). algbw = size / time; busbw = algbw × 2(n−1)/n for all_reduce,
+//! × (n−1)/n for all_gather, reduce_scatter and alltoall, × 1 for broadcast, reduce and sendrecv.
+//! alltoall is NCCL's own `ncclAlltoAll` (NCCL 2.28) rather than nccl-tests' send/receive
+//! loop; alltoall and sendrecv have no in-place columns (NCCL has no in-place all-to-all, and
+//! the safe API cannot send from and receive into one buffer at once).
+//!
+//! # Check
+//!
+//! With `-c N` (default 1), after the timing of every cell the operation runs once more on
+//! known inputs: rank r's element i is a small integer drawn from (r, i) (ones and twos for
+//! products), so every result is exact; outputs are zeroed first and no correct value is 0.
+//! Every rank compares its output with the expected values computed on the host (integers
+//! exactly, floating-point types within a few rounding steps) and "#wrong" is the number of
+//! wrong elements over all ranks. Any wrong element makes the program exit with status 1.
+
+#[path = "bench/args.rs"]
+mod args;
+#[path = "bench/coll.rs"]
+mod coll;
+#[path = "bench/elem.rs"]
+mod elem;
+#[path = "bench/measure.rs"]
+mod measure;
+#[path = "bench/ops.rs"]
+mod ops;
+#[path = "bench/rank.rs"]
+mod rank;
+#[path = "bench/report.rs"]
+mod report;
+
+use std::process::ExitCode;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::CUdevice_attribute;
+use nccl::bootstrap::{spawn_local, BootstrapError};
+use nccl::ReduceOp;
+
+use args::{Alloc, Apis, Average, Mode, Options, Parsed};
+use coll::Pattern;
+use elem::{dispatch, DType, Elem, TypeVisitor};
+use measure::Timing;
+use ops::{Api, Buffers, Issuer};
+use rank::Rank;
+use report::{Measured, Report, Row};
+
+/// The error type of the whole benchmark.
+pub type BenchResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// This process's rank, once known (for error messages).
+static RANK: OnceLock<usize> = OnceLock::new();
+
+fn main() -> ExitCode {
+    let options = match args::parse(std::env::args().skip(1)) {
+        Ok(Parsed::Run(options)) => options,
+        Ok(Parsed::Help) => {
+            println!("{}", args::usage());
+            return ExitCode::SUCCESS;
+        }
+        Err(message) => {
+            eprintln!("bench: {message}\n\n{}", args::usage());
+            return ExitCode::from(2);
+        }
+    };
+    match run(&options) {
+        Ok(true) => ExitCode::SUCCESS,
+        // Wrong results: rank 0 has reported them and fails; the others end normally, so a
+        // local job's supervisor does not cut rank 0's report short.
+        Ok(false) if RANK.get().copied().unwrap_or(0) == 0 => ExitCode::FAILURE,
+        Ok(false) => ExitCode::SUCCESS,
+        Err(err) => {
+            match RANK.get() {
+                Some(rank) => eprintln!("bench (rank {rank}): {err}"),
+                None => eprintln!("bench: {err}"),
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Starts or joins the job, runs the benchmark, and returns whether every result was right.
+fn run(options: &Options) -> BenchResult<bool> {
+    // Both fail with a clear message on a machine without GPUs or without NCCL, before any
+    // process is started.
+    let gpus = nccl::library::cuda_device_count()?;
+    nccl::library::get()?;
+
+    let job = spawn_local(options.ranks.unwrap_or(gpus))?;
+    let _ = RANK.set(job.launch().rank);
+    // GPU of the local rank, a stream on it, the unique id through the bootstrap's
+    // rendezvous, and the communicator.
+    let (comm, stream) = job.init_comm()?;
+    let tracking = options.event_tracking && options.mode() != Mode::Graph;
+    if !tracking {
+        // SAFETY: this process runs all its device work on this one stream, so there is no
+        // cross-stream order for the events to enforce; buffers (all allocated after this
+        // point, so without events) are released in stream order or after a stream
+        // synchronisation, once their last use is enqueued.
+        unsafe { stream.context().disable_event_tracking() };
+    }
+    let device = stream.context().ordinal();
+    let mut rank = Rank::new(comm, stream, device)?;
+
+    let outcome = benchmark(&mut rank, options, tracking, job.spawned());
+    drop(rank);
+    match outcome {
+        Ok(all_right) => match job.wait() {
+            Ok(()) => Ok(all_right),
+            Err(BootstrapError::ChildFailed {
+                rank, exit_code, ..
+            }) => Err(format!("local rank {rank} failed (exit code {exit_code})").into()),
+            Err(err) => Err(err.into()),
+        },
+        // Dropping the job stops the ranks it started, which may wait for this one forever.
+        Err(err) => {
+            drop(job);
+            Err(err)
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
+/// Runs every type and reduction; prints and writes the results on rank 0.
+fn benchmark(
+    rank: &mut Rank,
+    options: &Options,
+    tracking: bool,
+    spawned: usize,
+) -> BenchResult<bool> {
+    let (me, n) = (rank.rank(), rank.size());
+    if options.coll.has_root() && options.root >= n {
+        return Err(format!("root {} is out of range for {n} ranks (-r)", options.root).into());
+    }
+    let ctx = rank.context().clone();
+    let line = format!(
+        "#  Rank {me:>2} Group  0 Pid {:>6} on {:>10} device {:>2} [0x{:02x}] {}",
+        std::process::id(),
+        hostname(),
+        rank.device,
+        ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+        ctx.name()?
+    );
+    let devices = rank.gather_lines(&line)?;
+
+    // Send and receive buffers of maxBytes each, plus room for everything else (as
+    // nccl-tests limits it; the check runs on the host and needs no third buffer).
+    let memory = rank.combine(ctx.total_mem()? as f64, Average::Min)?;
+    let limit = ((memory - (1u64 << 30) as f64) / 2.0).max(0.0) as usize;
+    let max_bytes = options.max_bytes.min(limit);
+
+    let lib = rank.comm.library();
+    let mode = options.mode();
+    // ncclMemAlloc arrived in NCCL 2.19; older libraries get cudarc's memory, as nccl-tests
+    // falls back to cudaMalloc.
+    let alloc = if lib.version() >= nccl::Version::new(2, 19, 0) {
+        options.alloc
+    } else {
+        Alloc::Cuda
+    };
+    let apis_name = match options.apis {
+        Apis::Safe => "the safe API",
+        Apis::Raw => "raw nccl-sys calls",
+        Apis::Compare => "the safe API and raw nccl-sys calls",
+    };
+    if me == 0 {
+        println!(
+            "# nccl-rs {} bench: {} through {apis_name}, {} mode, one process per GPU",
+            env!("CARGO_PKG_VERSION"),
+            options.coll.name(),
+            report::mode_name(mode),
+        );
+        println!(
+            "# NCCL {} ({}); buffers from {}; cudarc event tracking {}; {}",
+            lib.version(),
+            lib.path().display(),
+            match alloc {
+                Alloc::Nccl => "ncclMemAlloc",
+                Alloc::Cuda => "cudarc",
+            },
+            if tracking { "on" } else { "off" },
+            if spawned > 0 {
+                format!("started {spawned} local ranks")
+            } else {
+                "ranks from the launcher".to_string()
+            }
+        );
+        let step = if options.step_factor > 1 {
+            format!("{}(factor)", options.step_factor)
+        } else {
+            format!("{}(bytes)", options.step_bytes)
+        };
+        println!(
+            "# nRanks {n} minBytes {} maxBytes {} step: {step} warmup iters: {} iters: {} agg iters: 1 validation: {} graph: {}",
+            options.min_bytes, options.max_bytes, options.warmup, options.iters, options.check, options.graph_launches
+        );
+        println!("#\n# Using devices");
+        for device in &devices {
+            println!("{device}");
+        }
+        if max_bytes < options.max_bytes {
+            println!("#\n# Reducing maxBytes to {max_bytes} due to memory limitation");
+        }
+        println!("#");
+    }
+
+    let mut report = Report {
+        coll: options.coll,
+        mode,
+        apis: options.apis,
+        ranks: n,
+        cputime: options.cputime,
+        rows: Vec::new(),
+    };
+    if me == 0 {
+        print!("{}", report.header());
+    }
+    for &dtype in &options.dtypes {
+        dispatch(
+            dtype,
+            TypeRun {
+                rank: &mut *rank,
+                options,
+                report: &mut report,
+                max_bytes,
+                alloc,
+                dtype,
+            },
+        )?;
+    }
+
+    if me == 0 {
+        print!("{}", report.footer());
+        let meta = serde_json::json!({
+            "collective": options.coll.name(),
+            "mode": report::mode_name(mode),
+            "apis": format!("{:?}", options.apis).to_lowercase(),
+            "ranks": n,
+            "nccl_version": lib.version().to_string(),
+            "nccl_library": lib.path().display().to_string(),
+            "nccl_rs_version": env!("CARGO_PKG_VERSION"),
+            "alloc": format!("{alloc:?}").to_lowercase(),
+            "event_tracking": tracking,
+            "min_bytes": options.min_bytes,
+            "max_bytes": max_bytes,
+            "step_factor": options.step_factor,
+            "step_bytes": options.step_bytes,
+            "iters": options.iters,
+            "warmup_iters": options.warmup,
+            "graph_launches": options.graph_launches,
+            "rounds": options.rounds,
+            "average": format!("{:?}", options.average).to_lowercase(),
+            "devices": devices,
+        });
+        if let Some(path) = &options.json {
+            report::write_file(path, &report.json(meta))?;
+        }
+        if let Some(path) = &options.csv {
+            report::write_file(path, &report.csv())?;
+        }
+        if let Some(path) = &options.plot {
+            let title = format!(
+                "{} bus bandwidth, {n} ranks, {} mode, NCCL {}",
+                options.coll.name(),
+                report::mode_name(mode),
+                lib.version()
+            );
+            report::write_file(path, &report.svg(&title))?;
+        }
+    }
+    Ok(report.failures() == 0)
+}
+
+/// The benchmark for one element type.
+struct TypeRun<'a> {
+    rank: &'a mut Rank,
+    options: &'a Options,
+    report: &'a mut Report,
+    max_bytes: usize,
+    alloc: Alloc,
+    dtype: DType,
+}
+
+impl TypeVisitor for TypeRun<'_> {
+    type Output = BenchResult<()>;
+
+    fn visit<T: Elem>(self) -> BenchResult<()> {
+        let TypeRun {
+            rank,
+            options,
+            report,
+            max_bytes,
+            alloc,
+            dtype,
+        } = self;
+        let coll = options.coll;
+        let (me, n) = (rank.rank(), rank.size());
+        let elem_size = std::mem::size_of::<T>();
+        debug_assert_eq!(elem_size, dtype.size());
+        let sizes: Vec<usize> = options
+            .sizes()
+            .into_iter()
+            .filter(|&size| size <= max_bytes)
+            .collect();
+        let (Some(&smallest), Some(&largest)) = (sizes.first(), sizes.last()) else {
+            return Ok(());
+        };
+        let buffer_len = (max_bytes / elem_size)
+            .max(coll.layout(largest, elem_size, n).total)
+            .max(1);
+        let mut bufs = Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?;
+        measure::fill(rank, &mut bufs, &Pattern::new(n, None, 0))?;
+
+        let apis: &[Api] = match options.apis {
+            Apis::Safe => &[Api::Safe],
+            Apis::Raw => &[Api::Raw],
+            Apis::Compare => &[Api::Safe, Api::Raw],
+        };
+        let ops: Vec<Option<ReduceOp>> = if coll.has_redop() {
+            options.ops.iter().copied().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        for op in ops {
+            let redop = op.unwrap_or(ReduceOp::Sum);
+            let root = if coll.has_root() { options.root } else { 0 };
+            // nccl-tests warms up at the largest size, then at the smallest.
+            for size in [largest, smallest] {
+                let issuer = Issuer::new(
+                    &rank.comm,
+                    coll,
+                    coll.layout(size, elem_size, n),
+                    redop,
+                    root,
+                );
+                for &api in apis {
+                    measure::warm_up(rank, &issuer, api, &mut bufs, options.warmup)?;
+                }
+            }
+            let pattern = (options.check > 0).then(|| Pattern::new(n, op, 0x5eed));
+            for &size in &sizes {
+                let layout = coll.layout(size, elem_size, n);
+                let issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
+                let mut row = Row {
+                    size: layout.total * elem_size,
+                    count: layout.count,
+                    dtype: dtype.name(),
+                    redop: op.map_or("none", ReduceOp::name),
+                    root: if coll.has_root() { root as i64 } else { -1 },
+                    out_of_place: Vec::new(),
+                    in_place: Vec::new(),
+                };
+                for in_place in [false, true] {
+                    if in_place && !coll.has_in_place() {
+                        continue;
+                    }
+                    let cell = Cell {
+                        rank: &mut *rank,
+                        options,
+                        issuer: &issuer,
+                        in_place,
+                        pattern: pattern.as_ref(),
+                    }
+                    .measure(apis, &mut bufs)?;
+                    if in_place {
+                        row.in_place = cell;
+                    } else {
+                        row.out_of_place = cell;
+                    }
+                }
+                if me == 0 {
+                    println!("{}", report.line(&row));
+                }
+                report.rows.push(row);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One placement (out of place or in place) of one size, for every API.
+struct Cell<'a> {
+    rank: &'a mut Rank,
+    options: &'a Options,
+    issuer: &'a Issuer,
+    in_place: bool,
+    pattern: Option<&'a Pattern>,
+}
+
+impl Cell<'_> {
+    fn measure<T: Elem>(self, apis: &[Api], bufs: &mut Buffers<T>) -> BenchResult<Vec<Measured>> {
+        let Cell {
+            rank,
+            options,
+            issuer,
+            in_place,
+            pattern,
+        } = self;
+        let average = options.average;
+        let mut timings: Vec<Vec<Timing>> = vec![Vec::new(); apis.len()];
+        for round in 0..options.rounds {
+            // Alternate the order, so neither API always runs on a warmer machine.
+            let mut order: Vec<usize> = (0..apis.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for i in order {
+                let api = apis[i];
+                let local = match options.mode() {
+                    Mode::Host => measure::host(rank, issuer, api, bufs, in_place, options.iters)?,
+                    Mode::Graph => measure::graph(
+                        rank,
+                        issuer,
+                        api,
+                        bufs,
+                        in_place,
+                        options.iters,
+                        options.graph_launches,
+                    )?,
+                    Mode::Latency => {
+                        measure::latency(rank, issuer, api, bufs, in_place, options.iters)?
+                    }
+                };
+                let p99_us = match local.p99_us {
+                    Some(p99) => Some(rank.combine(p99, average)?),
+                    None => None,
+                };
+                timings[i].push(Timing {
+                    time_us: rank.combine(local.time_us, average)?,
+                    p99_us,
+                    cpu_us: rank.combine(local.cpu_us, average)?,
+                });
+            }
+        }
+
+        let bytes = (issuer.layout.total * std::mem::size_of::<T>()) as f64;
+        let factor = issuer.coll.bus_factor(issuer.n);
+        let mut out = Vec::with_capacity(apis.len());
+        for (i, &api) in apis.iter().enumerate() {
+            let middle = |f: fn(&Timing) -> f64| {
+                let mut values: Vec<f64> = timings[i].iter().map(f).collect();
+                values.sort_by(f64::total_cmp);
+                measure::median(&values)
+            };
+            let time_us = middle(|t| t.time_us);
+            let p99_us = timings[i]
+                .first()
+                .and_then(|t| t.p99_us)
+                .map(|_| middle(|t| t.p99_us.unwrap_or(f64::NAN)));
+            let cpu_us = middle(|t| t.cpu_us);
+            let algbw = if time_us > 0.0 {
+                bytes / (time_us * 1e-6) / 1e9
+            } else {
+                0.0
+            };
+            let wrong = match pattern {
+                Some(pattern) => {
+                    let mut wrong = 0;
+                    for _ in 0..options.check {
+                        let local = measure::check(rank, issuer, api, bufs, in_place, pattern)?;
+                        wrong = rank.sum(local as f64)?.round() as u64;
+                        if wrong > 0 {
+                            break;
+                        }
+                    }
+                    Some(wrong)
+                }
+                None => None,
+            };
+            out.push(Measured {
+                api,
+                time_us,
+                p99_us,
+                cpu_us,
+                algbw,
+                busbw: algbw * factor,
+                wrong,
+            });
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,421 @@
+//! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C`), plus
+//! this benchmark's own long options.
+
+use std::path::PathBuf;
+
+use nccl::ReduceOp;
+
+use crate::coll::Coll;
+use crate::elem::DType;
+
+/// How the per-rank times of one measurement are combined (nccl-tests' `-a`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Average {
+    /// Rank 0's time (`-a 0`).
+    Rank0,
+    /// The mean over the ranks (`-a 1`, the default).
+    Mean,
+    /// The smallest (`-a 2`).
+    Min,
+    /// The largest (`-a 3`).
+    Max,
+}
+
+/// Which API issues the timed operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Apis {
+    /// The safe API only (the default).
+    Safe,
+    /// Raw nccl-sys calls only (`--raw`).
+    Raw,
+    /// Both, side by side (`--compare`).
+    Compare,
+}
+
+/// How an operation is timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Back-to-back launches timed on the host between synchronisations (nccl-tests' way).
+    Host,
+    /// `iters` operations captured in a CUDA graph, replayed `-G` times.
+    Graph,
+    /// Every call timed with CUDA events: median and 99th percentile.
+    Latency,
+}
+
+/// Where device memory comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alloc {
+    /// `ncclMemAlloc`, as nccl-tests does with NCCL 2.19 and newer (the default).
+    Nccl,
+    /// cudarc's allocator (`cuMemAllocAsync` where available).
+    Cuda,
+}
+
+/// Everything the command line says.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The operation.
+    pub coll: Coll,
+    /// Smallest size in bytes (`-b`).
+    pub min_bytes: usize,
+    /// Largest size in bytes (`-e`).
+    pub max_bytes: usize,
+    /// Additive step (`-i`), used when the factor is 1.
+    pub step_bytes: usize,
+    /// Multiplicative step (`-f`).
+    pub step_factor: usize,
+    /// Timed iterations per size (`-n`).
+    pub iters: usize,
+    /// Warm-up iterations (`-w`).
+    pub warmup: usize,
+    /// Data checks per size (`-c`; 0 turns checking off).
+    pub check: usize,
+    /// Reductions to run (`-o`).
+    pub ops: Vec<ReduceOp>,
+    /// Element types to run (`-d`).
+    pub dtypes: Vec<DType>,
+    /// Root of broadcast and reduce (`-r`).
+    pub root: usize,
+    /// Graph replays (`-G`); more than 0 selects graph mode.
+    pub graph_launches: usize,
+    /// Per-call latency mode (`--latency`).
+    pub latency: bool,
+    /// How per-rank times are combined (`-a`).
+    pub average: Average,
+    /// Report the host time spent issuing instead of the time to completion (`-C 1`).
+    pub cputime: bool,
+    /// Which API issues the operations.
+    pub apis: Apis,
+    /// Measurements per API and size in `--compare` mode; the median is reported.
+    pub rounds: usize,
+    /// Processes to start when no launcher started this one (`--ranks`).
+    pub ranks: Option<usize>,
+    /// cudarc's event tracking on the benchmark's buffers (`--event-tracking`).
+    pub event_tracking: bool,
+    /// Where buffers come from (`--alloc`).
+    pub alloc: Alloc,
+    /// Write every measurement as JSON here (`--json`).
+    pub json: Option<PathBuf>,
+    /// Write every measurement as CSV here (`--csv`).
+    pub csv: Option<PathBuf>,
+    /// Draw busbw against size as SVG here (`--plot`).
+    pub plot: Option<PathBuf>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            coll: Coll::AllReduce,
+            min_bytes: 32 << 20,
+            max_bytes: 32 << 20,
+            step_bytes: 1 << 20,
+            step_factor: 1,
+            iters: 20,
+            warmup: 5,
+            check: 1,
+            ops: vec![ReduceOp::Sum],
+            dtypes: vec![DType::Float],
+            root: 0,
+            graph_launches: 0,
+            latency: false,
+            average: Average::Mean,
+            cputime: false,
+            apis: Apis::Safe,
+            rounds: 1,
+            ranks: None,
+            event_tracking: true,
+            alloc: Alloc::Nccl,
+            json: None,
+            csv: None,
+            plot: None,
+        }
+    }
+}
+
+impl Options {
+    /// The timing mode the flags select.
+    pub fn mode(&self) -> Mode {
+        if self.latency {
+            Mode::Latency
+        } else if self.graph_launches > 0 {
+            Mode::Graph
+        } else {
+            Mode::Host
+        }
+    }
+
+    /// The sizes to run, in bytes, in order.
+    pub fn sizes(&self) -> Vec<usize> {
+        let mut sizes = Vec::new();
+        let mut size = self.min_bytes;
+        while size <= self.max_bytes {
+            sizes.push(size);
+            let next = if self.step_factor > 1 {
+                size.checked_mul(self.step_factor)
+            } else {
+                size.checked_add(self.step_bytes)
+            };
+            match next {
+                // A zero minimum with a factor would never grow.
+                Some(next) if next > size => size = next,
+                _ => break,
+            }
+        }
+        sizes
+    }
+}
+
+/// The outcome of parsing: run, or print the help and stop.
+#[derive(Debug)]
+pub enum Parsed {
+    /// Run with these options.
+    Run(Box<Options>),
+    /// `-h`/`--help` was given.
+    Help,
+}
+
+/// The help text.
+pub fn usage() -> String {
+    let colls: Vec<&str> = Coll::ALL.iter().map(|c| c.name()).collect();
+    let types: Vec<&str> = DType::ALL.iter().map(|t| t.name()).collect();
+    format!(
+        "\
+usage: bench [COLLECTIVE] [options]
+
+COLLECTIVE: {colls} (default all_reduce)
+
+nccl-tests flags:
+  -b, --minbytes <size>        smallest size, e.g. 8, 64K, 128M, 1G (default 32M)
+  -e, --maxbytes <size>        largest size (default 32M)
+  -i, --stepbytes <size>       additive step when the factor is 1 (default 1M)
+  -f, --stepfactor <n>         multiplicative step (default 1)
+  -n, --iters <n>              timed iterations per size (default 20)
+  -w, --warmup_iters <n>       warm-up iterations (default 5)
+  -c, --check <n>              data checks per size, 0 = off (default 1)
+  -o, --op <op>                sum, prod, max, min, avg or all (default sum)
+  -d, --datatype <type>        {types} or all (default float)
+  -r, --root <rank>            root of broadcast and reduce (default 0)
+  -G, --cudagraph <n>          capture the iterations in a CUDA graph, replay it n times
+  -a, --average <0|1|2|3>      combine per-rank times: rank 0, mean, min, max (default 1)
+  -C, --report_cputime <0|1>   report the host time spent issuing (default 0)
+
+this benchmark's own:
+      --raw                    issue through raw nccl-sys calls instead of the safe API
+      --compare                issue through both and print them side by side
+      --rounds <n>             with --compare: measurements per API, median reported (default 1)
+      --latency                time every call with CUDA events: median and p99
+      --ranks <n>              processes to start without a launcher (default: every GPU)
+      --event-tracking <0|1>   cudarc's event tracking on the buffers (default 1; off in graph mode)
+      --alloc <nccl|cuda>      ncclMemAlloc (default, as nccl-tests) or cudarc's allocator
+      --json <file>            write every measurement as JSON
+      --csv <file>             write every measurement as CSV
+      --plot <file.svg>        draw busbw against size
+  -h, --help                   this text
+
+Sizes are bytes of the whole buffer as in nccl-tests: for all_gather the receive buffer, for
+reduce_scatter the send buffer, for alltoall either buffer.",
+        colls = colls.join(", "),
+        types = types.join(", ")
+    )
+}
+
+/// Parses the arguments after the program name.
+pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
+    let mut options = Options::default();
+    let mut coll_given = false;
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        if arg == "-h" || arg == "--help" {
+            return Ok(Parsed::Help);
+        }
+        if arg == "--" {
+            // `cargo run --example bench -- ...` and runners passing it through.
+            continue;
+        }
+        if !arg.starts_with('-') || arg == "-" {
+            let coll = Coll::parse(&arg)
+                .ok_or_else(|| format!("unknown collective {arg:?} (try --help)"))?;
+            if coll_given {
+                return Err(format!("only one collective per run (got {arg:?} as well)"));
+            }
+            options.coll = coll;
+            coll_given = true;
+            continue;
+        }
+        // Split "--name=value", "-bVALUE" and "-b VALUE" forms.
+        let (name, inline) = if let Some(long) = arg.strip_prefix("--") {
+            match long.split_once('=') {
+                Some((name, value)) => (format!("--{name}"), Some(value.to_string())),
+                None => (arg.clone(), None),
+            }
+        } else if arg.len() > 2 && arg.is_char_boundary(2) {
+            (arg[..2].to_string(), Some(arg[2..].to_string()))
+        } else {
+            (arg.clone(), None)
+        };
+        match name.as_str() {
+            "--raw" | "--compare" | "--latency" => {
+                if inline.is_some() {
+                    return Err(format!("{name} takes no value"));
+                }
+                match name.as_str() {
+                    "--raw" => options.apis = Apis::Raw,
+                    "--compare" => options.apis = Apis::Compare,
+                    _ => options.latency = true,
+                }
+                continue;
+            }
+            _ => {}
+        }
+        let mut value = || -> Result<String, String> {
+            match inline.clone() {
+                Some(value) => Ok(value),
+                None => args.next().ok_or_else(|| format!("{name} needs a value")),
+            }
+        };
+        match name.as_str() {
+            "-b" | "--minbytes" => options.min_bytes = size(&name, &value()?)?,
+            "-e" | "--maxbytes" => options.max_bytes = size(&name, &value()?)?,
+            "-i" | "--stepbytes" => options.step_bytes = size(&name, &value()?)?,
+            "-f" | "--stepfactor" => options.step_factor = number(&name, &value()?)?,
+            "-n" | "--iters" => options.iters = number(&name, &value()?)?,
+            "-w" | "--warmup_iters" => options.warmup = number(&name, &value()?)?,
+            "-c" | "--check" => options.check = number(&name, &value()?)?,
+            "-r" | "--root" => options.root = number(&name, &value()?)?,
+            "-G" | "--cudagraph" => options.graph_launches = number(&name, &value()?)?,
+            "-C" | "--report_cputime" => options.cputime = flag(&name, &value()?)?,
+            "-a" | "--average" => {
+                options.average = match number(&name, &value()?)? {
+                    0 => Average::Rank0,
+                    1 => Average::Mean,
+                    2 => Average::Min,
+                    3 => Average::Max,
+                    other => return Err(format!("{name}: expected 0, 1, 2 or 3, got {other}")),
+                }
+            }
+            "-o" | "--op" => {
+                let text = value()?;
+                options.ops = match text.to_ascii_lowercase().as_str() {
+                    "all" => ReduceOp::ALL.to_vec(),
+                    op => vec![ReduceOp::ALL
+                        .into_iter()
+                        .find(|o| o.name() == op)
+                        .ok_or_else(|| {
+                            format!("{name}: unknown reduction {text:?} (sum, prod, max, min, avg, all)")
+                        })?],
+                };
+            }
+            "-d" | "--datatype" => {
+                let text = value()?;
+                options.dtypes = if text.eq_ignore_ascii_case("all") {
+                    DType::ALL.to_vec()
+                } else {
+                    vec![DType::parse(&text).ok_or_else(|| {
+                        format!("{name}: unknown data type {text:?} (try --help)")
+                    })?]
+                };
+            }
+            "--rounds" => options.rounds = number(&name, &value()?)?,
+            "--ranks" => options.ranks = Some(number(&name, &value()?)?),
+            "--event-tracking" => options.event_tracking = flag(&name, &value()?)?,
+            "--alloc" => {
+                options.alloc = match value()?.as_str() {
+                    "nccl" => Alloc::Nccl,
+                    "cuda" | "cudarc" => Alloc::Cuda,
+                    other => return Err(format!("{name}: expected nccl or cuda, got {other:?}")),
+                }
+            }
+            "--json" => options.json = Some(value()?.into()),
+            "--csv" => options.csv = Some(value()?.into()),
+            "--plot" => options.plot = Some(value()?.into()),
+            "-t" | "--nthreads" | "-g" | "--ngpus" | "-m" | "--agg_iters" | "-N"
+            | "--run_cycles" | "-p" | "--parallel_init" | "-z" | "--blocking" | "-y"
+            | "--stream_null" | "-T" | "--timeout" | "-R" | "--local_register" => {
+                return Err(format!(
+                    "{name} is an nccl-tests flag this benchmark does not implement (one \
+                     process per GPU; see --help)"
+                ))
+            }
+            _ => return Err(format!("unknown option {arg:?} (try --help)")),
+        }
+    }
+    validate(&options)?;
+    Ok(Parsed::Run(Box::new(options)))
+}
+
+fn validate(options: &Options) -> Result<(), String> {
+    if options.min_bytes > options.max_bytes {
+        return Err(format!(
+            "invalid sizes: minbytes {} > maxbytes {}",
+            options.min_bytes, options.max_bytes
+        ));
+    }
+    if options.step_factor == 0 {
+        return Err("the step factor (-f) must be at least 1".into());
+    }
+    if options.step_factor == 1 && options.step_bytes == 0 && options.min_bytes < options.max_bytes
+    {
+        return Err("with a step factor of 1 the step (-i) must be more than 0".into());
+    }
+    if options.iters == 0 {
+        return Err("at least one iteration is needed (-n)".into());
+    }
+    if options.rounds == 0 {
+        return Err("--rounds must be at least 1".into());
+    }
+    if options.latency && options.graph_launches > 0 {
+        return Err("--latency and -G (graph mode) cannot be combined".into());
+    }
+    if options.ranks == Some(0) {
+        return Err("--ranks must be at least 1".into());
+    }
+    if options.sizes().len() > 10_000 {
+        return Err(format!(
+            "{} sizes between {} and {} bytes; use a larger step",
+            options.sizes().len(),
+            options.min_bytes,
+            options.max_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// Parses a size like nccl-tests: a number with an optional K, M or G (powers of 1024),
+/// optionally followed by `B` or `iB`.
+fn size(name: &str, text: &str) -> Result<usize, String> {
+    let bad = || format!("{name}: invalid size {text:?} (e.g. 8, 64K, 128M, 1G)");
+    let trimmed = text.trim();
+    let lower = trimmed.to_ascii_lowercase();
+    let stripped = lower
+        .strip_suffix("ib")
+        .or_else(|| lower.strip_suffix('b'))
+        .unwrap_or(&lower);
+    let (number, unit) = match stripped.chars().last() {
+        Some('k') => (&stripped[..stripped.len() - 1], 1u64 << 10),
+        Some('m') => (&stripped[..stripped.len() - 1], 1 << 20),
+        Some('g') => (&stripped[..stripped.len() - 1], 1 << 30),
+        Some('t') => (&stripped[..stripped.len() - 1], 1 << 40),
+        _ => (stripped, 1),
+    };
+    let value: f64 = number.trim().parse().map_err(|_| bad())?;
+    let bytes = value * unit as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > usize::MAX as f64 / 2.0 {
+        return Err(bad());
+    }
+    Ok(bytes as usize)
+}
+
+fn number(name: &str, text: &str) -> Result<usize, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("{name}: expected a non-negative integer, got {text:?}"))
+}
+
+fn flag(name: &str, text: &str) -> Result<bool, String> {
+    match text.trim() {
+        "0" | "false" | "off" | "no" => Ok(false),
+        "1" | "true" | "on" | "yes" => Ok(true),
+        _ => Err(format!("{name}: expected 0 or 1, got {text:?}")),
+    }
+}

@@ -1,0 +1,273 @@
+//! The collectives: nccl-tests' size conventions and bandwidth formulas, and the data check
+//! (input pattern, expected output).
+
+use nccl::ReduceOp;
+
+use crate::elem::Elem;
+
+/// The operations the benchmark runs (one of nccl-tests' `*_perf` programs each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Coll {
+    /// `all_reduce_perf`
+    AllReduce,
+    /// `all_gather_perf`
+    AllGather,
+    /// `reduce_scatter_perf`
+    ReduceScatter,
+    /// `broadcast_perf`
+    Broadcast,
+    /// `reduce_perf`
+    Reduce,
+    /// `alltoall_perf` (NCCL's own `ncclAlltoAll`, 2.28)
+    AllToAll,
+    /// `sendrecv_perf`: every rank sends to the next and receives from the previous one
+    SendRecv,
+}
+
+impl Coll {
+    /// Every collective.
+    pub const ALL: [Coll; 7] = [
+        Coll::AllReduce,
+        Coll::AllGather,
+        Coll::ReduceScatter,
+        Coll::Broadcast,
+        Coll::Reduce,
+        Coll::AllToAll,
+        Coll::SendRecv,
+    ];
+
+    /// The name used on the command line and in the output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Coll::AllReduce => "all_reduce",
+            Coll::AllGather => "all_gather",
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::Broadcast => "broadcast",
+            Coll::Reduce => "reduce",
+            Coll::AllToAll => "alltoall",
+            Coll::SendRecv => "sendrecv",
+        }
+    }
+
+    /// Parses a name: `all_reduce`, `allreduce`, `all_reduce_perf`, `all-reduce`, ...
+    pub fn parse(text: &str) -> Option<Coll> {
+        let key: String = text
+            .to_ascii_lowercase()
+            .trim_end_matches("_perf")
+            .chars()
+            .filter(|c| *c != '_' && *c != '-')
+            .collect();
+        Some(match key.as_str() {
+            "allreduce" => Coll::AllReduce,
+            "allgather" => Coll::AllGather,
+            "reducescatter" => Coll::ReduceScatter,
+            "broadcast" | "bcast" => Coll::Broadcast,
+            "reduce" => Coll::Reduce,
+            "alltoall" | "a2a" => Coll::AllToAll,
+            "sendrecv" | "p2p" => Coll::SendRecv,
+            _ => return None,
+        })
+    }
+
+    /// Whether the operation takes a reduction operator.
+    pub fn has_redop(self) -> bool {
+        matches!(self, Coll::AllReduce | Coll::ReduceScatter | Coll::Reduce)
+    }
+
+    /// Whether the operation has a root.
+    pub fn has_root(self) -> bool {
+        matches!(self, Coll::Broadcast | Coll::Reduce)
+    }
+
+    /// Whether an in-place form exists (NCCL has none for all-to-all; a send/receive between
+    /// one buffer and itself cannot be expressed with the safe API's borrows).
+    pub fn has_in_place(self) -> bool {
+        !matches!(self, Coll::AllToAll | Coll::SendRecv)
+    }
+
+    /// nccl-tests' bus bandwidth factor for `n` ranks (doc/PERFORMANCE.md).
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Coll::AllReduce => 2.0 * (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
+        }
+    }
+
+    /// Buffer lengths for a size of `bytes`, nccl-tests' way: the size is the whole buffer
+    /// (the receive buffer of all-gather, the send buffer of reduce-scatter, either buffer of
+    /// all-to-all), rounded down to whole elements and, where it is split over the ranks, to
+    /// a multiple of `n` elements.
+    pub fn layout(self, bytes: usize, elem_size: usize, n: usize) -> Layout {
+        let elements = bytes / elem_size;
+        let per_rank = elements / n;
+        let (count, send_len, recv_len) = match self {
+            Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => {
+                (elements, elements, elements)
+            }
+            Coll::AllGather => (per_rank, per_rank, per_rank * n),
+            Coll::ReduceScatter => (per_rank, per_rank * n, per_rank),
+            Coll::AllToAll => (per_rank, per_rank * n, per_rank * n),
+        };
+        Layout {
+            count,
+            send_len,
+            recv_len,
+            total: send_len.max(recv_len),
+        }
+    }
+}
+
+/// The buffers of one operation, in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// NCCL's `count` argument (per rank for all-gather, reduce-scatter and all-to-all), the
+    /// "count" column.
+    pub count: usize,
+    /// Elements sent by each rank.
+    pub send_len: usize,
+    /// Elements received by each rank.
+    pub recv_len: usize,
+    /// The larger of the two: the "size" column and the bytes of the bandwidth formulas.
+    pub total: usize,
+}
+
+/// Positions after which the input pattern repeats (a prime, so that no power-of-two block
+/// boundary lines up with it).
+const PERIOD: usize = 4099;
+
+/// The check's data: a deterministic, rank-dependent input for every rank, chosen so every
+/// reduction result is exactly representable (small integers; products of ones and twos).
+#[derive(Debug, Clone)]
+pub struct Pattern {
+    inputs: Vec<Vec<f64>>,
+    reduced: Vec<f64>,
+}
+
+impl Pattern {
+    /// The inputs of `n` ranks for the reduction `op` (`None`: no reduction), and their
+    /// reduction.
+    pub fn new(n: usize, op: Option<ReduceOp>, seed: u64) -> Self {
+        let prod = op == Some(ReduceOp::Prod);
+        let inputs: Vec<Vec<f64>> = (0..n)
+            .map(|rank| {
+                (0..PERIOD)
+                    .map(|p| {
+                        let h = mix(seed ^ ((rank as u64) << 40) ^ p as u64);
+                        if prod {
+                            // Mostly ones, sometimes a two: products stay small powers of two.
+                            if h % 8 == 0 {
+                                2.0
+                            } else {
+                                1.0
+                            }
+                        } else {
+                            // 1..=3: never 0, so a zeroed output never passes for a result.
+                            1.0 + (h % 3) as f64
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let reduced = (0..PERIOD)
+            .map(|p| {
+                let values = inputs.iter().map(|input| input[p]);
+                match op.unwrap_or(ReduceOp::Sum) {
+                    ReduceOp::Sum | ReduceOp::Avg => values.sum(),
+                    ReduceOp::Prod => values.product(),
+                    ReduceOp::Max => values.fold(f64::MIN, f64::max),
+                    ReduceOp::Min => values.fold(f64::MAX, f64::min),
+                }
+            })
+            .collect();
+        Pattern { inputs, reduced }
+    }
+
+    /// Rank `rank`'s input at element `index` of its send buffer.
+    pub fn input(&self, rank: usize, index: usize) -> f64 {
+        self.inputs[rank][index % PERIOD]
+    }
+
+    /// The reduction over all ranks at element `index`.
+    pub fn reduced(&self, index: usize) -> f64 {
+        self.reduced[index % PERIOD]
+    }
+
+    /// Rank `rank`'s first `len` input elements.
+    pub fn host_input<T: Elem>(&self, rank: usize, len: usize) -> Vec<T> {
+        let period: Vec<T> = self.inputs[rank].iter().map(|&v| T::from_f64(v)).collect();
+        period.iter().copied().cycle().take(len).collect()
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// What one rank must find in its output after one operation.
+#[derive(Debug, Clone, Copy)]
+pub struct Expect<'p> {
+    /// The pattern the inputs came from.
+    pub pattern: &'p Pattern,
+    /// The operation.
+    pub coll: Coll,
+    /// The reduction (ignored without one).
+    pub op: ReduceOp,
+    /// The root of broadcast and reduce.
+    pub root: usize,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub n: usize,
+    /// The layout.
+    pub layout: Layout,
+}
+
+impl Expect<'_> {
+    /// The expected value of output element `i` (the output being the receive buffer, or the
+    /// rank's result block of an in-place reduce-scatter), before conversion to the element
+    /// type.
+    pub fn value(&self, i: usize) -> f64 {
+        let count = self.layout.count.max(1);
+        let reduce = |index: usize| {
+            let v = self.pattern.reduced(index);
+            if self.op == ReduceOp::Avg {
+                v / self.n as f64
+            } else {
+                v
+            }
+        };
+        match self.coll {
+            Coll::AllReduce | Coll::Reduce => reduce(i),
+            Coll::ReduceScatter => reduce(self.rank * self.layout.count + i),
+            Coll::AllGather => self.pattern.input(i / count, i % count),
+            Coll::AllToAll => self
+                .pattern
+                .input(i / count, self.rank * self.layout.count + i % count),
+            Coll::Broadcast => self.pattern.input(self.root, i),
+            Coll::SendRecv => self.pattern.input((self.rank + self.n - 1) % self.n, i),
+        }
+    }
+
+    /// Counts the elements of `got` that differ from the expected output. Integers must
+    /// match exactly (integer averages truncate, as the conversion does); floating-point
+    /// results may differ by a few rounding steps, as NCCL may reduce in any order and
+    /// averages through a scaling.
+    pub fn count_wrong<T: Elem>(&self, got: &[T]) -> u64 {
+        let tolerance = T::EPS * (self.n as f64 + 1.0);
+        got.iter()
+            .enumerate()
+            .filter(|&(i, &v)| {
+                let want = T::from_f64(self.value(i)).to_f64();
+                let err = (v.to_f64() - want).abs();
+                let right = err <= tolerance * want.abs().max(1.0);
+                // NaN fails the comparison, so it counts as wrong.
+                !right
+            })
+            .count() as u64
+    }
+}

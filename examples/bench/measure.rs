@@ -1,0 +1,263 @@
+//! Timing one operation at one size (host-timed, CUDA graph, per-call latency) and checking
+//! its result.
+
+use std::time::Instant;
+
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, DriverError};
+
+use crate::coll::{Coll, Expect, Pattern};
+use crate::elem::Elem;
+use crate::ops::{Api, Buffers, Issuer};
+use crate::rank::Rank;
+use crate::BenchResult;
+
+/// One rank's timing of one measurement, per operation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Timing {
+    /// Time per operation in µs: host-timed mean, or the median in latency mode.
+    pub time_us: f64,
+    /// 99th percentile in µs (latency mode).
+    pub p99_us: Option<f64>,
+    /// Host time spent issuing, per operation, in µs.
+    pub cpu_us: f64,
+}
+
+/// The offset of iteration `iter`'s buffers, as nccl-tests moves them through the whole
+/// allocation to avoid cache effects: `total * (iter % (buffer / total))`.
+fn shift(buffer_len: usize, total: usize, iter: usize) -> usize {
+    if total == 0 {
+        return 0;
+    }
+    let steps = (buffer_len / total).max(1);
+    total * (iter % steps)
+}
+
+/// Issues `count` operations back to back (warm-up), then waits.
+pub fn warm_up<T: Elem>(
+    rank: &Rank,
+    issuer: &Issuer,
+    api: Api,
+    bufs: &mut Buffers<T>,
+    count: usize,
+) -> BenchResult<()> {
+    let len = bufs.len();
+    for iter in 0..count {
+        let offset = shift(len, issuer.layout.total, iter);
+        issuer.issue(api, &rank.comm, bufs, false, offset)?;
+    }
+    rank.wait()
+}
+
+/// nccl-tests' default method: one operation and a wait, a barrier, then `iters`
+/// operations issued back to back and timed on the host until the stream is idle.
+pub fn host<T: Elem>(
+    rank: &mut Rank,
+    issuer: &Issuer,
+    api: Api,
+    bufs: &mut Buffers<T>,
+    in_place: bool,
+    iters: usize,
+) -> BenchResult<Timing> {
+    let len = bufs.len();
+    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
+    rank.wait()?;
+    rank.barrier()?;
+    let start = Instant::now();
+    for iter in 0..iters {
+        let offset = shift(len, issuer.layout.total, iter);
+        issuer.issue(api, &rank.comm, bufs, in_place, offset)?;
+    }
+    let issued = start.elapsed();
+    rank.wait()?;
+    let done = start.elapsed();
+    Ok(Timing {
+        time_us: done.as_secs_f64() * 1e6 / iters as f64,
+        p99_us: None,
+        cpu_us: issued.as_secs_f64() * 1e6 / iters as f64,
+    })
+}
+
+/// Graph mode: `iters` operations captured into a CUDA graph (thread-local capture, as
+/// nccl-tests does), instantiated and uploaded, then replayed `launches` times back to back
+/// and timed on the host until the stream is idle.
+pub fn graph<T: Elem>(
+    rank: &mut Rank,
+    issuer: &Issuer,
+    api: Api,
+    bufs: &mut Buffers<T>,
+    in_place: bool,
+    iters: usize,
+    launches: usize,
+) -> BenchResult<Timing> {
+    let len = bufs.len();
+    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
+    rank.wait()?;
+    rank.stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let issued = (0..iters).try_for_each(|iter| {
+        let offset = shift(len, issuer.layout.total, iter);
+        issuer.issue(api, &rank.comm, bufs, in_place, offset)
+    });
+    // The capture must end even when an issue failed.
+    let captured = rank.stream.end_capture(CUgraphInstantiate_flags(0));
+    issued?;
+    let graph = captured?.ok_or("stream capture produced no graph")?;
+    graph.upload()?;
+    rank.wait()?;
+    rank.barrier()?;
+    let start = Instant::now();
+    for _ in 0..launches {
+        graph.launch()?;
+    }
+    let issued = start.elapsed();
+    rank.wait()?;
+    let done = start.elapsed();
+    drop(graph);
+    let ops = (iters * launches) as f64;
+    Ok(Timing {
+        time_us: done.as_secs_f64() * 1e6 / ops,
+        p99_us: None,
+        cpu_us: issued.as_secs_f64() * 1e6 / ops,
+    })
+}
+
+/// Latency mode: `iters` operations back to back, each between two CUDA events; reports
+/// the median and the 99th percentile of the per-call device times.
+pub fn latency<T: Elem>(
+    rank: &mut Rank,
+    issuer: &Issuer,
+    api: Api,
+    bufs: &mut Buffers<T>,
+    in_place: bool,
+    iters: usize,
+) -> BenchResult<Timing> {
+    let len = bufs.len();
+    let ctx = rank.context().clone();
+    let events = (0..iters)
+        .map(|_| {
+            let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+            Ok((ctx.new_event(flags)?, ctx.new_event(flags)?))
+        })
+        .collect::<Result<Vec<(CudaEvent, CudaEvent)>, DriverError>>()?;
+    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
+    rank.wait()?;
+    rank.barrier()?;
+    let start = Instant::now();
+    for (iter, (before, after)) in events.iter().enumerate() {
+        let offset = shift(len, issuer.layout.total, iter);
+        before.record(&rank.stream)?;
+        issuer.issue(api, &rank.comm, bufs, in_place, offset)?;
+        after.record(&rank.stream)?;
+    }
+    let issued = start.elapsed();
+    rank.wait()?;
+    let mut times = events
+        .iter()
+        .map(|(before, after)| Ok(f64::from(before.elapsed_ms(after)?) * 1e3))
+        .collect::<Result<Vec<f64>, DriverError>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(Timing {
+        time_us: median(&times),
+        p99_us: Some(percentile(&times, 0.99)),
+        cpu_us: issued.as_secs_f64() * 1e6 / iters as f64,
+    })
+}
+
+/// The median of sorted values.
+pub fn median(sorted: &[f64]) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// The nearest-rank percentile `p` (0..=1) of sorted values.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Runs the operation once on known inputs and counts the wrong elements of this rank's
+/// output (0 for a rank whose output is not defined, off the root of a reduce).
+pub fn check<T: Elem>(
+    rank: &Rank,
+    issuer: &Issuer,
+    api: Api,
+    bufs: &mut Buffers<T>,
+    in_place: bool,
+    pattern: &Pattern,
+) -> BenchResult<u64> {
+    let layout = issuer.layout;
+    let (me, n, count) = (issuer.rank, issuer.n, layout.count);
+    let stream = &rank.stream;
+    // Inputs where the operation reads them; zeros where it writes, so that an output it
+    // never wrote cannot pass (no input or result value is 0).
+    if in_place {
+        match issuer.coll {
+            Coll::AllGather => {
+                stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+                let input = pattern.host_input::<T>(me, count);
+                stream.memcpy_htod(&input, &mut bufs.recv.part_mut(me * count, count)?)?;
+            }
+            Coll::ReduceScatter => {
+                let input = pattern.host_input::<T>(me, layout.send_len);
+                stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, layout.send_len)?)?;
+            }
+            _ => {
+                let input = pattern.host_input::<T>(me, count);
+                stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, count)?)?;
+            }
+        }
+    } else {
+        let input = pattern.host_input::<T>(me, layout.send_len);
+        stream.memcpy_htod(&input, &mut bufs.send.part_mut(0, layout.send_len)?)?;
+        stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+    }
+    rank.wait()?;
+    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
+    rank.wait()?;
+
+    if issuer.coll == Coll::Reduce && me != issuer.root {
+        return Ok(0);
+    }
+    let (offset, len) = match (issuer.coll, in_place) {
+        (Coll::ReduceScatter, true) => (me * count, count),
+        (Coll::AllGather, true) => (0, layout.recv_len),
+        (_, true) => (0, count),
+        (_, false) => (0, layout.recv_len),
+    };
+    let got = stream.clone_dtoh(&bufs.recv.part(offset, len)?)?;
+    let expect = Expect {
+        pattern,
+        coll: issuer.coll,
+        op: issuer.op,
+        root: issuer.root,
+        rank: me,
+        n,
+        layout,
+    };
+    Ok(expect.count_wrong(&got))
+}
+
+/// Fills both buffers with plausible data (the sum pattern) for the timed runs, in chunks so
+/// that large buffers need no host copy of their full size.
+pub fn fill<T: Elem>(rank: &Rank, bufs: &mut Buffers<T>, pattern: &Pattern) -> BenchResult<()> {
+    const CHUNK: usize = 1 << 22;
+    let len = bufs.len();
+    let chunk = pattern.host_input::<T>(rank.rank(), CHUNK.min(len));
+    let mut offset = 0;
+    while offset < len {
+        let part = chunk.len().min(len - offset);
+        rank.stream
+            .memcpy_htod(&chunk[..part], &mut bufs.send.part_mut(offset, part)?)?;
+        rank.stream
+            .memcpy_htod(&chunk[..part], &mut bufs.recv.part_mut(offset, part)?)?;
+        offset += part;
+    }
+    rank.wait()
+}

@@ -1,0 +1,419 @@
+//! Buffers, and issuing one operation through the safe API or through raw nccl-sys calls.
+//!
+//! Both paths take the same buffers, offsets and arguments; the raw path is what a C program
+//! (nccl-tests) does: one `ncclAllReduce(...)` on the raw handle and device pointers, with its
+//! result code checked.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
+use nccl::sys::{self, ncclComm_t, ncclResult_t, NcclLib};
+use nccl::{Collective, Comm, Group, NcclBuffer, ReduceOp, ResultCode};
+
+use crate::args::Alloc;
+use crate::coll::{Coll, Layout};
+use crate::elem::Elem;
+use crate::BenchResult;
+
+/// Which API issues an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// nccl-rs's safe API (`Comm::all_reduce`, `Group`, ...).
+    Safe,
+    /// Raw nccl-sys calls on `Comm::as_raw`.
+    Raw,
+}
+
+impl Api {
+    /// Its name in the output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Safe => "safe",
+            Api::Raw => "raw",
+        }
+    }
+}
+
+/// Device memory from either allocator, usable wherever cudarc buffers are.
+pub enum Storage<T: Elem> {
+    /// cudarc's allocation.
+    Cuda(CudaSlice<T>),
+    /// `ncclMemAlloc`.
+    Nccl(NcclBuffer<T>),
+}
+
+impl<T: Elem> Storage<T> {
+    /// `len` zeroed elements on the device of `stream`.
+    pub fn alloc(stream: &Arc<CudaStream>, len: usize, alloc: Alloc) -> BenchResult<Self> {
+        Ok(match alloc {
+            Alloc::Cuda => Storage::Cuda(stream.alloc_zeros(len)?),
+            Alloc::Nccl => Storage::Nccl(NcclBuffer::alloc_zeros(stream, len)?),
+        })
+    }
+
+    /// Elements `offset..offset + len`, for reading.
+    pub fn part(&self, offset: usize, len: usize) -> BenchResult<Part<'_, T>> {
+        check_range(self.len(), offset, len)?;
+        Ok(Part {
+            buf: self,
+            offset,
+            len,
+        })
+    }
+
+    /// Elements `offset..offset + len`, for writing.
+    pub fn part_mut(&mut self, offset: usize, len: usize) -> BenchResult<PartMut<'_, T>> {
+        check_range(self.len(), offset, len)?;
+        Ok(PartMut {
+            buf: self,
+            offset,
+            len,
+        })
+    }
+}
+
+fn check_range(buffer: usize, offset: usize, len: usize) -> BenchResult<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buffer => Ok(()),
+        _ => Err(format!(
+            "internal error: elements {offset}..+{len} lie outside a buffer of {buffer}"
+        )
+        .into()),
+    }
+}
+
+impl<T: Elem> DeviceSlice<T> for Storage<T> {
+    fn len(&self) -> usize {
+        match self {
+            Storage::Cuda(b) => b.len(),
+            Storage::Nccl(b) => b.len(),
+        }
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            Storage::Cuda(b) => b.stream(),
+            Storage::Nccl(b) => b.stream(),
+        }
+    }
+}
+
+impl<T: Elem> DevicePtr<T> for Storage<T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        match self {
+            Storage::Cuda(b) => b.device_ptr(stream),
+            Storage::Nccl(b) => b.device_ptr(stream),
+        }
+    }
+}
+
+impl<T: Elem> DevicePtrMut<T> for Storage<T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        match self {
+            Storage::Cuda(b) => b.device_ptr_mut(stream),
+            Storage::Nccl(b) => b.device_ptr_mut(stream),
+        }
+    }
+}
+
+/// A range of a [`Storage`] for reading (`NcclBuffer` has no views of its own). Its uses
+/// are tracked by the whole buffer's events.
+pub struct Part<'a, T: Elem> {
+    buf: &'a Storage<T>,
+    offset: usize,
+    len: usize,
+}
+
+/// A range of a [`Storage`] for writing.
+pub struct PartMut<'a, T: Elem> {
+    buf: &'a mut Storage<T>,
+    offset: usize,
+    len: usize,
+}
+
+fn offset_bytes<T>(elements: usize) -> CUdeviceptr {
+    (elements * std::mem::size_of::<T>()) as CUdeviceptr
+}
+
+impl<T: Elem> DeviceSlice<T> for Part<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.buf.stream()
+    }
+}
+
+impl<T: Elem> DevicePtr<T> for Part<'_, T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        let (ptr, guard) = self.buf.device_ptr(stream);
+        (ptr + offset_bytes::<T>(self.offset), guard)
+    }
+}
+
+impl<T: Elem> DeviceSlice<T> for PartMut<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.buf.stream()
+    }
+}
+
+impl<T: Elem> DevicePtr<T> for PartMut<'_, T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        let (ptr, guard) = self.buf.device_ptr(stream);
+        (ptr + offset_bytes::<T>(self.offset), guard)
+    }
+}
+
+impl<T: Elem> DevicePtrMut<T> for PartMut<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        let (ptr, guard) = self.buf.device_ptr_mut(stream);
+        (ptr + offset_bytes::<T>(self.offset), guard)
+    }
+}
+
+/// A rank's send and receive buffers (the same length), with their device addresses for the
+/// raw path.
+pub struct Buffers<T: Elem> {
+    /// The send buffer.
+    pub send: Storage<T>,
+    /// The receive buffer (also the buffer of in-place operations).
+    pub recv: Storage<T>,
+    send_ptr: CUdeviceptr,
+    recv_ptr: CUdeviceptr,
+}
+
+impl<T: Elem> Buffers<T> {
+    /// Two zeroed buffers of `len` elements.
+    pub fn alloc(stream: &Arc<CudaStream>, len: usize, alloc: Alloc) -> BenchResult<Self> {
+        let send = Storage::alloc(stream, len, alloc)?;
+        let mut recv = Storage::alloc(stream, len, alloc)?;
+        let send_ptr = send.device_ptr(stream).0;
+        let recv_ptr = recv.device_ptr_mut(stream).0;
+        Ok(Buffers {
+            send,
+            recv,
+            send_ptr,
+            recv_ptr,
+        })
+    }
+
+    /// Elements in each buffer.
+    pub fn len(&self) -> usize {
+        self.send.len()
+    }
+}
+
+/// One operation as both APIs issue it: the collective, its layout and arguments.
+pub struct Issuer {
+    /// The collective.
+    pub coll: Coll,
+    /// Its buffer layout at the current size.
+    pub layout: Layout,
+    /// The reduction (ignored by collectives without one).
+    pub op: ReduceOp,
+    /// The root of broadcast and reduce.
+    pub root: usize,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub n: usize,
+    raw: RawComm,
+}
+
+/// What the raw path needs, fetched once outside the timed loops.
+struct RawComm {
+    lib: &'static NcclLib,
+    comm: ncclComm_t,
+    stream: sys::cudaStream_t,
+}
+
+impl Issuer {
+    /// An issuer for `comm` (which must outlive it and stay un-aborted while it is used).
+    pub fn new(comm: &Comm, coll: Coll, layout: Layout, op: ReduceOp, root: usize) -> Self {
+        // SAFETY: the handle is only used by `issue_raw` while the communicator is alive (the
+        // benchmark keeps it until every measurement is over), never to destroy or abort it,
+        // and from this thread only, never concurrently with calls through `comm`.
+        let raw_comm = unsafe { comm.as_raw() };
+        Issuer {
+            coll,
+            layout,
+            op,
+            root,
+            rank: comm.rank(),
+            n: comm.size(),
+            raw: RawComm {
+                lib: comm.library().api(),
+                comm: raw_comm,
+                stream: comm.stream().cu_stream() as sys::cudaStream_t,
+            },
+        }
+    }
+
+    /// Issues the operation on `comm`'s stream, in place or not, with every buffer starting
+    /// `shift` elements into the buffers.
+    pub fn issue<T: Elem>(
+        &self,
+        api: Api,
+        comm: &Comm,
+        bufs: &mut Buffers<T>,
+        in_place: bool,
+        shift: usize,
+    ) -> BenchResult<()> {
+        match api {
+            Api::Safe => self.issue_safe(comm, bufs, in_place, shift),
+            Api::Raw => self.issue_raw(bufs, in_place, shift),
+        }
+    }
+
+    fn issue_safe<T: Elem>(
+        &self,
+        comm: &Comm,
+        b: &mut Buffers<T>,
+        in_place: bool,
+        shift: usize,
+    ) -> BenchResult<()> {
+        let Layout {
+            count,
+            send_len,
+            recv_len,
+            ..
+        } = self.layout;
+        let (op, root) = (self.op, self.root);
+        match (self.coll, in_place) {
+            (Coll::AllReduce, false) => comm.all_reduce(
+                &b.send.part(shift, count)?,
+                &mut b.recv.part_mut(shift, count)?,
+                op,
+            )?,
+            (Coll::AllReduce, true) => {
+                comm.all_reduce_in_place(&mut b.recv.part_mut(shift, count)?, op)?
+            }
+            (Coll::AllGather, false) => comm.all_gather(
+                &b.send.part(shift, send_len)?,
+                &mut b.recv.part_mut(shift, recv_len)?,
+            )?,
+            (Coll::AllGather, true) => {
+                comm.all_gather_in_place(&mut b.recv.part_mut(shift, recv_len)?)?
+            }
+            (Coll::ReduceScatter, false) => comm.reduce_scatter(
+                &b.send.part(shift, send_len)?,
+                &mut b.recv.part_mut(shift, recv_len)?,
+                op,
+            )?,
+            (Coll::ReduceScatter, true) => {
+                comm.reduce_scatter_in_place(&mut b.recv.part_mut(shift, send_len)?, op)?
+            }
+            (Coll::Broadcast, false) => {
+                let send = b.send.part(shift, count)?;
+                comm.broadcast(
+                    Some(&send as &dyn DevicePtr<T>),
+                    &mut b.recv.part_mut(shift, count)?,
+                    root,
+                )?
+            }
+            (Coll::Broadcast, true) => {
+                comm.broadcast_in_place(&mut b.recv.part_mut(shift, count)?, root)?
+            }
+            (Coll::Reduce, false) => {
+                let mut recv = b.recv.part_mut(shift, count)?;
+                comm.reduce(
+                    &b.send.part(shift, count)?,
+                    Some(&mut recv as &mut dyn DevicePtrMut<T>),
+                    op,
+                    root,
+                )?
+            }
+            (Coll::Reduce, true) => {
+                comm.reduce_in_place(&mut b.recv.part_mut(shift, count)?, op, root)?
+            }
+            (Coll::AllToAll, _) => comm.all_to_all(
+                &b.send.part(shift, send_len)?,
+                &mut b.recv.part_mut(shift, recv_len)?,
+            )?,
+            (Coll::SendRecv, _) => {
+                let send = b.send.part(shift, count)?;
+                let mut recv = b.recv.part_mut(shift, count)?;
+                let mut group = Group::start()?;
+                group.enqueue(comm, Collective::send(&send, (self.rank + 1) % self.n))?;
+                group.enqueue(
+                    comm,
+                    Collective::recv(&mut recv, (self.rank + self.n - 1) % self.n),
+                )?;
+                group.finish()?
+            }
+        }
+        Ok(())
+    }
+
+    fn issue_raw<T: Elem>(&self, b: &Buffers<T>, in_place: bool, shift: usize) -> BenchResult<()> {
+        let count = self.layout.count;
+        let at = |base: CUdeviceptr, elements: usize| {
+            (base + offset_bytes::<T>(elements)) as *mut c_void
+        };
+        // Every operation stays within `total` elements from `shift` (in place too), which
+        // `check_range` confirms, as the safe path's validation does.
+        check_range(b.len(), shift, self.layout.total)?;
+        // The pointers the safe API computes (and nccl-tests uses) for each in-place form.
+        let (send, recv) = if in_place {
+            let base = at(b.recv_ptr, shift);
+            match self.coll {
+                Coll::AllGather => (at(b.recv_ptr, shift + self.rank * count), base),
+                Coll::ReduceScatter => (base, at(b.recv_ptr, shift + self.rank * count)),
+                _ => (base, base),
+            }
+        } else {
+            (at(b.send_ptr, shift), at(b.recv_ptr, shift))
+        };
+        let send = send as *const c_void;
+        let RawComm { lib, comm, stream } = self.raw;
+        let dtype = T::DATA_TYPE.raw();
+        let op = self.op.raw();
+        let root = self.root as std::os::raw::c_int;
+        // SAFETY: `comm` is the live handle of this rank's communicator (see `Issuer::new`),
+        // `stream` its live stream; every pointer lies inside a buffer of this rank's device
+        // that holds at least `count` elements (per peer where NCCL says so) past it, as
+        // checked above; the buffers stay alive and untouched by anything else until the
+        // work completes, because the benchmark waits for the stream before using them.
+        let status = unsafe {
+            match self.coll {
+                Coll::AllReduce => lib.ncclAllReduce(send, recv, count, dtype, op, comm, stream),
+                Coll::AllGather => lib.ncclAllGather(send, recv, count, dtype, comm, stream),
+                Coll::ReduceScatter => {
+                    lib.ncclReduceScatter(send, recv, count, dtype, op, comm, stream)
+                }
+                Coll::Broadcast => lib.ncclBroadcast(send, recv, count, dtype, root, comm, stream),
+                Coll::Reduce => lib.ncclReduce(send, recv, count, dtype, op, root, comm, stream),
+                Coll::AllToAll => lib.ncclAlltoAll(send, recv, count, dtype, comm, stream),
+                Coll::SendRecv => {
+                    let next = ((self.rank + 1) % self.n) as std::os::raw::c_int;
+                    let prev = ((self.rank + self.n - 1) % self.n) as std::os::raw::c_int;
+                    raw_check("ncclGroupStart", lib.ncclGroupStart())?;
+                    let sent = lib.ncclSend(send, count, dtype, next, comm, stream);
+                    let received = lib.ncclRecv(recv, count, dtype, prev, comm, stream);
+                    // The group is ended whatever happened to the calls inside it.
+                    let ended = lib.ncclGroupEnd();
+                    raw_check("ncclSend", sent)?;
+                    raw_check("ncclRecv", received)?;
+                    ended
+                }
+            }
+        };
+        raw_check(self.coll.name(), status)
+    }
+}
+
+/// Turns a raw call's outcome into a result.
+fn raw_check(call: &str, status: Result<ncclResult_t, sys::MissingSymbol>) -> BenchResult<()> {
+    match status {
+        Ok(ncclResult_t::ncclSuccess) => Ok(()),
+        Ok(code) => Err(format!("{call} (raw) failed: {}", ResultCode::from_raw(code)).into()),
+        Err(missing) => {
+            Err(format!("{call} (raw): the NCCL library lacks {}", missing.name).into())
+        }
+    }
+}

@@ -1,0 +1,701 @@
+//! Output: nccl-tests' table, the closing lines, and the optional JSON, CSV and SVG files.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::args::{Apis, Mode};
+use crate::coll::Coll;
+use crate::ops::Api;
+use crate::BenchResult;
+
+/// One API's figures for one placement of one row (combined over ranks).
+#[derive(Debug, Clone, Copy)]
+pub struct Measured {
+    /// The API that issued the operations.
+    pub api: Api,
+    /// µs per operation (median in latency mode).
+    pub time_us: f64,
+    /// 99th percentile in µs (latency mode).
+    pub p99_us: Option<f64>,
+    /// Host time spent issuing, µs per operation.
+    pub cpu_us: f64,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+    /// Wrong elements over all ranks (`None` when not checked).
+    pub wrong: Option<u64>,
+}
+
+/// One line of the table: a size, type and reduction, out of place and in place.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// Bytes (nccl-tests' "size").
+    pub size: usize,
+    /// NCCL's count argument.
+    pub count: usize,
+    /// Element type name.
+    pub dtype: &'static str,
+    /// Reduction name (`none` without one).
+    pub redop: &'static str,
+    /// Root (-1 without one).
+    pub root: i64,
+    /// Out-of-place figures, one per API.
+    pub out_of_place: Vec<Measured>,
+    /// In-place figures, one per API (empty where no in-place form exists).
+    pub in_place: Vec<Measured>,
+}
+
+/// Everything measured, with what is needed to present it.
+#[derive(Debug)]
+pub struct Report {
+    /// The operation.
+    pub coll: Coll,
+    /// The timing mode.
+    pub mode: Mode,
+    /// Which APIs were measured.
+    pub apis: Apis,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Report host issue time in the time column (`-C 1`).
+    pub cputime: bool,
+    /// The rows so far.
+    pub rows: Vec<Row>,
+}
+
+/// nccl-tests' time format: fewer decimals for longer times.
+fn time_str(us: f64) -> String {
+    if us >= 10000.0 {
+        format!("{us:7.0}")
+    } else if us >= 100.0 {
+        format!("{us:7.1}")
+    } else {
+        format!("{us:7.2}")
+    }
+}
+
+/// Like C's `%g`: six significant digits, trailing zeros dropped.
+pub fn g(value: f64) -> String {
+    if value == 0.0 || !value.is_finite() {
+        return format!("{value}");
+    }
+    let exponent = value.abs().log10().floor() as i32;
+    if !(-5..6).contains(&exponent) {
+        return format!("{value:.5e}");
+    }
+    let decimals = (5 - exponent).max(0) as usize;
+    let text = format!("{value:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        text
+    }
+}
+
+fn wrong_str(wrong: Option<u64>) -> String {
+    wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string())
+}
+
+impl Report {
+    fn shown_time(&self, m: &Measured) -> f64 {
+        if self.cputime {
+            m.cpu_us
+        } else {
+            m.time_us
+        }
+    }
+
+    fn time_label(&self) -> &'static str {
+        if self.cputime {
+            "cputime"
+        } else {
+            "time"
+        }
+    }
+
+    /// The three header lines of the table.
+    pub fn header(&self) -> String {
+        let lead = |a: &str, b: &str, c: &str, d: &str, e: &str| {
+            format!("# {a:>10}  {b:>12}  {c:>8}  {d:>6}  {e:>6}")
+        };
+        let mut out = String::new();
+        match (self.apis, self.mode) {
+            (Apis::Compare, Mode::Latency) => {
+                let cell = |a: &str, b: &str, c: &str, d: &str, e: &str, f: &str, g: &str| {
+                    format!("  {a:>8}  {b:>8}  {c:>7}  {d:>8}  {e:>8}  {f:>6}  {g:>6}")
+                };
+                let _ = writeln!(
+                    out,
+                    "{}  {:^66}  {:^66}",
+                    lead("", "", "", "", ""),
+                    "out-of-place",
+                    "in-place"
+                );
+                let names = cell(
+                    "safe p50", "raw p50", "diff", "safe p99", "raw p99", "busbw", "#wrong",
+                );
+                let units = cell("(us)", "(us)", "(%)", "(us)", "(us)", "(GB/s)", "");
+                let _ = writeln!(
+                    out,
+                    "{}{names}{names}",
+                    lead("size", "count", "type", "redop", "root")
+                );
+                let _ = writeln!(
+                    out,
+                    "{}{units}{units}",
+                    lead("(B)", "(elements)", "", "", "")
+                );
+            }
+            (Apis::Compare, _) => {
+                let cell = |a: &str, b: &str, c: &str, d: &str, e: &str, f: &str| {
+                    format!("  {a:>8}  {b:>8}  {c:>7}  {d:>6}  {e:>6}  {f:>6}")
+                };
+                let t = self.time_label();
+                let _ = writeln!(
+                    out,
+                    "{}  {:^52}  {:^52}",
+                    lead("", "", "", "", ""),
+                    "out-of-place",
+                    "in-place"
+                );
+                let names = cell(
+                    &format!("safe {t}"),
+                    &format!("raw {t}"),
+                    "diff",
+                    "busbw",
+                    "busbw",
+                    "#wrong",
+                );
+                let units = cell("(us)", "(us)", "(%)", "safe", "raw", "");
+                let _ = writeln!(
+                    out,
+                    "{}{names}{names}",
+                    lead("size", "count", "type", "redop", "root")
+                );
+                let _ = writeln!(
+                    out,
+                    "{}{units}{units}",
+                    lead("(B)", "(elements)", "", "", "")
+                );
+            }
+            (_, Mode::Latency) => {
+                let _ = writeln!(
+                    out,
+                    "{}             out-of-place                                in-place",
+                    lead("", "", "", "", "")
+                );
+                let _ = writeln!(
+                    out,
+                    "{}  {:>7}  {:>7}  {:>6}  {:>6} {:>6}  {:>7}  {:>7}  {:>6}  {:>6} {:>6}",
+                    lead("size", "count", "type", "redop", "root"),
+                    "p50",
+                    "p99",
+                    "algbw",
+                    "busbw",
+                    "#wrong",
+                    "p50",
+                    "p99",
+                    "algbw",
+                    "busbw",
+                    "#wrong"
+                );
+                let _ = writeln!(
+                    out,
+                    "{}  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}",
+                    lead("(B)", "(elements)", "", "", ""),
+                    "(us)",
+                    "(us)",
+                    "(GB/s)",
+                    "(GB/s)",
+                    "",
+                    "(us)",
+                    "(us)",
+                    "(GB/s)",
+                    "(GB/s)",
+                    ""
+                );
+            }
+            _ => {
+                let t = self.time_label();
+                let _ = writeln!(
+                    out,
+                    "{}           out-of-place                       in-place          ",
+                    lead("", "", "", "", "")
+                );
+                let _ = writeln!(
+                    out,
+                    "{}  {t:>7}  {:>6}  {:>6} {:>6}  {t:>7}  {:>6}  {:>6} {:>6}",
+                    lead("size", "count", "type", "redop", "root"),
+                    "algbw",
+                    "busbw",
+                    "#wrong",
+                    "algbw",
+                    "busbw",
+                    "#wrong"
+                );
+                let _ = writeln!(
+                    out,
+                    "{}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}",
+                    lead("(B)", "(elements)", "", "", ""),
+                    "(us)",
+                    "(GB/s)",
+                    "(GB/s)",
+                    "",
+                    "(us)",
+                    "(GB/s)",
+                    "(GB/s)",
+                    ""
+                );
+            }
+        }
+        out
+    }
+
+    /// One table line.
+    pub fn line(&self, row: &Row) -> String {
+        let mut out = format!(
+            "{:>12}  {:>12}  {:>8}  {:>6}  {:>6}",
+            row.size, row.count, row.dtype, row.redop, row.root
+        );
+        for cell in [&row.out_of_place, &row.in_place] {
+            out.push_str(&self.cell(cell));
+        }
+        out
+    }
+
+    fn cell(&self, cell: &[Measured]) -> String {
+        let find = |api| cell.iter().find(|m| m.api == api);
+        let wrong = || {
+            let checked: Vec<u64> = cell.iter().filter_map(|m| m.wrong).collect();
+            if checked.is_empty() {
+                "N/A".to_string()
+            } else {
+                checked.iter().sum::<u64>().to_string()
+            }
+        };
+        match (self.apis, self.mode) {
+            (Apis::Compare, mode) => {
+                let (Some(safe), Some(raw)) = (find(Api::Safe), find(Api::Raw)) else {
+                    return if mode == Mode::Latency {
+                        format!(
+                            "  {:>8}  {:>8}  {:>7}  {:>8}  {:>8}  {:>6}  {:>6}",
+                            "N/A", "N/A", "", "N/A", "N/A", "N/A", "N/A"
+                        )
+                    } else {
+                        format!(
+                            "  {:>8}  {:>8}  {:>7}  {:>6}  {:>6}  {:>6}",
+                            "N/A", "N/A", "", "N/A", "N/A", "N/A"
+                        )
+                    };
+                };
+                let (ts, tr) = (self.shown_time(safe), self.shown_time(raw));
+                let diff = format!("{:+.1}", (ts / tr - 1.0) * 100.0);
+                if mode == Mode::Latency {
+                    format!(
+                        "  {:>8}  {:>8}  {diff:>7}  {:>8}  {:>8}  {:>6.2}  {:>6}",
+                        time_str(ts),
+                        time_str(tr),
+                        time_str(safe.p99_us.unwrap_or(f64::NAN)),
+                        time_str(raw.p99_us.unwrap_or(f64::NAN)),
+                        safe.busbw,
+                        wrong()
+                    )
+                } else {
+                    format!(
+                        "  {:>8}  {:>8}  {diff:>7}  {:>6.2}  {:>6.2}  {:>6}",
+                        time_str(ts),
+                        time_str(tr),
+                        safe.busbw,
+                        raw.busbw,
+                        wrong()
+                    )
+                }
+            }
+            (_, Mode::Latency) => match cell.first() {
+                Some(m) => format!(
+                    "  {}  {}  {:6.2}  {:6.2}  {:>5}",
+                    time_str(m.time_us),
+                    time_str(m.p99_us.unwrap_or(f64::NAN)),
+                    m.algbw,
+                    m.busbw,
+                    wrong_str(m.wrong)
+                ),
+                None => format!(
+                    "  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}",
+                    "N/A", "N/A", "N/A", "N/A", "N/A"
+                ),
+            },
+            _ => match cell.first() {
+                Some(m) => format!(
+                    "  {}  {:6.2}  {:6.2}  {:>5}",
+                    time_str(self.shown_time(m)),
+                    m.algbw,
+                    m.busbw,
+                    wrong_str(m.wrong)
+                ),
+                None => format!("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A"),
+            },
+        }
+    }
+
+    fn all(&self) -> impl Iterator<Item = (&Row, bool, &Measured)> {
+        self.rows.iter().flat_map(|row| {
+            row.out_of_place
+                .iter()
+                .map(move |m| (row, false, m))
+                .chain(row.in_place.iter().map(move |m| (row, true, m)))
+        })
+    }
+
+    /// Measurements (out of place and in place) with wrong elements.
+    pub fn failures(&self) -> usize {
+        self.all()
+            .filter(|(_, _, m)| m.wrong.unwrap_or(0) > 0)
+            .count()
+    }
+
+    /// The closing lines: errors and average bus bandwidth (and, comparing, the ratios).
+    pub fn footer(&self) -> String {
+        let mut out = String::new();
+        let failures = self.failures();
+        let _ = writeln!(
+            out,
+            "# Out of bounds values : {failures} {}",
+            if failures > 0 { "FAILED" } else { "OK" }
+        );
+        let avg = |api: Api| {
+            let values: Vec<f64> = self
+                .all()
+                .filter(|(_, _, m)| m.api == api)
+                .map(|(_, _, m)| m.busbw)
+                .collect();
+            values.iter().sum::<f64>() / values.len().max(1) as f64
+        };
+        match self.apis {
+            Apis::Safe => {
+                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(Api::Safe)));
+            }
+            Apis::Raw => {
+                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(Api::Raw)));
+            }
+            Apis::Compare => {
+                let (safe, raw) = (avg(Api::Safe), avg(Api::Raw));
+                let _ = writeln!(
+                    out,
+                    "# Avg bus bandwidth    : safe {}  raw {}  (safe/raw {:.4})",
+                    g(safe),
+                    g(raw),
+                    safe / raw
+                );
+                out.push_str(&self.ratios());
+            }
+        }
+        out.push_str("#\n");
+        out
+    }
+
+    /// Safe-to-raw ratios: time below 1 MiB, bus bandwidth from 1 MiB.
+    fn ratios(&self) -> String {
+        let mut small = Vec::new();
+        let mut large = Vec::new();
+        for row in &self.rows {
+            for cell in [&row.out_of_place, &row.in_place] {
+                let safe = cell.iter().find(|m| m.api == Api::Safe);
+                let raw = cell.iter().find(|m| m.api == Api::Raw);
+                if let (Some(safe), Some(raw)) = (safe, raw) {
+                    if row.size < 1 << 20 {
+                        small.push(self.shown_time(safe) / self.shown_time(raw));
+                    } else if raw.busbw > 0.0 {
+                        large.push(safe.busbw / raw.busbw);
+                    }
+                }
+            }
+        }
+        let summary = |values: &[f64]| {
+            let finite: Vec<f64> = values
+                .iter()
+                .copied()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .collect();
+            if finite.is_empty() {
+                return "none".to_string();
+            }
+            let geomean = (finite.iter().map(|v| v.ln()).sum::<f64>() / finite.len() as f64).exp();
+            let min = finite.iter().copied().fold(f64::MAX, f64::min);
+            let max = finite.iter().copied().fold(f64::MIN, f64::max);
+            format!(
+                "geomean {geomean:.4}, min {min:.4}, max {max:.4} ({} measurements)",
+                finite.len()
+            )
+        };
+        format!(
+            "# safe/raw time  (< 1 MiB)  : {}\n# safe/raw busbw (>= 1 MiB) : {}\n",
+            summary(&small),
+            summary(&large)
+        )
+    }
+
+    /// Every measurement as one JSON document.
+    pub fn json(&self, meta: serde_json::Value) -> String {
+        let results: Vec<serde_json::Value> = self
+            .all()
+            .map(|(row, in_place, m)| {
+                serde_json::json!({
+                    "collective": self.coll.name(),
+                    "api": m.api.name(),
+                    "mode": mode_name(self.mode),
+                    "ranks": self.ranks,
+                    "size_bytes": row.size,
+                    "count": row.count,
+                    "type": row.dtype,
+                    "redop": row.redop,
+                    "root": row.root,
+                    "in_place": in_place,
+                    "time_us": m.time_us,
+                    "p99_us": m.p99_us,
+                    "cputime_us": m.cpu_us,
+                    "algbw_gbps": m.algbw,
+                    "busbw_gbps": m.busbw,
+                    "wrong": m.wrong,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({ "benchmark": meta, "results": results });
+        serde_json::to_string_pretty(&doc).unwrap_or_default()
+    }
+
+    /// Every measurement as CSV, one line each.
+    pub fn csv(&self) -> String {
+        let mut out = String::from(
+            "collective,api,mode,ranks,size_bytes,count,type,redop,root,in_place,time_us,p99_us,cputime_us,algbw_gbps,busbw_gbps,wrong\n",
+        );
+        for (row, in_place, m) in self.all() {
+            let _ = writeln!(
+                out,
+                "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                self.coll.name(),
+                m.api.name(),
+                mode_name(self.mode),
+                self.ranks,
+                row.size,
+                row.count,
+                row.dtype,
+                row.redop,
+                row.root,
+                in_place,
+                m.time_us,
+                m.p99_us.map_or_else(String::new, |v| v.to_string()),
+                m.cpu_us,
+                m.algbw,
+                m.busbw,
+                m.wrong.map_or_else(String::new, |v| v.to_string()),
+            );
+        }
+        out
+    }
+
+    /// Bus bandwidth against size, one line per API, placement, type and reduction, as SVG.
+    pub fn svg(&self, title: &str) -> String {
+        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for (row, in_place, m) in self.all() {
+            if row.size == 0 {
+                continue;
+            }
+            let mut label = format!(
+                "{} {}",
+                m.api.name(),
+                if in_place { "in-place" } else { "out-of-place" }
+            );
+            if self.rows.iter().any(|r| r.dtype != row.dtype) {
+                let _ = write!(label, " {}", row.dtype);
+            }
+            if self.rows.iter().any(|r| r.redop != row.redop) {
+                let _ = write!(label, " {}", row.redop);
+            }
+            let point = ((row.size as f64).log2(), m.busbw);
+            match series.iter_mut().find(|(l, _)| *l == label) {
+                Some((_, points)) => points.push(point),
+                None => series.push((label, vec![point])),
+            }
+        }
+        plot(title, &series)
+    }
+}
+
+/// The mode's name in the files.
+pub fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Host => "host",
+        Mode::Graph => "graph",
+        Mode::Latency => "latency",
+    }
+}
+
+/// A byte count the short way: 8B, 64KiB, 1GiB.
+pub fn human_bytes(bytes: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{}{}", g((value * 100.0).round() / 100.0), units[unit])
+}
+
+/// Draws lines of (log2 size, GB/s) points.
+fn plot(title: &str, series: &[(String, Vec<(f64, f64)>)]) -> String {
+    const W: f64 = 900.0;
+    const H: f64 = 520.0;
+    const LEFT: f64 = 70.0;
+    const RIGHT: f64 = 210.0;
+    const TOP: f64 = 40.0;
+    const BOTTOM: f64 = 50.0;
+    const COLORS: [&str; 8] = [
+        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    ];
+    let points = series.iter().flat_map(|(_, p)| p.iter());
+    let (mut x0, mut x1, mut y1) = (f64::MAX, f64::MIN, 0.0f64);
+    for &(x, y) in points {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        if y.is_finite() {
+            y1 = y1.max(y);
+        }
+    }
+    if x0 > x1 {
+        (x0, x1) = (0.0, 1.0);
+    }
+    if x1 - x0 < 1.0 {
+        x1 = x0 + 1.0;
+    }
+    let y_step = nice_step(y1.max(1.0) / 6.0);
+    let y1 = (y1 / y_step).ceil().max(1.0) * y_step;
+    let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
+    let sx = |x: f64| LEFT + (x - x0) / (x1 - x0) * pw;
+    let sy = |y: f64| TOP + ph - (y / y1) * ph;
+
+    let mut svg = String::new();
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(svg, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
+        LEFT + pw / 2.0,
+        escape(title)
+    );
+    // Grid and y labels.
+    let mut y = 0.0;
+    while y <= y1 + y_step / 2.0 {
+        let py = sy(y);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{LEFT}" y1="{py:.1}" x2="{:.1}" y2="{py:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
+            LEFT + pw,
+            LEFT - 6.0,
+            py + 4.0,
+            g(y)
+        );
+        y += y_step;
+    }
+    // x ticks at powers of two, every 1, 2 or 4 steps depending on the range.
+    let span = (x1 - x0).ceil() as i64;
+    let every = if span > 24 {
+        4
+    } else if span > 12 {
+        2
+    } else {
+        1
+    };
+    let mut x = x0.ceil() as i64;
+    while x as f64 <= x1 {
+        if x % every == 0 {
+            let px = sx(x as f64);
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}" stroke="#eee"/><text x="{px:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
+                TOP + ph,
+                TOP + ph + 18.0,
+                human_bytes(2f64.powi(x as i32))
+            );
+        }
+        x += 1;
+    }
+    let _ = writeln!(
+        svg,
+        r#"<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="black"/>"#
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">size</text>"#,
+        LEFT + pw / 2.0,
+        H - 12.0
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text transform="translate(18 {:.1}) rotate(-90)" text-anchor="middle">busbw (GB/s)</text>"#,
+        TOP + ph / 2.0
+    );
+    for (i, (label, points)) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let dash = if label.contains("in-place") {
+            r#" stroke-dasharray="6 4""#
+        } else {
+            ""
+        };
+        let path: Vec<String> = points
+            .iter()
+            .filter(|(_, y)| y.is_finite())
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        let _ = writeln!(
+            svg,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
+            path.join(" ")
+        );
+        for point in &path {
+            let (cx, cy) = point.split_once(',').unwrap_or(("0", "0"));
+            let _ = writeln!(
+                svg,
+                r#"<circle cx="{cx}" cy="{cy}" r="2.5" fill="{color}"/>"#
+            );
+        }
+        let ly = TOP + 10.0 + i as f64 * 18.0;
+        let lx = LEFT + pw + 12.0;
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
+            lx + 24.0,
+            lx + 30.0,
+            ly + 4.0,
+            escape(label)
+        );
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// 1, 2 or 5 times a power of ten, at least `raw`.
+fn nice_step(raw: f64) -> f64 {
+    let power = 10f64.powf(raw.log10().floor());
+    for m in [1.0, 2.0, 5.0, 10.0] {
+        if m * power >= raw {
+            return m * power;
+        }
+    }
+    10.0 * power
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Writes `text` to `path`, naming the file in the error.
+pub fn write_file(path: &Path, text: &str) -> BenchResult<()> {
+    std::fs::write(path, text).map_err(|e| format!("writing {}: {e}", path.display()).into())
+}
