@@ -913,7 +913,9 @@ fn split_color(color: Option<u32>) -> Result<c_int> {
     }
 }
 
-/// Polling pace: spin briefly (most waits are short), then sleep in growing steps up to 1 ms.
+/// Polling pace: spin briefly (most waits are short), then yield, then sleep in steps that
+/// grow to at most 50 µs, so a long wait costs little CPU and a timed wait ends at most about
+/// 50 µs late.
 pub(crate) struct Backoff {
     polls: u32,
 }
@@ -927,8 +929,8 @@ impl Backoff {
         self.polls = self.polls.saturating_add(1);
         match self.polls {
             0..=64 => std::hint::spin_loop(),
-            65..=256 => std::thread::yield_now(),
-            n => std::thread::sleep(Duration::from_micros(u64::from((n - 256).min(1000)))),
+            65..=1024 => std::thread::yield_now(),
+            n => std::thread::sleep(Duration::from_micros(u64::from((n - 1024).min(50)))),
         }
     }
 }

@@ -31,6 +31,9 @@ macro_rules! int_elem {
 }
 int_elem!(i8, u8, i32, u32, i64, u64);
 
+// The conversions are the types' inherent functions, named by path: a method call such as
+// `v.to_f64()` would resolve to `Elem::to_f64` itself (by-value receivers are probed before
+// the inherent `&self` method) and recurse forever.
 macro_rules! float_elem {
     ($($t:ty: $eps:expr, $from:expr, $to:expr);* $(;)?) => {$(
         impl Elem for $t {
@@ -49,8 +52,8 @@ float_elem! {
     f64: f64::EPSILON, |v: f64| v, |v: f64| v;
     half::f16: 1.0 / 1024.0, half::f16::from_f64, half::f16::to_f64;
     half::bf16: 1.0 / 128.0, half::bf16::from_f64, half::bf16::to_f64;
-    float8::F8E4M3: 1.0 / 8.0, float8::F8E4M3::from_f64, |v: float8::F8E4M3| v.to_f64();
-    float8::F8E5M2: 1.0 / 4.0, float8::F8E5M2::from_f64, |v: float8::F8E5M2| v.to_f64();
+    float8::F8E4M3: 1.0 / 8.0, float8::F8E4M3::from_f64, |v| float8::F8E4M3::to_f64(&v);
+    float8::F8E5M2: 1.0 / 4.0, float8::F8E5M2::from_f64, |v| float8::F8E5M2::to_f64(&v);
 }
 
 /// The element types, named as nccl-tests names them (`-d`).
