@@ -547,8 +547,10 @@ impl Comm {
             }
         };
         let parent_error = match self.lib.check_pending(call, status) {
-            // On a timeout NCCL's job may still write the slot: it is left allocated.
-            Ok(_) => self.settle(call, self.ready_timeout)?,
+            // The parent settles when every member has joined the child, so the wait is the
+            // child's creation timeout, not the parent's (which may be short, for detecting
+            // failures). On a timeout NCCL's job may still write the slot: it stays allocated.
+            Ok(_) => self.settle(call, child_config.ready_timeout())?,
             Err(err) => {
                 // The call failed before starting anything; a partial child is aborted.
                 // SAFETY: see above; NCCL returned, nothing runs in the background.
