@@ -63,30 +63,37 @@
 //! # Recovering from a dead rank
 //!
 //! ```no_run
-//! # fn main() -> nccl::Result<()> {
+//! use std::sync::Arc;
 //! use std::time::Duration;
+//!
+//! use cudarc::driver::CudaStream;
 //! use nccl::{Comm, CommConfig, ReduceOp, ShrinkMode, UniqueId};
-//! # let (stream, id, rank, world, dead): (std::sync::Arc<cudarc::driver::CudaStream>, UniqueId, usize, usize, usize) = todo!();
-//! let config = CommConfig::new()
-//!     .blocking(false)
-//!     .with_ready_timeout(Duration::from_secs(30));
-//! let comm = Comm::init_rank_with_config(stream.clone(), &id, rank, world, &config)?;
-//! let mut grads = stream.alloc_zeros::<f32>(1 << 20)?;
-//! comm.all_reduce_in_place(&mut grads, ReduceOp::Sum)?;
-//! match comm.synchronize_timeout(Duration::from_secs(10)) {
-//!     Ok(()) => {}
-//!     Err(err) if err.is_fatal() => {
-//!         // Find out which rank died (from the launcher, a heartbeat, ...), then:
-//!         let survivors = comm.shrink(&[dead], ShrinkMode::Abort, Some(&config))?;
-//!         comm.abort()?;
-//!         survivors.all_reduce_in_place(&mut grads, ReduceOp::Sum)?;
-//!         survivors.synchronize_timeout(Duration::from_secs(10))?;
+//!
+//! /// One step of a job whose rank `dead` may fail (learnt from the launcher, a heartbeat...).
+//! fn step(stream: Arc<CudaStream>, id: &UniqueId, rank: usize, world: usize, dead: usize)
+//!     -> nccl::Result<()> {
+//!     let config = CommConfig::new()
+//!         .blocking(false)
+//!         .with_ready_timeout(Duration::from_secs(30));
+//!     let comm = Comm::init_rank_with_config(stream.clone(), id, rank, world, &config)?;
+//!     let mut grads = stream.alloc_zeros::<f32>(1 << 20)?;
+//!     comm.all_reduce_in_place(&mut grads, ReduceOp::Sum)?;
+//!     match comm.synchronize_timeout(Duration::from_secs(10)) {
+//!         Ok(()) => Ok(()),
+//!         Err(err) if err.is_fatal() => {
+//!             let survivors = comm.shrink(&[dead], ShrinkMode::Abort, Some(&config))?;
+//!             comm.abort()?;
+//!             survivors.all_reduce_in_place(&mut grads, ReduceOp::Sum)?;
+//!             survivors.synchronize_timeout(Duration::from_secs(10))
+//!         }
+//!         Err(err) => Err(err),
 //!     }
-//!     Err(err) => return Err(err),
 //! }
-//! # Ok(())
-//! # }
 //! ```
+//!
+//! Over the socket transport NCCL 2.28 records a dead peer as an asynchronous error on the
+//! parent and then refuses `ncclCommShrink` on it (also after a revoke); survivors then abort
+//! the parent and create a new communicator from a fresh unique id instead.
 //!
 //! # The watchdog's progress probe
 //!
