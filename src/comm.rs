@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaStream};
 use nccl_sys::ncclComm_t;
 
-use crate::config::CommConfig;
+use crate::config::{CommConfig, RawConfig};
 use crate::error::{Error, Result, ResultCode};
 use crate::fault::{Failure, FailureState, Handle};
 use crate::group;
@@ -480,22 +480,9 @@ impl Comm {
         group::ensure_outside("Comm::split")?;
         let color = split_color(color)?;
         self.check_stream_device(&stream, "split stream")?;
-        // No config means NCCL's "inherit the parent's"; the child's blocking mode and
-        // readiness timeout follow the parent then, too.
-        let child_config = match config {
-            Some(config) => config.clone().inherit_blocking(self.core.blocking),
-            None => CommConfig::default()
-                .blocking(self.core.blocking)
-                .with_ready_timeout(self.ready_timeout),
-        };
-        let mut raw_config = match config {
-            Some(config) => Some(config.to_raw(self.lib)?),
-            None => None,
-        };
-        let cfg_ptr = raw_config
-            .as_mut()
-            .and_then(|raw| raw.as_mut())
-            .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
+        let child_config = self.child_config(config);
+        let mut raw_config = RawConfig::inherit_or(config, self.lib)?;
+        let cfg_ptr = raw_config.as_mut_ptr();
         self.create_child(
             "ncclCommSplit",
             stream,
@@ -512,6 +499,18 @@ impl Comm {
                 }
             },
         )
+    }
+
+    /// The configuration a child (split, shrink, grow) is adopted with. No config means
+    /// NCCL's "inherit the parent's": then the blocking mode and readiness timeout follow the
+    /// parent too; a given config inherits only the blocking mode, if it leaves it unset.
+    pub(crate) fn child_config(&self, config: Option<&CommConfig>) -> CommConfig {
+        match config {
+            Some(config) => config.clone().inherit_blocking(self.core.blocking),
+            None => CommConfig::default()
+                .blocking(self.core.blocking)
+                .with_ready_timeout(self.ready_timeout),
+        }
     }
 
     /// Runs a call that creates a child of this communicator (split, shrink, grow) and adopts

@@ -474,6 +474,25 @@ pub(crate) struct RawConfig {
 }
 
 impl RawConfig {
+    /// For calls where a null config means "inherit the parent's" (split, shrink, grow):
+    /// `None` gives a null pointer from [`RawConfig::as_mut_ptr`].
+    pub(crate) fn inherit_or(config: Option<&CommConfig>, lib: &Library) -> Result<Self> {
+        match config {
+            Some(config) => config.to_raw(lib),
+            None => Ok(RawConfig {
+                config: None,
+                _strings: Vec::new(),
+            }),
+        }
+    }
+
+    /// The struct's address, or null when nothing was set.
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut ncclConfig_t {
+        self.config
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |cfg| cfg as *mut _)
+    }
+
     /// The struct to pass to NCCL, if any field was set.
     pub(crate) fn as_mut(&mut self) -> Option<&mut ncclConfig_t> {
         self.config.as_mut()

@@ -119,7 +119,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
 use nccl_sys::ncclComm_t;
 
 use crate::comm::{rank_and_size, Comm, CommCore};
-use crate::config::CommConfig;
+use crate::config::{CommConfig, RawConfig};
 use crate::error::{Error, Result, ResultCode};
 use crate::group;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
@@ -1155,14 +1155,8 @@ impl Comm {
         let count =
             c_int::try_from(list.len()).map_err(|_| Error::invalid("too many ranks to exclude"))?;
         let child_config = self.child_config(config);
-        let mut raw_config = match config {
-            Some(config) => Some(config.to_raw(lib)?),
-            None => None,
-        };
-        let cfg_ptr = raw_config
-            .as_mut()
-            .and_then(|raw| raw.as_mut())
-            .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
+        let mut raw_config = RawConfig::inherit_or(config, lib)?;
+        let cfg_ptr = raw_config.as_mut_ptr();
         // The exclude list is boxed with the call: NCCL may read it from its background job.
         let list_ptr = list.as_mut_ptr();
         let child = self.create_child(
@@ -1228,14 +1222,8 @@ impl Comm {
         group::ensure_outside("Comm::grow")?;
         let nranks = grow_size(self.size(), new_size)?;
         let child_config = self.child_config(config);
-        let mut raw_config = match config {
-            Some(config) => Some(config.to_raw(lib)?),
-            None => None,
-        };
-        let cfg_ptr = raw_config
-            .as_mut()
-            .and_then(|raw| raw.as_mut())
-            .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
+        let mut raw_config = RawConfig::inherit_or(config, lib)?;
+        let cfg_ptr = raw_config.as_mut_ptr();
         // Boxed like the child slot: NCCL's job may read it after the call returned.
         let raw_id = id.map(|id| Box::new(id.to_raw()));
         let id_ptr = raw_id
@@ -1284,9 +1272,7 @@ impl Comm {
         let (rank, nranks) = rank_and_size(rank, new_size)?;
         let config = config.cloned().unwrap_or_default();
         let mut raw_config = config.to_raw(lib)?;
-        let cfg_ptr = raw_config
-            .as_mut()
-            .map_or(ptr::null_mut(), |cfg| cfg as *mut _);
+        let cfg_ptr = raw_config.as_mut_ptr();
         let raw_id = id.to_raw();
         stream.context().bind_to_thread()?;
         let mut child: ncclComm_t = ptr::null_mut();
@@ -1297,16 +1283,6 @@ impl Comm {
                 .ncclCommGrow(ptr::null_mut(), nranks, &raw_id, rank, &mut child, cfg_ptr)
         };
         Comm::adopt(lib, child, stream, &config, "ncclCommGrow", status)
-    }
-
-    /// The configuration a child built from this communicator gets, as in `split`.
-    fn child_config(&self, config: Option<&CommConfig>) -> CommConfig {
-        match config {
-            Some(config) => config.clone().inherit_blocking(self.is_blocking()),
-            None => CommConfig::default()
-                .blocking(self.is_blocking())
-                .with_ready_timeout(self.ready_timeout()),
-        }
     }
 
     /// Marks this communicator as part of a group open on this thread.
