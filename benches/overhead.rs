@@ -15,9 +15,10 @@
 //! * `all_reduce_8B_issue`: only the host time spent in the calls, in batches of 32 with a
 //!   wait (not timed) in between: the binding's own per-call cost.
 //!
-//! `safe` runs with cudarc's event tracking as configured (on by default, see
-//! `NCCL_RS_BENCH_EVENT_TRACKING`); when it is on, `safe_untracked` repeats the safe calls with
-//! tracking switched off, which separates cudarc's event bookkeeping from the binding itself.
+//! The GPUs' default streams are used unless `NCCL_RS_BENCH_STREAM=own`: with streams of its
+//! own a context switches cudarc's event tracking on (unless `NCCL_RS_BENCH_EVENT_TRACKING=0`),
+//! and then `safe_untracked` repeats the safe calls with tracking switched off, which
+//! separates cudarc's event bookkeeping from the binding itself.
 //! The run ends with the ratios safe/raw computed from criterion's samples.
 
 mod common;
@@ -201,6 +202,50 @@ fn main() {
     println!("\noverhead of the safe API, 8-byte all-reduce on {n} GPUs (one group call = {n} ncclAllReduce):");
     report("end to end (back to back, then wait)", &end_to_end, n);
     report("issue only (host time in the calls) ", &issue, n);
+    interleaved(&mut bench);
+}
+
+/// Rounds of this many back-to-back operations per API in the interleaved comparison.
+const INTERLEAVED_ITERS: u32 = 2000;
+/// Rounds per API in the interleaved comparison.
+const INTERLEAVED_ROUNDS: usize = 15;
+
+/// Safe and raw alternate round by round (the order flips every round), so that clock and
+/// thermal drift over the run hits both alike; prints the median of the per-round ratios.
+fn interleaved(bench: &mut Bench<'_>) {
+    let mut round_time = |api: &str| {
+        let start = Instant::now();
+        for _ in 0..INTERLEAVED_ITERS {
+            bench.issue(api);
+        }
+        wait_all(bench.gpus).unwrap_or_else(|e| fail(api, e));
+        start.elapsed().as_secs_f64() * 1e6 / f64::from(INTERLEAVED_ITERS)
+    };
+    let mut ratios = Vec::with_capacity(INTERLEAVED_ROUNDS);
+    let (mut safe_all, mut raw_all) = (Vec::new(), Vec::new());
+    for round in 0..INTERLEAVED_ROUNDS {
+        let (safe, raw) = if round % 2 == 0 {
+            let safe = round_time("safe");
+            (safe, round_time("raw"))
+        } else {
+            let raw = round_time("raw");
+            (round_time("safe"), raw)
+        };
+        ratios.push(safe / raw);
+        safe_all.push(safe);
+        raw_all.push(raw);
+    }
+    let median = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    println!(
+        "  interleaved ({INTERLEAVED_ROUNDS} rounds of {INTERLEAVED_ITERS}, end to end): raw {:8.3} us   \
+         safe {:8.3} us   median safe/raw x{:.3}",
+        median(&mut raw_all),
+        median(&mut safe_all),
+        median(&mut ratios)
+    );
 }
 
 /// Runs one criterion function and returns the mean time per iteration of its samples.

@@ -32,8 +32,14 @@
 //!
 //! * `-G N` (graph mode): the `-n` operations are captured into a CUDA graph (thread-local
 //!   capture mode, as nccl-tests), instantiated and uploaded, then replayed `N` times back to
-//!   back; time per operation = elapsed / (`n` * `N`). cudarc's event tracking is turned off in
-//!   this mode: its waits on events recorded outside the capture would invalidate it.
+//!   back; time per operation = elapsed / (`n` * `N`). This mode runs on a stream of its own
+//!   (the legacy default stream cannot be captured) with cudarc's event tracking turned off:
+//!   its waits on events recorded outside the capture would invalidate it.
+//!
+//! Every rank runs on its GPU's default stream, as [`nccl::bootstrap::LocalJob::init_comm`]
+//! sets up programs; cudarc then keeps no per-buffer events. `--stream own` runs on a stream
+//! of its own instead, which switches cudarc's event tracking on (`--event-tracking 0` turns
+//! it off again): the cost a program with several streams pays.
 //! * `--latency`: each of the `-n` operations is bracketed by CUDA events; the columns show the
 //!   median and the 99th percentile of the per-call device times, and the bandwidths follow
 //!   the median.
@@ -87,6 +93,7 @@ use std::process::ExitCode;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::CudaContext;
 use nccl::bootstrap::{spawn_local, BootstrapError};
 use nccl::ReduceOp;
 
@@ -143,15 +150,26 @@ fn run(options: &Options) -> BenchResult<bool> {
     let _ = RANK.set(job.launch().rank);
     // GPU of the local rank, a stream on it, the unique id through the bootstrap's
     // rendezvous, and the communicator.
-    let (comm, stream) = job.init_comm()?;
-    let tracking = options.event_tracking && options.mode() != Mode::Graph;
-    if !tracking {
+    // The GPU's default stream, as `init_comm` gives every program, unless a stream of its
+    // own was asked for; graph capture needs one (the legacy default stream cannot be
+    // captured).
+    let own_stream = options.own_stream || options.mode() == Mode::Graph;
+    let (comm, stream) = if own_stream {
+        let stream = CudaContext::new(job.device()?)?.new_stream()?;
+        (job.init_comm_on(stream.clone())?, stream)
+    } else {
+        job.init_comm()?
+    };
+    if !options.event_tracking || options.mode() == Mode::Graph {
         // SAFETY: this process runs all its device work on this one stream, so there is no
         // cross-stream order for the events to enforce; buffers (all allocated after this
         // point, so without events) are released in stream order or after a stream
         // synchronisation, once their last use is enqueued.
         unsafe { stream.context().disable_event_tracking() };
     }
+    // cudarc waits on and records a buffer's events only when its context has streams of
+    // its own and tracking is on.
+    let tracking = stream.context().is_managing_stream_synchronization();
     let device = stream.context().ordinal();
     let mut rank = Rank::new(comm, stream, device)?;
 
@@ -190,6 +208,7 @@ fn benchmark(
     spawned: usize,
 ) -> BenchResult<bool> {
     let (me, n) = (rank.rank(), rank.size());
+    let own_stream = options.own_stream || options.mode() == Mode::Graph;
     if options.coll.has_root() && options.root >= n {
         return Err(format!("root {} is out of range for {n} ranks (-r)", options.root).into());
     }
@@ -239,7 +258,11 @@ fn benchmark(
                 Alloc::Nccl => "ncclMemAlloc",
                 Alloc::Cuda => "cudarc",
             },
-            if tracking { "on" } else { "off" },
+            match (tracking, own_stream) {
+                (true, _) => "on",
+                (false, true) => "off",
+                (false, false) => "inactive (default stream only)",
+            },
             if spawned > 0 {
                 format!("started {spawned} local ranks")
             } else {
@@ -302,6 +325,7 @@ fn benchmark(
             "nccl_rs_version": env!("CARGO_PKG_VERSION"),
             "alloc": format!("{alloc:?}").to_lowercase(),
             "event_tracking": tracking,
+            "own_stream": own_stream,
             "min_bytes": options.min_bytes,
             "max_bytes": max_bytes,
             "step_factor": options.step_factor,

@@ -1243,7 +1243,9 @@ fn run(options: &Options) -> Result<(), Error> {
         launch.device_ordinal(gpus)?
     };
     let ctx = CudaContext::new(device)?;
-    let stream = ctx.new_stream()?;
+    // Compute and communication share the GPU's default stream: with no stream of its own
+    // the context keeps no per-buffer events, so no synchronisation is added to any call.
+    let stream = ctx.default_stream();
     let kernels = Kernels::compile(&ctx)?;
     let id = job.exchange_id()?;
     let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;

@@ -138,7 +138,7 @@ impl Drop for Membership<'_> {
 /// use nccl::{Collective, Comm, Group, ReduceOp};
 ///
 /// let streams = (0..2)
-///     .map(|i| CudaContext::new(i).and_then(|ctx| ctx.new_stream()))
+///     .map(|i| CudaContext::new(i).map(|ctx| ctx.default_stream()))
 ///     .collect::<Result<Vec<_>, _>>()?;
 /// let comms = Comm::init_all(&streams)?;
 /// let mut grads = streams

@@ -13,7 +13,9 @@
 //!
 //! # let (rank, world, local_rank) = (0usize, 1usize, 0usize);
 //! # fn share(id: Option<UniqueId>) -> UniqueId { id.unwrap() }
-//! let stream = CudaContext::new(local_rank)?.new_stream()?;
+//! // The GPU's default stream: while a context has no other stream, cudarc tracks no
+//! // per-buffer events, so handing buffers to NCCL costs nothing over raw pointers.
+//! let stream = CudaContext::new(local_rank)?.default_stream();
 //! // Rank 0 creates the id; every rank gets it (MPI, a file, a socket: see `bootstrap`).
 //! let id = share((rank == 0).then(UniqueId::new).transpose()?);
 //! let comm = Comm::init_rank(stream.clone(), &id, rank, world)?;

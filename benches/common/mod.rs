@@ -6,7 +6,8 @@
 //! | variable | meaning |
 //! | --- | --- |
 //! | `NCCL_RS_BENCH_GPUS` | use only the first N visible GPUs (default: all) |
-//! | `NCCL_RS_BENCH_EVENT_TRACKING` | `0` turns cudarc's event tracking off (default: on, cudarc's default) |
+//! | `NCCL_RS_BENCH_STREAM` | `default`: each GPU's default stream (the default, as `LocalJob::init_comm`); `own`: a stream of the bench's own per GPU, which activates cudarc's event tracking |
+//! | `NCCL_RS_BENCH_EVENT_TRACKING` | `0` turns cudarc's event tracking off (default: on, cudarc's default; it only acts on `own` streams) |
 //! | `NCCL_RS_BENCH_MAX_BYTES` | largest size of the collectives bench (default 1 GiB) |
 
 #![allow(dead_code)]
@@ -24,8 +25,11 @@ pub struct Gpus {
     pub streams: Vec<Arc<CudaStream>>,
     /// One communicator per GPU (`Comm::init_all`), in rank order.
     pub comms: Vec<Comm>,
-    /// Whether cudarc's event tracking is on.
+    /// Whether cudarc's event tracking acts on the buffers (tracking on and a stream of
+    /// the bench's own: cudarc tracks nothing while a context has only its default stream).
     pub event_tracking: bool,
+    /// Whether the streams are the bench's own rather than the default streams.
+    pub own_streams: bool,
 }
 
 impl Gpus {
@@ -42,11 +46,12 @@ pub fn setup(bench: &str) -> Option<Gpus> {
         Ok(gpus) => {
             let lib = gpus.comms[0].library();
             println!(
-                "{bench}: {} GPUs in one process, NCCL {} ({}), cudarc event tracking {}",
+                "{bench}: {} GPUs in one process, NCCL {} ({}), {} streams, cudarc event tracking {}",
                 gpus.len(),
                 lib.version(),
                 lib.path().display(),
-                if gpus.event_tracking { "on" } else { "off" }
+                if gpus.own_streams { "own" } else { "default" },
+                if gpus.event_tracking { "active" } else { "inactive" }
             );
             Some(gpus)
         }
@@ -73,6 +78,11 @@ fn try_setup() -> Result<Gpus, String> {
     let event_tracking = std::env::var("NCCL_RS_BENCH_EVENT_TRACKING")
         .map(|v| v.trim() != "0")
         .unwrap_or(true);
+    let own_streams = match std::env::var("NCCL_RS_BENCH_STREAM").as_deref().map(str::trim) {
+        Err(_) | Ok("default") => false,
+        Ok("own") => true,
+        Ok(other) => return Err(format!("NCCL_RS_BENCH_STREAM={other:?}: expected default or own")),
+    };
     let mut streams = Vec::with_capacity(count);
     for ordinal in 0..count {
         let ctx = CudaContext::new(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
@@ -81,13 +91,21 @@ fn try_setup() -> Result<Gpus, String> {
             // freed in that stream's order, so the events have no cross-stream order to keep.
             unsafe { ctx.disable_event_tracking() };
         }
-        streams.push(ctx.new_stream().map_err(|e| e.to_string())?);
+        streams.push(if own_streams {
+            ctx.new_stream().map_err(|e| e.to_string())?
+        } else {
+            ctx.default_stream()
+        });
     }
     let comms = Comm::init_all(&streams).map_err(|e| e.to_string())?;
+    let event_tracking = streams
+        .first()
+        .is_some_and(|s| s.context().is_managing_stream_synchronization());
     Ok(Gpus {
         streams,
         comms,
         event_tracking,
+        own_streams,
     })
 }
 

@@ -93,6 +93,9 @@ pub struct Options {
     pub ranks: Option<usize>,
     /// cudarc's event tracking on the benchmark's buffers (`--event-tracking`).
     pub event_tracking: bool,
+    /// Run on a stream of the process's own instead of the GPU's default stream
+    /// (`--stream own`).
+    pub own_stream: bool,
     /// Where buffers come from (`--alloc`).
     pub alloc: Alloc,
     /// Write every measurement as JSON here (`--json`).
@@ -125,6 +128,7 @@ impl Default for Options {
             rounds: 1,
             ranks: None,
             event_tracking: true,
+            own_stream: false,
             alloc: Alloc::Nccl,
             json: None,
             csv: None,
@@ -206,7 +210,10 @@ this benchmark's own:
       --rounds <n>             with --compare: measurements per API, median reported (default 1)
       --latency                time every call with CUDA events: median and p99
       --ranks <n>              processes to start without a launcher (default: every GPU)
-      --event-tracking <0|1>   cudarc's event tracking on the buffers (default 1; off in graph mode)
+      --stream <default|own>   the GPU's default stream (default) or a stream of its own
+                               (graph mode always uses its own)
+      --event-tracking <0|1>   cudarc's event tracking on the buffers, active only with a
+                               stream of its own (default 1; off in graph mode)
       --alloc <nccl|cuda>      ncclMemAlloc (default, as nccl-tests) or cudarc's allocator
       --json <file>            write every measurement as JSON
       --csv <file>             write every measurement as CSV
@@ -319,6 +326,13 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "--rounds" => options.rounds = number(&name, &value()?)?,
             "--ranks" => options.ranks = Some(number(&name, &value()?)?),
             "--event-tracking" => options.event_tracking = flag(&name, &value()?)?,
+            "--stream" => {
+                options.own_stream = match value()?.as_str() {
+                    "default" => false,
+                    "own" => true,
+                    other => return Err(format!("{name}: expected default or own, got {other:?}")),
+                }
+            }
             "--alloc" => {
                 options.alloc = match value()?.as_str() {
                     "nccl" => Alloc::Nccl,

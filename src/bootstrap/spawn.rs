@@ -244,10 +244,38 @@ impl LocalJob {
         false
     }
 
-    /// The common case in one call: picks this rank's GPU from its local rank, creates a
-    /// stream on it, exchanges the unique id and joins the communicator.
+    /// The common case in one call: picks this rank's GPU from its local rank, takes that
+    /// GPU's default stream, exchanges the unique id and joins the communicator.
+    ///
+    /// The default stream is deliberate: while a CUDA context has no stream of its own,
+    /// cudarc keeps no per-buffer events, so handing buffers to NCCL costs nothing. A program
+    /// that creates more streams (say, to overlap communication with compute) switches
+    /// cudarc's event tracking on for the whole context; it can join on a stream of its own
+    /// with [`LocalJob::init_comm_on`].
     pub fn init_comm(&self) -> crate::Result<(Comm, Arc<CudaStream>)> {
         init_comm(&self.launch, || self.exchange_id())
+    }
+
+    /// The CUDA device of this rank: its local rank, which must be below the number of
+    /// visible GPUs.
+    pub fn device(&self) -> crate::Result<usize> {
+        let gpus = crate::library::cuda_device_count()?;
+        Ok(self.launch.device_ordinal(gpus)?)
+    }
+
+    /// Like [`LocalJob::init_comm`], on a stream the caller chose. The stream must be on
+    /// [`LocalJob::device`].
+    pub fn init_comm_on(&self, stream: Arc<CudaStream>) -> crate::Result<Comm> {
+        let device = self.device()?;
+        let on = stream.context().ordinal();
+        if on != device {
+            return Err(crate::Error::invalid(format!(
+                "rank {} runs on device {device}, but the stream is on device {on}",
+                self.launch.rank
+            )));
+        }
+        let id = self.exchange_id()?;
+        Comm::init_rank(stream, &id, self.launch.rank, self.launch.world_size)
     }
 
     /// On the spawning process: waits for every spawned rank to exit, and fails with
@@ -469,7 +497,8 @@ pub(crate) fn init_comm(
 ) -> crate::Result<(Comm, Arc<CudaStream>)> {
     let gpus = crate::library::cuda_device_count()?;
     let device = launch.device_ordinal(gpus)?;
-    let stream = CudaContext::new(device)?.new_stream()?;
+    // The default stream: see `LocalJob::init_comm`.
+    let stream = CudaContext::new(device)?.default_stream();
     let id = exchange()?;
     let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
     Ok((comm, stream))
@@ -478,7 +507,8 @@ pub(crate) fn init_comm(
 impl Comm {
     /// The common case in one call, for programs started by a launcher (`mpirun`, `srun`,
     /// torchrun-style): reads rank and size from the environment ([`Launch::from_env`]),
-    /// picks the GPU of the local rank, creates a stream on it, exchanges the unique id
+    /// picks the GPU of the local rank, takes its default stream (see
+    /// [`LocalJob::init_comm`] for why), exchanges the unique id
     /// ([`Exchange::Auto`]: TCP when an address is set, else a file on one node) and joins.
     ///
     /// Without a launcher this is a single rank on GPU 0; to start one process per GPU
