@@ -54,6 +54,11 @@
 //!   communicator without the excluded ranks. With [`ShrinkMode::Abort`] NCCL first aborts
 //!   the operations still outstanding on the parent, which is what a recovery after a
 //!   failure needs. The parent must still be aborted (or destroyed) afterwards.
+//! * [`Comm::recover`] is the whole recovery in one call: it shrinks where NCCL can, and
+//!   where it cannot (a parent whose peer died over the network carries `ncclRemoteError`,
+//!   and NCCL refuses to shrink a communicator in error; NCCL older than 2.27 has no shrink)
+//!   it aborts the parent and builds the survivors' communicator from a fresh unique id,
+//!   shared the same way as at start-up.
 //! * [`Comm::get_unique_id_for_grow`], [`Comm::grow`] and [`Comm::join_grow`] (NCCL 2.29)
 //!   add ranks to a communicator. On an older library they return [`Error::Unsupported`].
 //!
@@ -991,6 +996,25 @@ fn require_nonblocking(comm: &Comm, what: &str) -> Result<()> {
 // Shrink, revoke, grow
 // ---------------------------------------------------------------------------------------
 
+/// A survivor's place in the communicator that [`Comm::recover`] builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Survivor {
+    /// Its rank among the survivors.
+    pub rank: usize,
+    /// The number of survivors.
+    pub size: usize,
+}
+
+/// The survivors' communicator from [`Comm::recover`].
+#[derive(Debug)]
+pub struct Recovered {
+    /// The new communicator, without the failed ranks.
+    pub comm: Comm,
+    /// `None` when NCCL shrank the old communicator; otherwise the error that made the
+    /// shrink impossible, and the communicator was rebuilt from a fresh unique id.
+    pub shrink_error: Option<Error>,
+}
+
 /// How [`Comm::shrink`] treats the parent's outstanding operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ShrinkMode {
@@ -1012,6 +1036,16 @@ impl ShrinkMode {
 }
 
 /// Checks a shrink's exclusion list and converts it for NCCL (sorted, as NCCL wants it).
+/// This rank's place among the survivors when the ranks in `failed` are gone: ranks keep
+/// their order, as `ncclCommShrink` numbers them.
+fn survivor_of(rank: usize, size: usize, failed: &[usize]) -> Result<Survivor> {
+    exclude_list(failed, rank, size)?;
+    Ok(Survivor {
+        rank: rank - failed.iter().filter(|&&r| r < rank).count(),
+        size: size - failed.len(),
+    })
+}
+
 pub(crate) fn exclude_list(exclude: &[usize], rank: usize, size: usize) -> Result<Vec<c_int>> {
     if exclude.is_empty() {
         return Err(Error::invalid(
@@ -1188,6 +1222,105 @@ impl Comm {
         }
     }
 
+    /// Builds the communicator of the survivors after the ranks in `failed` died, and
+    /// aborts this one. Called by every survivor, with the same `failed` list.
+    ///
+    /// First it tries [`Comm::shrink`] with [`ShrinkMode::Abort`], NCCL's fast path that
+    /// reuses this communicator's connections. NCCL cannot always take it: it refuses to
+    /// shrink a communicator whose asynchronous error is set (in every version up to 2.32,
+    /// `ncclCommShrink` checks the parent with the same test as any other call, after clearing
+    /// the abort flag that would skip it), which is what a dead peer leaves behind when ranks
+    /// talk over the network (`ncclRemoteError` from the socket or IB transport); NVLink peers
+    /// usually just stall, and then shrinking works. A library older than 2.27 has no shrink
+    /// at all. In those cases the survivors start over: this communicator is aborted, survivor
+    /// 0 creates a fresh [`UniqueId`], `share_id` hands it to every survivor (exactly as for a
+    /// first start: rank 0 passes `Some(id)` and gets it back, the others pass `None` and get
+    /// rank 0's; see [`crate::bootstrap`]), and all of them initialise a new communicator.
+    ///
+    /// Either way this communicator is aborted afterwards (its calls then fail, and dropping
+    /// it does nothing), and the survivors keep their order: survivor ranks are numbered from 0 in the
+    /// order of their old ranks, as `ncclCommShrink` numbers them. The new communicator uses
+    /// `config`, or this one's blocking mode and ready timeout. [`Recovered::shrink_error`]
+    /// says which way was taken.
+    ///
+    /// If only some survivors can shrink, the others wait in the shrink until the new
+    /// communicator's ready timeout expires and then rebuild too; `share_id` must therefore
+    /// wait at least that long for survivor 0. With a blocking communicator that wait has no
+    /// bound, so recovery needs nonblocking communicators (as detecting the failure does).
+    ///
+    /// `failed` is checked first (non-empty, in range, without this rank, no duplicates): a
+    /// bad list returns [`Error::InvalidArgument`] and leaves this communicator as it was.
+    ///
+    /// ```no_run
+    /// # use nccl::{bootstrap::FileRendezvous, Comm, CommConfig};
+    /// # fn f(comm: Comm, dead: usize) -> nccl::Result<()> {
+    /// let config = CommConfig::new().blocking(false);
+    /// let recovered = comm.recover(&[dead], Some(&config), |survivor, id| {
+    ///     let rendezvous = FileRendezvous::new("/tmp/job-42", survivor.rank, survivor.size)
+    ///         .with_job_key("after-failure-1");
+    ///     Ok(rendezvous.exchange(id)?)
+    /// })?;
+    /// if let Some(why) = &recovered.shrink_error {
+    ///     eprintln!("rebuilt the communicator: NCCL could not shrink it ({why})");
+    /// }
+    /// let comm = recovered.comm;
+    /// # Ok(()) }
+    /// ```
+    pub fn recover(
+        &self,
+        failed: &[usize],
+        config: Option<&CommConfig>,
+        share_id: impl FnOnce(Survivor, Option<UniqueId>) -> Result<UniqueId>,
+    ) -> Result<Recovered> {
+        group::ensure_outside("Comm::recover")?;
+        let survivor = survivor_of(self.rank(), self.size(), failed)?;
+        let stream = self.stream().clone();
+        let child_config = self.child_config(config);
+        let shrink_error = match self.shrink(failed, ShrinkMode::Abort, config) {
+            Ok(comm) => {
+                // The parent's resources are still held; NCCL leaves freeing them to us.
+                let _ = self.abort_in_place();
+                return Ok(Recovered {
+                    comm,
+                    shrink_error: None,
+                });
+            }
+            Err(err) => err,
+        };
+        // Its kernels may still spin on the stream the new communicator will use: abort them
+        // first. The parent is dead either way; what its abort reports changes nothing.
+        let _ = self.abort_in_place();
+        let fresh = if survivor.rank == 0 {
+            Some(UniqueId::new()?)
+        } else {
+            None
+        };
+        let id = share_id(survivor, fresh)?;
+        let comm =
+            Comm::init_rank_with_config(stream, &id, survivor.rank, survivor.size, &child_config)?;
+        Ok(Recovered {
+            comm,
+            shrink_error: Some(shrink_error),
+        })
+    }
+
+    /// `ncclCommAbort` by the owner without giving up the `Comm`: later calls on it fail,
+    /// and dropping it does nothing.
+    fn abort_in_place(&self) -> Result<AbortOutcome> {
+        let mut handle = self.core().lock();
+        act(
+            &mut handle,
+            self.library(),
+            self.context(),
+            Action::Abort,
+            Failure {
+                state: FailureState::Released,
+                by: Actor::Owner,
+                cause: Cause::Requested,
+            },
+        )
+    }
+
     /// A unique id for growing this communicator (`ncclCommGetUniqueId`, NCCL 2.29). Called
     /// on one existing rank (the coordinator), which passes it to [`Comm::grow`] and sends
     /// it to the new ranks for [`Comm::join_grow`]. Each id can be used for one grow only.
@@ -1312,6 +1445,23 @@ impl Comm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn survivors_keep_their_order() {
+        let place = |rank, failed: &[usize]| survivor_of(rank, 6, failed).unwrap();
+        assert_eq!(place(0, &[2]), Survivor { rank: 0, size: 5 });
+        assert_eq!(place(3, &[2]), Survivor { rank: 2, size: 5 });
+        assert_eq!(place(5, &[4, 0]), Survivor { rank: 3, size: 4 });
+        assert_eq!(place(1, &[5, 0, 3]), Survivor { rank: 0, size: 3 });
+        // Bad lists are refused before anything happens.
+        for failed in [&[][..], &[6], &[1], &[2, 2]] {
+            let err = survivor_of(1, 6, failed).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidArgument(_)),
+                "{failed:?}: {err}"
+            );
+        }
+    }
 
     #[test]
     fn abort_handle_and_watchdog_cross_threads() {

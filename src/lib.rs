@@ -93,7 +93,8 @@ pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};
 pub use error::{Error, Result, ResultCode};
 pub use fault::{
-    AbortHandle, AbortOutcome, ShrinkMode, Watchdog, WatchdogAction, WatchdogOptions, WatchdogTrip,
+    AbortHandle, AbortOutcome, Recovered, ShrinkMode, Survivor, Watchdog, WatchdogAction,
+    WatchdogOptions, WatchdogTrip,
 };
 pub use group::Group;
 pub use id::UniqueId;

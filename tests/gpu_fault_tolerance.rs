@@ -290,6 +290,16 @@ fn kill_and_shrink(test: &'static str, mode: &str, socket: bool) {
     }
     assert_eq!(survived.len(), 3, "{test}: every survivor finishes");
     assert!(survived.iter().all(|(_, size)| *size == 3));
+    let count = |tag: &str| lines.iter().filter(|(_, l)| l.contains(tag)).count();
+    let (shrunk, rebuilt) = (count("RECOVERY_SHRUNK "), count("RECOVERY_REBUILT "));
+    println!("[{test}] survivors that shrank: {shrunk}, that rebuilt: {rebuilt}");
+    assert!(
+        (shrunk, rebuilt) == (3, 0) || (shrunk, rebuilt) == (0, 3),
+        "{test}: the survivors took different ways"
+    );
+    if !socket {
+        assert_eq!(shrunk, 3, "{test}: over NVLink NCCL shrinks");
+    }
 }
 
 #[test]
@@ -622,37 +632,41 @@ fn child_kill_and_shrink() {
         assert!(error.to_string().contains("watchdog"), "{error}");
     }
 
-    // Shrink to the survivors, aborting what is stuck on the parent.
+    // Continue with the survivors: NCCL's shrink (aborting what is stuck on the parent)
+    // where it allows it, otherwise a rebuild from a fresh id shared through the file
+    // rendezvous.
     let start = Instant::now();
     let config = nonblocking(Duration::from_secs(60));
-    let survivors = match comm.shrink(&[dead], ShrinkMode::Abort, Some(&config)) {
-        Ok(survivors) => survivors,
-        // Over sockets the parent records the peer's death as an asynchronous error, and
-        // NCCL 2.28 refuses to shrink a parent in error (the error is sticky, also after a
-        // revoke). The survivors rebuild instead: abort the parent, agree on a fresh id
-        // through the file rendezvous, and create the 3-rank communicator from scratch.
-        Err(err) if err.nccl_code() == Some(nccl::ResultCode::RemoteError) => {
-            println!("REBUILT_INSTEAD_OF_SHRINK rank={rank} reason={err}");
-            let outcome = comm.abort_handle().and_then(|h| h.abort());
-            println!("rank {rank}: parent aborted: {outcome:?}");
-            let new_rank = if rank < dead { rank } else { rank - 1 };
-            let rendezvous = nccl::bootstrap::FileRendezvous::new(&dir, new_rank, size - 1)
-                .with_job_key("survivors")
-                .with_timeout(Duration::from_secs(60));
-            let fresh = (new_rank == 0).then(|| UniqueId::new().expect("ncclGetUniqueId"));
-            let id = rendezvous
-                .exchange(fresh)
-                .unwrap_or_else(|e| panic!("rank {rank}: survivors' rendezvous failed: {e}"));
-            Comm::init_rank_with_config(stream.clone(), &id, new_rank, size - 1, &config)
-                .unwrap_or_else(|e| panic!("rank {rank}: rebuilding failed: {e}"))
-        }
-        Err(err) => panic!("rank {rank}: shrink failed: {err}"),
-    };
-    println!("rank {rank}: shrink took {:?}", start.elapsed());
+    let socket = std::env::var("NCCL_P2P_DISABLE").as_deref() == Ok("1");
+    let recovered = comm
+        .recover(&[dead], Some(&config), |survivor, id| {
+            let rendezvous =
+                nccl::bootstrap::FileRendezvous::new(&dir, survivor.rank, survivor.size)
+                    .with_job_key("survivors")
+                    .with_timeout(Duration::from_secs(90));
+            Ok(rendezvous.exchange(id)?)
+        })
+        .unwrap_or_else(|e| panic!("rank {rank}: recovery failed: {e}"));
+    let survivors = recovered.comm;
+    match &recovered.shrink_error {
+        None => println!("RECOVERY_SHRUNK rank={rank} in {:?}", start.elapsed()),
+        Some(err) => println!(
+            "RECOVERY_REBUILT rank={rank} in {:?}; NCCL could not shrink: {err}",
+            start.elapsed()
+        ),
+    }
+    if !socket {
+        // Over NVLink the dead peer only stalls its neighbours, and NCCL shrinks.
+        assert!(
+            recovered.shrink_error.is_none(),
+            "rank {rank}: {:?}",
+            recovered.shrink_error
+        );
+    }
     assert_eq!(survivors.size(), size - 1);
     assert_eq!(survivors.rank(), if rank < dead { rank } else { rank - 1 });
     drop(watchdog);
-    // The parent is dropped, not aborted explicitly: Drop must not hang on a dead peer.
+    // `recover` aborted the parent; dropping it must do nothing more (and never hang).
     let start = Instant::now();
     drop(comm);
     let dropped = start.elapsed();

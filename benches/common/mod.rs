@@ -78,10 +78,17 @@ fn try_setup() -> Result<Gpus, String> {
     let event_tracking = std::env::var("NCCL_RS_BENCH_EVENT_TRACKING")
         .map(|v| v.trim() != "0")
         .unwrap_or(true);
-    let own_streams = match std::env::var("NCCL_RS_BENCH_STREAM").as_deref().map(str::trim) {
+    let own_streams = match std::env::var("NCCL_RS_BENCH_STREAM")
+        .as_deref()
+        .map(str::trim)
+    {
         Err(_) | Ok("default") => false,
         Ok("own") => true,
-        Ok(other) => return Err(format!("NCCL_RS_BENCH_STREAM={other:?}: expected default or own")),
+        Ok(other) => {
+            return Err(format!(
+                "NCCL_RS_BENCH_STREAM={other:?}: expected default or own"
+            ))
+        }
     };
     let mut streams = Vec::with_capacity(count);
     for ordinal in 0..count {
