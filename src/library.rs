@@ -125,9 +125,14 @@ impl Library {
                 ResultCode::from_raw(status)
             ));
         }
+        let version = Version::from_code(code as u32);
+        // `require` relies on this: every 2.0 requirement holds for a loaded library.
+        if version < Version::new(2, 0, 0) {
+            return Err(format!("NCCL {version} is too old: nccl-rs needs NCCL 2"));
+        }
         Ok(Self {
             api,
-            version: Version::from_code(code as u32),
+            version,
             source,
         })
     }
@@ -154,7 +159,10 @@ impl Library {
 
     /// Fails with [`Error::Unsupported`] unless the library is at least `needs`.
     pub fn require(&self, api: &'static str, needs: Version) -> Result<()> {
-        if self.version >= needs {
+        // Every loadable library is 2.x, so a 2.0 requirement (most collectives, types and
+        // operators) is met without reading the version: one memory access less on every
+        // call's path.
+        if needs <= Version::new(2, 0, 0) || self.version >= needs {
             Ok(())
         } else {
             Err(Error::Unsupported {
