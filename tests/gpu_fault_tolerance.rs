@@ -632,23 +632,31 @@ fn child_kill_and_shrink() {
         assert!(error.to_string().contains("watchdog"), "{error}");
     }
 
-    // Continue with the survivors: NCCL's shrink (aborting what is stuck on the parent)
-    // where it allows it, otherwise a rebuild from a fresh id shared through the file
-    // rendezvous.
+    // Continue with the survivors. The watchdog variant calls NCCL's shrink itself (aborting
+    // what is stuck on the parent) and later drops the dead parent without aborting it; the
+    // others use `recover`: shrink where NCCL allows it, otherwise a rebuild from a fresh id
+    // shared through the file rendezvous.
     let start = Instant::now();
     let config = nonblocking(Duration::from_secs(60));
     let socket = std::env::var("NCCL_P2P_DISABLE").as_deref() == Ok("1");
-    let recovered = comm
-        .recover(&[dead], Some(&config), |survivor, id| {
-            let rendezvous =
-                nccl::bootstrap::FileRendezvous::new(&dir, survivor.rank, survivor.size)
-                    .with_job_key("survivors")
-                    .with_timeout(Duration::from_secs(90));
-            Ok(rendezvous.exchange(id)?)
-        })
-        .unwrap_or_else(|e| panic!("rank {rank}: recovery failed: {e}"));
-    let survivors = recovered.comm;
-    match &recovered.shrink_error {
+    let (survivors, shrink_error) = if watchdog_mode && !socket {
+        let shrunk = comm
+            .shrink(&[dead], ShrinkMode::Abort, Some(&config))
+            .unwrap_or_else(|e| panic!("rank {rank}: shrink failed: {e}"));
+        (shrunk, None)
+    } else {
+        let recovered = comm
+            .recover(&[dead], Some(&config), |survivor, id| {
+                let rendezvous =
+                    nccl::bootstrap::FileRendezvous::new(&dir, survivor.rank, survivor.size)
+                        .with_job_key("survivors")
+                        .with_timeout(Duration::from_secs(90));
+                Ok(rendezvous.exchange(id)?)
+            })
+            .unwrap_or_else(|e| panic!("rank {rank}: recovery failed: {e}"));
+        (recovered.comm, recovered.shrink_error)
+    };
+    match &shrink_error {
         None => println!("RECOVERY_SHRUNK rank={rank} in {:?}", start.elapsed()),
         Some(err) => println!(
             "RECOVERY_REBUILT rank={rank} in {:?}; NCCL could not shrink: {err}",
@@ -657,16 +665,13 @@ fn child_kill_and_shrink() {
     }
     if !socket {
         // Over NVLink the dead peer only stalls its neighbours, and NCCL shrinks.
-        assert!(
-            recovered.shrink_error.is_none(),
-            "rank {rank}: {:?}",
-            recovered.shrink_error
-        );
+        assert!(shrink_error.is_none(), "rank {rank}: {shrink_error:?}");
     }
     assert_eq!(survivors.size(), size - 1);
     assert_eq!(survivors.rank(), if rank < dead { rank } else { rank - 1 });
     drop(watchdog);
-    // `recover` aborted the parent; dropping it must do nothing more (and never hang).
+    // After `shrink` the dead parent is still live: dropping it must abort it without
+    // hanging on the dead peer. After `recover` it is already aborted and drop does nothing.
     let start = Instant::now();
     drop(comm);
     let dropped = start.elapsed();
