@@ -266,16 +266,7 @@ impl LocalJob {
     /// Like [`LocalJob::init_comm`], on a stream the caller chose. The stream must be on
     /// [`LocalJob::device`].
     pub fn init_comm_on(&self, stream: Arc<CudaStream>) -> crate::Result<Comm> {
-        let device = self.device()?;
-        let on = stream.context().ordinal();
-        if on != device {
-            return Err(crate::Error::invalid(format!(
-                "rank {} runs on device {device}, but the stream is on device {on}",
-                self.launch.rank
-            )));
-        }
-        let id = self.exchange_id()?;
-        Comm::init_rank(stream, &id, self.launch.rank, self.launch.world_size)
+        join_on(&self.launch, stream, || self.exchange_id())
     }
 
     /// On the spawning process: waits for every spawned rank to exit, and fails with
@@ -499,9 +490,27 @@ pub(crate) fn init_comm(
     let device = launch.device_ordinal(gpus)?;
     // The default stream: see `LocalJob::init_comm`.
     let stream = CudaContext::new(device)?.default_stream();
-    let id = exchange()?;
-    let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
+    let comm = join_on(launch, stream.clone(), exchange)?;
     Ok((comm, stream))
+}
+
+/// Joins the communicator described by `launch` on `stream`, which must be on the GPU of
+/// its local rank.
+fn join_on(
+    launch: &Launch,
+    stream: Arc<CudaStream>,
+    exchange: impl FnOnce() -> crate::Result<UniqueId>,
+) -> crate::Result<Comm> {
+    let device = launch.device_ordinal(crate::library::cuda_device_count()?)?;
+    let on = stream.context().ordinal();
+    if on != device {
+        return Err(crate::Error::invalid(format!(
+            "rank {} runs on device {device}, but the stream is on device {on}",
+            launch.rank
+        )));
+    }
+    let id = exchange()?;
+    Comm::init_rank(stream, &id, launch.rank, launch.world_size)
 }
 
 impl Comm {
