@@ -29,6 +29,7 @@
 //! no in-place form in NCCL.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
@@ -337,6 +338,7 @@ pub(crate) struct Plan {
 ///
 /// `send_len`/`recv_len` are the lengths of the buffers given (in place, only `recv_len`:
 /// the single buffer). Everything NCCL would read or write must lie inside them.
+#[cfg(test)]
 pub(crate) fn plan(
     shape: Shape,
     rank: usize,
@@ -345,28 +347,135 @@ pub(crate) fn plan(
     recv_len: Option<usize>,
     in_place: bool,
 ) -> Result<Plan> {
-    let name = shape.name();
-    let need = |len: Option<usize>, what: &str| {
-        len.ok_or_else(|| Error::invalid(format!("{name} on rank {rank} needs a {what} buffer")))
-    };
-    let check_root = |root: usize, what: &str| {
-        if root < size {
+    check_plan(shape, rank, size, send_len, recv_len, in_place)
+        .map_err(|broken| broken.to_error(shape, rank, size))
+}
+
+/// Which count rule an operation breaks. Kept small and free of text so that checking stays
+/// a few comparisons on every call; [`Broken::to_error`] writes the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Broken {
+    /// A buffer the operation needs is missing.
+    Missing(&'static str),
+    /// A root or peer is not a rank of the communicator.
+    OutOfRange { what: &'static str, value: usize },
+    /// Two buffer lengths do not fit together.
+    Mismatch {
+        rule: LengthRule,
+        send: usize,
+        recv: usize,
+    },
+    /// A buffer that is split among the ranks does not split evenly.
+    NotMultiple { what: &'static str, len: usize },
+    /// All-to-all was asked for in place.
+    InPlaceAllToAll,
+}
+
+/// How the send and receive lengths of an operation must relate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LengthRule {
+    /// Equal lengths.
+    Equal,
+    /// Equal lengths, on the root of a broadcast.
+    RootSendsWhatItReceives,
+    /// Equal lengths, on the root of a reduce.
+    RootReceivesWhatItSends,
+    /// The receive buffer holds `size` send buffers (all-gather).
+    RecvHoldsAll,
+    /// The send buffer holds `size` receive buffers (reduce-scatter).
+    SendHoldsAll,
+    /// The root's receive buffer holds `size` send buffers (gather).
+    RootRecvHoldsAll,
+    /// The root's send buffer holds `size` receive buffers (scatter).
+    RootSendHoldsAll,
+}
+
+impl Broken {
+    #[cold]
+    #[inline(never)]
+    fn to_error(self, shape: Shape, rank: usize, size: usize) -> Error {
+        let name = shape.name();
+        let message = match self {
+            Broken::Missing(what) => format!("{name} on rank {rank} needs a {what} buffer"),
+            Broken::OutOfRange { what, value } => {
+                format!("{name}: {what} {value} is out of range for a communicator of {size} ranks")
+            }
+            Broken::Mismatch {
+                rule,
+                send: s,
+                recv: r,
+            } => {
+                let detail = match rule {
+                    LengthRule::Equal => format!("send has {s} elements but receive has {r}"),
+                    LengthRule::RootSendsWhatItReceives => {
+                        format!("the root sends {s} elements but receives {r}")
+                    }
+                    LengthRule::RootReceivesWhatItSends => {
+                        format!("send has {s} elements but the root receives {r}")
+                    }
+                    LengthRule::RecvHoldsAll => {
+                        format!("the receive buffer must hold {size} x {s} elements, it has {r}")
+                    }
+                    LengthRule::SendHoldsAll => {
+                        format!("the send buffer must hold {size} x {r} elements, it has {s}")
+                    }
+                    LengthRule::RootRecvHoldsAll => format!(
+                        "the root's receive buffer must hold {size} x {s} elements, it has {r}"
+                    ),
+                    LengthRule::RootSendHoldsAll => format!(
+                        "the root's send buffer must hold {size} x {r} elements, it has {s}"
+                    ),
+                };
+                format!("{name} on rank {rank}: {detail}")
+            }
+            Broken::NotMultiple { what, len } => format!(
+                "{name} on rank {rank}: the {what} buffer has {len} elements, not a multiple \
+                 of the {size} ranks"
+            ),
+            Broken::InPlaceAllToAll => "NCCL has no in-place all-to-all".to_string(),
+        };
+        Error::invalid(message)
+    }
+}
+
+/// The rules behind [`plan`], without the messages.
+#[inline]
+fn check_plan(
+    shape: Shape,
+    rank: usize,
+    size: usize,
+    send_len: Option<usize>,
+    recv_len: Option<usize>,
+    in_place: bool,
+) -> std::result::Result<Plan, Broken> {
+    let need = |len: Option<usize>, what: &'static str| len.ok_or(Broken::Missing(what));
+    let check_rank = |value: usize, what: &'static str| {
+        if value < size {
             Ok(())
         } else {
-            Err(Error::invalid(format!(
-                "{name}: {what} {root} is out of range for a communicator of {size} ranks"
-            )))
+            Err(Broken::OutOfRange { what, value })
         }
     };
-    let mismatch = |what: String| Err(Error::invalid(format!("{name} on rank {rank}: {what}")));
-    let divisible = |len: usize, what: &str| {
+    let same = |rule, send: usize, recv: usize| {
+        if send == recv {
+            Ok(())
+        } else {
+            Err(Broken::Mismatch { rule, send, recv })
+        }
+    };
+    // `whole` must be exactly `size` times `part`.
+    let holds_all = |rule, whole: usize, part: usize, send: usize, recv: usize| {
+        if part.checked_mul(size) == Some(whole) {
+            Ok(())
+        } else {
+            Err(Broken::Mismatch { rule, send, recv })
+        }
+    };
+    let divisible = |len: usize, what: &'static str| {
         if len % size == 0 {
             Ok(len / size)
         } else {
-            Err(Error::invalid(format!(
-                "{name} on rank {rank}: the {what} buffer has {len} elements, not a multiple \
-                 of the {size} ranks"
-            )))
+            Err(Broken::NotMultiple { what, len })
         }
     };
     let plan = |count, send, recv| Ok(Plan { count, send, recv });
@@ -374,52 +483,42 @@ pub(crate) fn plan(
     match (shape, in_place) {
         (Shape::AllReduce, false) => {
             let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            if s != r {
-                return mismatch(format!("send has {s} elements but receive has {r}"));
-            }
+            same(LengthRule::Equal, s, r)?;
             plan(r, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::AllReduce, true) => plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0)),
         (Shape::Broadcast { root }, false) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             let r = need(recv_len, "receive")?;
             if rank != root {
                 // NCCL ignores the send buffer off the root; pass the receive buffer.
                 return plan(r, Ptr::Recv(0), Ptr::Recv(0));
             }
             let s = need(send_len, "send (root)")?;
-            if s != r {
-                return mismatch(format!("the root sends {s} elements but receives {r}"));
-            }
+            same(LengthRule::RootSendsWhatItReceives, s, r)?;
             plan(r, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::Broadcast { root }, true) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0))
         }
         (Shape::Reduce { root }, false) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             let s = need(send_len, "send")?;
             if rank != root {
                 return plan(s, Ptr::Send(0), Ptr::Null);
             }
             let r = need(recv_len, "receive (root)")?;
-            if s != r {
-                return mismatch(format!("send has {s} elements but the root receives {r}"));
-            }
+            same(LengthRule::RootReceivesWhatItSends, s, r)?;
             plan(s, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::Reduce { root }, true) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0))
         }
         (Shape::AllGather, false) => {
             let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            if s.checked_mul(size) != Some(r) {
-                return mismatch(format!(
-                    "the receive buffer must hold {size} x {s} elements, it has {r}"
-                ));
-            }
+            holds_all(LengthRule::RecvHoldsAll, r, s, s, r)?;
             plan(s, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::AllGather, true) => {
@@ -428,11 +527,7 @@ pub(crate) fn plan(
         }
         (Shape::ReduceScatter, false) => {
             let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            if r.checked_mul(size) != Some(s) {
-                return mismatch(format!(
-                    "the send buffer must hold {size} x {r} elements, it has {s}"
-                ));
-            }
+            holds_all(LengthRule::SendHoldsAll, s, r, s, r)?;
             plan(r, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::ReduceScatter, true) => {
@@ -441,29 +536,23 @@ pub(crate) fn plan(
         }
         (Shape::AllToAll, false) => {
             let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            if s != r {
-                return mismatch(format!("send has {s} elements but receive has {r}"));
-            }
+            same(LengthRule::Equal, s, r)?;
             let count = divisible(s, "send")?;
             plan(count, Ptr::Send(0), Ptr::Recv(0))
         }
-        (Shape::AllToAll, true) => Err(Error::invalid("NCCL has no in-place all-to-all")),
+        (Shape::AllToAll, true) => Err(Broken::InPlaceAllToAll),
         (Shape::Gather { root }, false) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             let s = need(send_len, "send")?;
             if rank != root {
                 return plan(s, Ptr::Send(0), Ptr::Null);
             }
             let r = need(recv_len, "receive (root)")?;
-            if s.checked_mul(size) != Some(r) {
-                return mismatch(format!(
-                    "the root's receive buffer must hold {size} x {s} elements, it has {r}"
-                ));
-            }
+            holds_all(LengthRule::RootRecvHoldsAll, r, s, s, r)?;
             plan(s, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::Gather { root }, true) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             let len = need(recv_len, "in-place")?;
             if rank != root {
                 return plan(len, Ptr::Recv(0), Ptr::Null);
@@ -472,21 +561,17 @@ pub(crate) fn plan(
             plan(count, Ptr::Recv(root * count), Ptr::Recv(0))
         }
         (Shape::Scatter { root }, false) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             let r = need(recv_len, "receive")?;
             if rank != root {
                 return plan(r, Ptr::Null, Ptr::Recv(0));
             }
             let s = need(send_len, "send (root)")?;
-            if r.checked_mul(size) != Some(s) {
-                return mismatch(format!(
-                    "the root's send buffer must hold {size} x {r} elements, it has {s}"
-                ));
-            }
+            holds_all(LengthRule::RootSendHoldsAll, s, r, s, r)?;
             plan(r, Ptr::Send(0), Ptr::Recv(0))
         }
         (Shape::Scatter { root }, true) => {
-            check_root(root, "root")?;
+            check_rank(root, "root")?;
             let len = need(recv_len, "in-place")?;
             if rank != root {
                 return plan(len, Ptr::Null, Ptr::Recv(0));
@@ -495,11 +580,11 @@ pub(crate) fn plan(
             plan(count, Ptr::Recv(0), Ptr::Recv(root * count))
         }
         (Shape::Send { peer }, _) => {
-            check_root(peer, "peer")?;
+            check_rank(peer, "peer")?;
             plan(need(send_len, "send")?, Ptr::Send(0), Ptr::Null)
         }
         (Shape::Recv { peer }, _) => {
-            check_root(peer, "peer")?;
+            check_rank(peer, "peer")?;
             plan(need(recv_len, "receive")?, Ptr::Null, Ptr::Recv(0))
         }
     }
@@ -509,14 +594,20 @@ pub(crate) fn plan(
 /// buffers' events on the stream, so they must outlive the enqueue (and the group end).
 pub(crate) type Guards<'b> = [Option<SyncOnDrop<'b>>; 2];
 
-/// Validates `call` completely and enqueues it on `stream`. Inside a group, an in-progress
-/// result is left for the group's end to complete.
+/// Validates `call` completely and enqueues it on `stream`, then hands the buffers' guards
+/// to `keep` (which drops them, or holds them until the group ends). Inside a group, an
+/// in-progress result is left for the group's end to complete.
+///
+/// The guards go to a closure rather than out as a return value so that the common path
+/// (no group: drop them at once) does not move them around.
+#[inline]
 pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
     comm: &'b Comm,
     stream: &'b CudaStream,
     call: Collective<'a, T>,
     in_group: bool,
-) -> Result<Guards<'b>> {
+    keep: impl FnOnce(Guards<'b>),
+) -> Result<()> {
     let lib = comm.library();
     let shape = call.kind.shape();
     let name = shape.name();
@@ -525,14 +616,16 @@ pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
     lib.require(dtype.name(), dtype.min_version())?;
     comm.check_stream_device(stream, "the stream")?;
 
-    let plan = plan(
+    let (rank, size) = (comm.rank(), comm.size());
+    let plan = check_plan(
         shape,
-        comm.rank(),
-        comm.size(),
+        rank,
+        size,
         call.send.as_ref().map(|b| b.len()),
         call.recv.as_ref().map(|b| b.len()),
         call.in_place,
-    )?;
+    )
+    .map_err(|broken| broken.to_error(shape, rank, size))?;
     let uses = |ptr: Ptr, send: bool| match ptr {
         Ptr::Send(_) => send,
         Ptr::Recv(_) => !send,
@@ -649,20 +742,34 @@ pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
     } else {
         comm.complete(name, status)?;
     }
-    Ok([send_guard, recv_guard])
+    keep([send_guard, recv_guard]);
+    Ok(())
 }
 
-fn check_buffer_device(comm: &Comm, buffer_stream: &CudaStream, what: &str) -> Result<()> {
+/// Checks that a buffer is on the communicator's device. Buffers usually come from the
+/// communicator's own stream or context, which settles it without reading further.
+#[inline]
+fn check_buffer_device(comm: &Comm, buffer_stream: &Arc<CudaStream>, what: &str) -> Result<()> {
+    if Arc::ptr_eq(buffer_stream, comm.stream())
+        || Arc::ptr_eq(buffer_stream.context(), comm.context())
+    {
+        return Ok(());
+    }
     let ctx = buffer_stream.context();
     if ctx.ordinal() != comm.device() || ctx.cu_ctx() != comm.context().cu_ctx() {
-        return Err(Error::invalid(format!(
-            "the {what} is on device {} but the communicator (rank {}) is on device {}",
-            ctx.ordinal(),
-            comm.rank(),
-            comm.device()
-        )));
+        return Err(wrong_device(comm, ctx.ordinal(), what));
     }
     Ok(())
+}
+
+#[cold]
+#[inline(never)]
+fn wrong_device(comm: &Comm, device: usize, what: &str) -> Error {
+    Error::invalid(format!(
+        "the {what} is on device {device} but the communicator (rank {}) is on device {}",
+        comm.rank(),
+        comm.device()
+    ))
 }
 
 impl Comm {
@@ -679,7 +786,7 @@ impl Comm {
         call: Collective<'_, T>,
     ) -> Result<()> {
         group::ensure_outside(call.kind.shape().name())?;
-        launch(self, stream, call, false).map(drop)
+        launch(self, stream, call, false, drop)
     }
 
     /// All-reduce; see [`Collective::all_reduce`].

@@ -54,6 +54,7 @@ unsafe impl Send for CommCore {}
 unsafe impl Sync for CommCore {}
 
 impl CommCore {
+    #[inline]
     pub(crate) fn lock(&self) -> MutexGuard<'_, Handle> {
         // A poisoned lock only means another thread panicked between NCCL calls; the handle
         // itself is still what it was.
@@ -305,6 +306,7 @@ impl Comm {
     /// Runs `f` with the raw handle while holding the communicator's lock; fails if the
     /// communicator was already aborted or destroyed, or, for calls that enqueue work, if it
     /// failed (see [`crate::fault`]).
+    #[inline]
     pub(crate) fn with_raw<R>(
         &self,
         call: &'static str,
@@ -322,7 +324,21 @@ impl Comm {
     /// Completes a call on this communicator: `ncclInProgress` from a nonblocking
     /// communicator is waited out (NCCL forbids any other call, and any CUDA work on its
     /// streams, until the communicator is ready again).
+    #[inline]
     pub(crate) fn complete(
+        &self,
+        call: &'static str,
+        status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
+    ) -> Result<()> {
+        if matches!(status, Ok(nccl_sys::ncclResult_t::ncclSuccess)) {
+            return Ok(());
+        }
+        self.complete_slow(call, status)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn complete_slow(
         &self,
         call: &'static str,
         status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
@@ -843,15 +859,24 @@ impl Comm {
     }
 
     /// Checks that `stream` is on this communicator's device.
+    #[inline]
     pub(crate) fn check_stream_device(&self, stream: &CudaStream, what: &str) -> Result<()> {
-        let device = stream.context().ordinal();
-        if device != self.device {
-            return Err(Error::invalid(format!(
-                "{what} is on device {device} but the communicator (rank {}) is on device {}",
-                self.rank, self.device
-            )));
+        // The communicator's own stream needs no lookup.
+        if std::ptr::eq(stream, &*self.stream) || stream.context().ordinal() == self.device {
+            return Ok(());
         }
-        Ok(())
+        Err(self.wrong_stream_device(stream, what))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_stream_device(&self, stream: &CudaStream, what: &str) -> Error {
+        Error::invalid(format!(
+            "{what} is on device {} but the communicator (rank {}) is on device {}",
+            stream.context().ordinal(),
+            self.rank,
+            self.device
+        ))
     }
 }
 

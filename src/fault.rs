@@ -165,7 +165,17 @@ impl Handle {
 
     /// Fails unless `call` may be made now: never once released, and after a failure only
     /// calls that inspect, tear down or rebuild the communicator.
+    #[inline]
     pub(crate) fn usable_for(&self, call: &'static str, rank: usize) -> Result<()> {
+        if !self.ptr.is_null() && self.failure.is_none() {
+            return Ok(());
+        }
+        self.unusable_for(call, rank)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn unusable_for(&self, call: &'static str, rank: usize) -> Result<()> {
         if self.ptr.is_null() {
             return Err(self.released_error(call, rank));
         }

@@ -27,19 +27,27 @@ thread_local! {
 }
 
 /// Whether a group opened by this crate is active on the calling thread.
+#[inline]
 pub fn is_open() -> bool {
     OPEN_GROUPS.with(|open| open.get() > 0)
 }
 
 /// Fails if a group is open on this thread; `what` names the refused call.
+#[inline]
 pub(crate) fn ensure_outside(what: &str) -> Result<()> {
     if is_open() {
-        return Err(Error::usage(format!(
-            "{what} called while a Group is open on this thread: enqueue through the Group \
-             (or finish it first)"
-        )));
+        return Err(group_open_error(what));
     }
     Ok(())
+}
+
+#[cold]
+#[inline(never)]
+fn group_open_error(what: &str) -> Error {
+    Error::usage(format!(
+        "{what} called while a Group is open on this thread: enqueue through the Group (or \
+         finish it first)"
+    ))
 }
 
 /// A started `ncclGroupStart` that is ended exactly once, by `end` or on drop.
@@ -210,11 +218,12 @@ impl<'g> Group<'g> {
         // Membership starts before NCCL sees the communicator, so no abort from another
         // thread can free it while it sits in this thread's NCCL group.
         self.membership.add(comm);
-        let guards = launch(comm, stream, call, true)?;
+        launch(comm, stream, call, true, |guards| {
+            self.guards.extend(guards.into_iter().flatten())
+        })?;
         if !self.comms.iter().any(|c| c.core_ptr() == comm.core_ptr()) {
             self.comms.push(comm);
         }
-        self.guards.extend(guards.into_iter().flatten());
         Ok(())
     }
 

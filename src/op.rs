@@ -248,32 +248,40 @@ impl<'a, 'c: 'a, T: NcclType> From<&'a PreMulSum<'c, T>> for Reduction<'a, T> {
 
 impl<T: NcclType> Reduction<'_, T> {
     /// The raw operator for a call on `comm` and `stream`, after checking it belongs there.
+    #[inline]
     pub(crate) fn raw_for(&self, comm: &Comm, stream: &CudaStream) -> Result<ncclRedOp_t> {
         match self {
             Reduction::Builtin(op) => {
                 comm.library().require("ncclAvg", op.min_version())?;
                 Ok(op.raw())
             }
-            Reduction::PreMulSum(op) => {
-                if op.comm.core_ptr() != comm.core_ptr() {
-                    return Err(Error::invalid(format!(
-                        "the PreMulSum operator was created on another communicator (rank {} \
-                         of {}), not on this one (rank {} of {})",
-                        op.comm.rank(),
-                        op.comm.size(),
-                        comm.rank(),
-                        comm.size()
-                    )));
-                }
-                if op.device_scalar.is_some() && stream.cu_stream() != comm.stream().cu_stream() {
-                    return Err(Error::invalid(
-                        "a PreMulSum with a device scalar can only be used on the \
-                         communicator's own stream",
-                    ));
-                }
-                Ok(op.raw)
-            }
+            Reduction::PreMulSum(op) => Self::premulsum_for(op, comm, stream),
         }
+    }
+
+    /// Checks that a user-defined operator may be used on `comm` and `stream`.
+    fn premulsum_for(
+        op: &PreMulSum<'_, T>,
+        comm: &Comm,
+        stream: &CudaStream,
+    ) -> Result<ncclRedOp_t> {
+        if op.comm.core_ptr() != comm.core_ptr() {
+            return Err(Error::invalid(format!(
+                "the PreMulSum operator was created on another communicator (rank {} of {}), \
+                 not on this one (rank {} of {})",
+                op.comm.rank(),
+                op.comm.size(),
+                comm.rank(),
+                comm.size()
+            )));
+        }
+        if op.device_scalar.is_some() && stream.cu_stream() != comm.stream().cu_stream() {
+            return Err(Error::invalid(
+                "a PreMulSum with a device scalar can only be used on the communicator's own \
+                 stream",
+            ));
+        }
+        Ok(op.raw)
     }
 
     /// Short name for logs and tables.
