@@ -42,6 +42,10 @@ pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The raw handle, shared with the handles that may outlive a borrow of the `Comm` (abort
 /// handles, watchdogs). The mutex serialises every NCCL call on the communicator and guards
 /// its fault state (see [`crate::fault`]).
+///
+/// Aligned to a cache line and no larger than one, so the lock word, the handle and its
+/// fault state, which every enqueue reads, share a single line.
+#[repr(align(64))]
 pub(crate) struct CommCore {
     handle: Mutex<Handle>,
     blocking: bool,
@@ -964,6 +968,12 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_state_fits_one_cache_line() {
+        assert_eq!(std::mem::align_of::<CommCore>(), 64);
+        assert_eq!(std::mem::size_of::<CommCore>(), 64);
+    }
 
     #[test]
     fn rank_and_size_are_checked() {

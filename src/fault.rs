@@ -149,8 +149,9 @@ pub(crate) struct Handle {
     pub(crate) open_groups: u32,
     /// An abort or revoke requested while a group was open, run when the last one ends.
     pub(crate) deferred: Option<Action>,
-    /// Why the communicator can no longer run work, if it cannot.
-    pub(crate) failure: Option<Failure>,
+    /// Why the communicator can no longer run work, if it cannot. Boxed so the handle stays
+    /// small: every enqueue reads it next to the lock word and the pointer.
+    pub(crate) failure: Option<Box<Failure>>,
 }
 
 impl Handle {
@@ -219,7 +220,7 @@ impl Handle {
     fn record(&mut self, state: FailureState, failure: Failure) {
         match &mut self.failure {
             Some(previous) => previous.state = previous.state.max(state),
-            None => self.failure = Some(Failure { state, ..failure }),
+            None => self.failure = Some(Box::new(Failure { state, ..failure })),
         }
     }
 }
@@ -1443,7 +1444,8 @@ impl Comm {
                 // The failure was recorded when the action was requested; keep it.
                 let failure = handle
                     .failure
-                    .clone()
+                    .as_deref()
+                    .cloned()
                     .unwrap_or_else(|| Failure::owner(action.state()));
                 // Errors have nowhere to go: the communicator is marked failed either way.
                 let _ = run_action(&mut handle, self.library(), self.context(), action, failure);
