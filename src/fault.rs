@@ -1435,8 +1435,9 @@ impl Comm {
         handle.open_groups = handle.open_groups.saturating_add(1);
     }
 
-    /// Ends a group membership; runs an abort or revoke deferred meanwhile.
-    pub(crate) fn group_leave(&self) {
+    /// Ends a group membership; runs an abort or revoke deferred meanwhile. Returns the
+    /// communicator's failure, if it has one now, as the error of `call`.
+    pub(crate) fn group_leave(&self, call: &'static str) -> Option<Error> {
         let mut handle = self.core().lock();
         handle.open_groups = handle.open_groups.saturating_sub(1);
         if handle.open_groups == 0 {
@@ -1451,6 +1452,7 @@ impl Comm {
                 let _ = run_action(&mut handle, self.library(), self.context(), action, failure);
             }
         }
+        handle.check_failure(call, self.rank()).err()
     }
 }
 

@@ -104,12 +104,17 @@ impl Drop for RawGroup {
 /// when the group has ended, because NCCL forbids aborting a communicator while a thread is
 /// inside a call on it (see [`crate::fault`]).
 pub(crate) struct Membership<'c> {
-    comms: Vec<&'c Comm>,
+    comms: InlineList<&'c Comm, 8>,
+    /// Until `leave`: the communicators are still marked as members.
+    entered: bool,
 }
 
 impl<'c> Membership<'c> {
     pub(crate) fn enter(comms: impl IntoIterator<Item = &'c Comm>) -> Self {
-        let mut membership = Self { comms: Vec::new() };
+        let mut membership = Self {
+            comms: InlineList::new(),
+            entered: true,
+        };
         for comm in comms {
             membership.add(comm);
         }
@@ -124,17 +129,75 @@ impl<'c> Membership<'c> {
         }
     }
 
-    /// Ends the membership of every communicator, carrying out deferred aborts.
-    pub(crate) fn leave(&mut self) {
-        for comm in self.comms.drain(..) {
-            comm.group_leave();
+    /// The members, in the order they joined.
+    pub(crate) fn comms(&self) -> impl Iterator<Item = &'c Comm> + '_ {
+        self.comms.iter().copied()
+    }
+
+    /// Ends the membership of every communicator, carrying out deferred aborts; returns the
+    /// first failure found on a member (as the error of `call`). Only the first call acts.
+    pub(crate) fn leave(&mut self, call: &'static str) -> Option<Error> {
+        if !std::mem::replace(&mut self.entered, false) {
+            return None;
         }
+        let mut first = None;
+        for comm in self.comms.iter() {
+            if let Some(err) = comm.group_leave(call) {
+                first.get_or_insert(err);
+            }
+        }
+        first
     }
 }
 
 impl Drop for Membership<'_> {
     fn drop(&mut self) {
-        self.leave();
+        self.leave("Group");
+    }
+}
+
+/// A list that keeps its first `N` items in place and only spills further ones to the heap:
+/// most groups hold a few operations on a few communicators, and allocating for each group
+/// would cost more than all of its bookkeeping.
+pub(crate) struct InlineList<T, const N: usize> {
+    inline: [Option<T>; N],
+    len: usize,
+    spilled: Vec<T>,
+}
+
+impl<T, const N: usize> InlineList<T, N> {
+    pub(crate) fn new() -> Self {
+        Self {
+            inline: std::array::from_fn(|_| None),
+            len: 0,
+            spilled: Vec::new(),
+        }
+    }
+
+    pub(crate) fn push(&mut self, item: T) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => *slot = Some(item),
+            None => self.spilled.push(item),
+        }
+        self.len += 1;
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The items in the order they were pushed.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+        self.inline.iter().flatten().chain(&self.spilled)
+    }
+
+    /// Drops every item, in the order they were pushed.
+    pub(crate) fn clear(&mut self) {
+        for slot in &mut self.inline {
+            *slot = None;
+        }
+        self.spilled.clear();
+        self.len = 0;
     }
 }
 
@@ -163,18 +226,18 @@ impl Drop for Membership<'_> {
 /// ```
 pub struct Group<'g> {
     raw: RawGroup,
-    comms: Vec<&'g Comm>,
+    /// The communicators in the group.
     membership: Membership<'g>,
     // Dropped after `raw` was ended (see Drop), so the buffers' events are recorded after
     // NCCL has enqueued the fused operation.
-    guards: Vec<SyncOnDrop<'g>>,
+    guards: InlineList<SyncOnDrop<'g>, 8>,
 }
 
 impl std::fmt::Debug for Group<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Group")
             .field("open", &self.raw.open)
-            .field("communicators", &self.comms.len())
+            .field("communicators", &self.membership.comms().count())
             .field("buffers", &self.guards.len())
             .finish()
     }
@@ -182,12 +245,12 @@ impl std::fmt::Debug for Group<'_> {
 
 impl<'g> Group<'g> {
     /// Starts a group (`ncclGroupStart`). Fails if one is already open on this thread.
+    #[inline]
     pub fn start() -> Result<Self> {
         Ok(Self {
             raw: RawGroup::start(library::get()?)?,
-            comms: Vec::new(),
             membership: Membership::enter([]),
-            guards: Vec::new(),
+            guards: InlineList::new(),
         })
     }
 
@@ -208,7 +271,7 @@ impl<'g> Group<'g> {
         if !self.raw.open {
             return Err(Error::usage("the group has already ended"));
         }
-        if let Some(first) = self.comms.first() {
+        if let Some(first) = self.membership.comms().next() {
             if first.is_blocking() != comm.is_blocking() {
                 return Err(Error::invalid(
                     "NCCL does not allow blocking and nonblocking communicators in one group",
@@ -218,13 +281,12 @@ impl<'g> Group<'g> {
         // Membership starts before NCCL sees the communicator, so no abort from another
         // thread can free it while it sits in this thread's NCCL group.
         self.membership.add(comm);
-        launch(comm, stream, call, true, |guards| {
-            self.guards.extend(guards.into_iter().flatten())
-        })?;
-        if !self.comms.iter().any(|c| c.core_ptr() == comm.core_ptr()) {
-            self.comms.push(comm);
-        }
-        Ok(())
+        let guards = &mut self.guards;
+        launch(comm, stream, call, true, |new| {
+            for guard in new.into_iter().flatten() {
+                guards.push(guard);
+            }
+        })
     }
 
     /// Ends the group (`ncclGroupEnd`), launching everything in it, and returns its error.
@@ -237,10 +299,12 @@ impl<'g> Group<'g> {
     /// enqueueing, or has given up, on all of them.
     pub fn finish(mut self) -> Result<()> {
         let pending = self.raw.end();
-        self.membership.leave();
+        // An abort deferred while the group was open runs in `leave`: the fused operation
+        // was cut short, which is this group's failure.
+        let failure = self.membership.leave("Group::finish");
         if pending? {
             let mut first_err = None;
-            for comm in &self.comms {
+            for comm in self.membership.comms() {
                 if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
                     first_err.get_or_insert(err);
                 }
@@ -249,9 +313,7 @@ impl<'g> Group<'g> {
                 return Err(err);
             }
         }
-        // An abort deferred while the group was open ran in `leave`: the fused operation
-        // was cut short, which is this group's failure.
-        match self.comms.iter().find_map(|comm| comm.failure()) {
+        match failure {
             Some(err) => Err(err),
             None => Ok(()),
         }
@@ -268,7 +330,7 @@ impl Drop for Group<'_> {
         // A group dropped without `finish` (an early return with `?`) still has to end, or
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         self.raw.end_ignoring_errors();
-        self.membership.leave();
+        self.membership.leave("Group");
         self.guards.clear();
     }
 }
@@ -276,6 +338,24 @@ impl Drop for Group<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inline_list_keeps_order_past_its_inline_room() {
+        let mut list: InlineList<String, 2> = InlineList::new();
+        for i in 0..5 {
+            list.push(i.to_string());
+        }
+        assert_eq!(list.len(), 5);
+        assert_eq!(
+            list.iter().cloned().collect::<Vec<_>>(),
+            ["0", "1", "2", "3", "4"]
+        );
+        list.clear();
+        assert_eq!(list.len(), 0);
+        assert_eq!(list.iter().count(), 0);
+        list.push("again".into());
+        assert_eq!(list.iter().collect::<Vec<_>>(), ["again"]);
+    }
 
     #[test]
     fn outside_check_reflects_open_groups() {
