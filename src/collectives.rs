@@ -334,23 +334,6 @@ pub(crate) struct Plan {
     pub(crate) recv: Ptr,
 }
 
-/// Applies NCCL's count and buffer rules to one rank's view of an operation.
-///
-/// `send_len`/`recv_len` are the lengths of the buffers given (in place, only `recv_len`:
-/// the single buffer). Everything NCCL would read or write must lie inside them.
-#[cfg(test)]
-pub(crate) fn plan(
-    shape: Shape,
-    rank: usize,
-    size: usize,
-    send_len: Option<usize>,
-    recv_len: Option<usize>,
-    in_place: bool,
-) -> Result<Plan> {
-    check_plan(shape, rank, size, send_len, recv_len, in_place)
-        .map_err(|broken| broken.to_error(shape, rank, size))
-}
-
 /// Which count rule an operation breaks. Kept small and free of text so that checking stays
 /// a few comparisons on every call; [`Broken::to_error`] writes the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -438,7 +421,11 @@ impl Broken {
     }
 }
 
-/// The rules behind [`plan`], without the messages.
+/// Applies NCCL's count and buffer rules to one rank's view of an operation.
+///
+/// `send_len`/`recv_len` are the lengths of the buffers given (in place, only `recv_len`:
+/// the single buffer). Everything NCCL would read or write must lie inside them. A broken
+/// rule comes back as a [`Broken`], which becomes an error message only when it happens.
 #[inline]
 fn check_plan(
     shape: Shape,
@@ -941,7 +928,7 @@ mod tests {
         r: Option<usize>,
         ip: bool,
     ) -> Plan {
-        plan(shape, rank, size, s, r, ip).unwrap()
+        check_plan(shape, rank, size, s, r, ip).unwrap()
     }
 
     fn err(
@@ -952,7 +939,7 @@ mod tests {
         r: Option<usize>,
         ip: bool,
     ) -> String {
-        match plan(shape, rank, size, s, r, ip) {
+        match check_plan(shape, rank, size, s, r, ip).map_err(|b| b.to_error(shape, rank, size)) {
             Err(Error::InvalidArgument(msg)) => msg,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
@@ -1188,7 +1175,7 @@ mod tests {
                         Shape::Scatter { root: 0 },
                     ];
                     for shape in shapes {
-                        let Ok(p) = plan(shape, rank, size, None, Some(len), true) else {
+                        let Ok(p) = check_plan(shape, rank, size, None, Some(len), true) else {
                             continue;
                         };
                         for ptr in [p.send, p.recv] {
