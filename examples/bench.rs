@@ -51,6 +51,8 @@
 //! `all_reduce_perf` does; `--compare` runs both, alternately, and prints them side by side
 //! with the difference in percent, the safe/raw ratio of times below 1 MiB and of bus
 //! bandwidths from 1 MiB (`--rounds N` repeats each measurement and reports the median).
+//! `--control` makes both columns issue raw calls: what that comparison reports is the
+//! measurement's own spread, the yardstick for the safe/raw differences.
 //!
 //! # Sizes and bandwidths (nccl-tests' conventions)
 //!
@@ -269,6 +271,12 @@ fn benchmark(
                 "ranks from the launcher".to_string()
             }
         );
+        if options.control {
+            println!(
+                "# control run (--control): the \"safe\" column issues raw calls too; the \
+                 difference between the columns is the comparison's own"
+            );
+        }
         let step = if options.step_factor > 1 {
             format!("{}(factor)", options.step_factor)
         } else {
@@ -411,13 +419,14 @@ impl TypeVisitor for TypeRun<'_> {
             let root = if coll.has_root() { options.root } else { 0 };
             // nccl-tests warms up at the largest size, then at the smallest.
             for size in [largest, smallest] {
-                let issuer = Issuer::new(
+                let mut issuer = Issuer::new(
                     &rank.comm,
                     coll,
                     coll.layout(size, elem_size, n),
                     redop,
                     root,
                 );
+                issuer.control = options.control;
                 for &api in apis {
                     measure::warm_up(rank, &issuer, api, &mut bufs, options.warmup)?;
                 }
@@ -425,7 +434,8 @@ impl TypeVisitor for TypeRun<'_> {
             let pattern = (options.check > 0).then(|| Pattern::new(n, op, 0x5eed));
             for &size in &sizes {
                 let layout = coll.layout(size, elem_size, n);
-                let issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
+                let mut issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
+                issuer.control = options.control;
                 let mut row = Row {
                     size: layout.total * elem_size,
                     count: layout.count,

@@ -81,6 +81,8 @@ pub struct Options {
     pub graph_launches: usize,
     /// Per-call latency mode (`--latency`).
     pub latency: bool,
+    /// With `--compare`, issue raw calls in both columns (`--control`).
+    pub control: bool,
     /// How per-rank times are combined (`-a`).
     pub average: Average,
     /// Report the host time spent issuing instead of the time to completion (`-C 1`).
@@ -122,6 +124,7 @@ impl Default for Options {
             root: 0,
             graph_launches: 0,
             latency: false,
+            control: false,
             average: Average::Mean,
             cputime: false,
             apis: Apis::Safe,
@@ -208,6 +211,8 @@ this benchmark's own:
       --raw                    issue through raw nccl-sys calls instead of the safe API
       --compare                issue through both and print them side by side
       --rounds <n>             with --compare: measurements per API, median reported (default 1)
+      --control                with --compare: both columns issue raw calls, which shows how
+                               far apart the comparison puts two identical paths
       --latency                time every call with CUDA events: median and p99
       --ranks <n>              processes to start without a launcher (default: every GPU)
       --stream <default|own>   the GPU's default stream (default) or a stream of its own
@@ -262,13 +267,14 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             (arg.clone(), None)
         };
         match name.as_str() {
-            "--raw" | "--compare" | "--latency" => {
+            "--raw" | "--compare" | "--latency" | "--control" => {
                 if inline.is_some() {
                     return Err(format!("{name} takes no value"));
                 }
                 match name.as_str() {
                     "--raw" => options.apis = Apis::Raw,
                     "--compare" => options.apis = Apis::Compare,
+                    "--control" => options.control = true,
                     _ => options.latency = true,
                 }
                 continue;
@@ -377,6 +383,9 @@ fn validate(options: &Options) -> Result<(), String> {
     }
     if options.rounds == 0 {
         return Err("--rounds must be at least 1".into());
+    }
+    if options.control && options.apis != Apis::Compare {
+        return Err("--control only makes sense with --compare".into());
     }
     if options.latency && options.graph_launches > 0 {
         return Err("--latency and -G (graph mode) cannot be combined".into());

@@ -222,6 +222,8 @@ pub struct Issuer {
     pub rank: usize,
     /// The number of ranks.
     pub n: usize,
+    /// Issue raw calls for [`Api::Safe`] too (`--control`).
+    pub control: bool,
     raw: RawComm,
 }
 
@@ -246,6 +248,7 @@ impl Issuer {
             root,
             rank: comm.rank(),
             n: comm.size(),
+            control: false,
             raw: RawComm {
                 lib: comm.library().api(),
                 comm: raw_comm,
@@ -265,8 +268,8 @@ impl Issuer {
         shift: usize,
     ) -> BenchResult<()> {
         match api {
-            Api::Safe => self.issue_safe(comm, bufs, in_place, shift),
-            Api::Raw => self.issue_raw(bufs, in_place, shift),
+            Api::Safe if !self.control => self.issue_safe(comm, bufs, in_place, shift),
+            Api::Safe | Api::Raw => self.issue_raw(bufs, in_place, shift),
         }
     }
 
