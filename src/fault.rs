@@ -1220,17 +1220,7 @@ impl Comm {
                 }
             },
         );
-        match child {
-            Ok(child) => {
-                drop(list);
-                child.ok_or_else(|| Error::usage("ncclCommShrink returned no communicator"))
-            }
-            Err(err) => {
-                // NCCL's job may still read the list (the parent never settled).
-                std::mem::forget(list);
-                Err(err)
-            }
-        }
+        free_unless_still_read(child, list, "ncclCommShrink")
     }
 
     /// Builds the communicator of the survivors after the ranks in `failed` died, and
@@ -1389,16 +1379,7 @@ impl Comm {
                 }
             },
         );
-        match child {
-            Ok(child) => {
-                drop(raw_id);
-                child.ok_or_else(|| Error::usage("ncclCommGrow returned no communicator"))
-            }
-            Err(err) => {
-                std::mem::forget(raw_id);
-                Err(err)
-            }
-        }
+        free_unless_still_read(child, raw_id, "ncclCommGrow")
     }
 
     /// Joins a growing communicator as new rank `rank` of `new_size` (`ncclCommGrow` without
@@ -1453,6 +1434,26 @@ impl Comm {
             }
         }
         handle.check_failure(call, self.rank()).err()
+    }
+}
+
+/// Ends a call that creates a child communicator from an argument NCCL's background job reads
+/// (the rank list of a shrink, the id of a grow). Once the parent settled the argument is
+/// freed; if it never did, the job may still read it, so it is leaked on purpose.
+fn free_unless_still_read<A>(
+    child: Result<Option<Comm>>,
+    argument: A,
+    call: &'static str,
+) -> Result<Comm> {
+    match child {
+        Ok(child) => {
+            drop(argument);
+            child.ok_or_else(|| Error::usage(format!("{call} returned no communicator")))
+        }
+        Err(err) => {
+            std::mem::forget(argument);
+            Err(err)
+        }
     }
 }
 
