@@ -26,7 +26,7 @@ use nccl::{
     Version, WatchdogAction, WatchdogOptions,
 };
 
-use common::{run_all_types, Ranks, Rng};
+use common::{run_all_types, wait_children, Ranks, Rng};
 
 const CHILD_ENV: &str = "NCCL_RS_FT_CHILD";
 const DIR_ENV: &str = "NCCL_RS_FT_DIR";
@@ -161,33 +161,7 @@ impl Children {
     /// Waits for every remaining child (killing all on the deadline) and fails the test if
     /// one did not succeed. Returns the lines they printed.
     fn finish(mut self, limit: Duration) -> Vec<(usize, String)> {
-        let deadline = Instant::now() + limit;
-        let mut failed = Vec::new();
-        while !self.procs.is_empty() {
-            self.procs
-                .retain_mut(|(rank, child)| match child.try_wait() {
-                    Ok(Some(status)) => {
-                        if !status.success() {
-                            failed.push(format!("rank {rank}: {status}"));
-                        }
-                        false
-                    }
-                    Ok(None) => true,
-                    Err(e) => {
-                        failed.push(format!("rank {rank}: {e}"));
-                        false
-                    }
-                });
-            if Instant::now() > deadline {
-                for (rank, child) in &mut self.procs {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    failed.push(format!("rank {rank}: killed after {limit:?}"));
-                }
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let failed = wait_children(&mut self.procs, limit);
         for reader in self.readers.drain(..) {
             let _ = reader.join();
         }

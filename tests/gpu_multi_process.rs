@@ -6,12 +6,12 @@
 mod common;
 
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice};
 use nccl::{Comm, PreMulSum, ReduceOp, UniqueId};
 
-use common::{run_all_types, Ranks};
+use common::{run_all_types, wait_children, Ranks};
 
 const CHILD_ENV: &str = "NCCL_RS_TEST_CHILD";
 
@@ -35,31 +35,7 @@ fn run_children(test: &str, size: usize) {
             (rank, child)
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut failed = Vec::new();
-    while !children.is_empty() {
-        children.retain_mut(|(rank, child)| match child.try_wait() {
-            Ok(Some(status)) => {
-                if !status.success() {
-                    failed.push(format!("rank {rank}: {status}"));
-                }
-                false
-            }
-            Ok(None) => true,
-            Err(e) => {
-                failed.push(format!("rank {rank}: {e}"));
-                false
-            }
-        });
-        if Instant::now() > deadline {
-            for (rank, child) in &mut children {
-                let _ = child.kill();
-                failed.push(format!("rank {rank}: killed after 600 s"));
-            }
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let failed = wait_children(&mut children, Duration::from_secs(600));
     assert!(failed.is_empty(), "{test}: {failed:?}");
 }
 

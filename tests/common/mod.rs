@@ -643,3 +643,39 @@ pub fn run_all_types(ranks: &Ranks, count: usize) -> usize {
     checked += run_type::<float8::F8E5M2>(ranks, count, 12);
     checked
 }
+
+/// Waits for every child process, killing those still running after `limit`; returns one line
+/// per child that did not exit successfully (empty when all did).
+pub fn wait_children(
+    children: &mut Vec<(usize, std::process::Child)>,
+    limit: Duration,
+) -> Vec<String> {
+    let deadline = std::time::Instant::now() + limit;
+    let mut failed = Vec::new();
+    while !children.is_empty() {
+        children.retain_mut(|(rank, child)| match child.try_wait() {
+            Ok(Some(status)) => {
+                if !status.success() {
+                    failed.push(format!("rank {rank}: {status}"));
+                }
+                false
+            }
+            Ok(None) => true,
+            Err(e) => {
+                failed.push(format!("rank {rank}: {e}"));
+                false
+            }
+        });
+        if std::time::Instant::now() > deadline {
+            for (rank, child) in children.iter_mut() {
+                let _ = child.kill();
+                let _ = child.wait();
+                failed.push(format!("rank {rank}: killed after {limit:?}"));
+            }
+            children.clear();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    failed
+}
