@@ -29,7 +29,6 @@
 //! no in-place form in NCCL.
 
 use std::ffi::c_void;
-use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
@@ -352,6 +351,9 @@ enum Broken {
     NotMultiple { what: &'static str, len: usize },
     /// All-to-all was asked for in place.
     InPlaceAllToAll,
+    /// A send or receive to this rank itself outside a group: it waits for its own
+    /// counterpart, which can only come in the same group.
+    SelfOutsideGroup,
 }
 
 /// How the send and receive lengths of an operation must relate.
@@ -416,8 +418,24 @@ impl Broken {
                  of the {size} ranks"
             ),
             Broken::InPlaceAllToAll => "NCCL has no in-place all-to-all".to_string(),
+            Broken::SelfOutsideGroup => format!(
+                "{name} on rank {rank} to its own rank can never complete outside a group: \
+                 issue the send and the matching receive in one Group"
+            ),
         };
         Error::invalid(message)
+    }
+}
+
+/// A point-to-point call to one's own rank completes only when its counterpart is in the
+/// same group; alone it would wait forever (NCCL then reports an error that looks fatal).
+#[inline]
+fn check_self_p2p(shape: Shape, rank: usize, in_group: bool) -> std::result::Result<(), Broken> {
+    match shape {
+        Shape::Send { peer } | Shape::Recv { peer } if peer == rank && !in_group => {
+            Err(Broken::SelfOutsideGroup)
+        }
+        _ => Ok(()),
     }
 }
 
@@ -601,7 +619,7 @@ pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
     lib.require(name, shape.min_version())?;
     let dtype = T::DATA_TYPE;
     lib.require(dtype.name(), dtype.min_version())?;
-    comm.check_stream_device(stream, "the stream")?;
+    comm.check_stream(stream, "the stream")?;
 
     let (rank, size) = (comm.rank(), comm.size());
     let plan = check_plan(
@@ -612,6 +630,7 @@ pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
         call.recv.as_ref().map(|b| b.len()),
         call.in_place,
     )
+    .and_then(|plan| check_self_p2p(shape, rank, in_group).map(|()| plan))
     .map_err(|broken| broken.to_error(shape, rank, size))?;
     let uses = |ptr: Ptr, send: bool| match ptr {
         Ptr::Send(_) => send,
@@ -622,12 +641,12 @@ pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
     let recv_used = uses(plan.send, false) || uses(plan.recv, false);
     if send_used {
         if let Some(buf) = &call.send {
-            check_buffer_device(comm, buf.stream(), "send buffer")?;
+            comm.check_context(buf.stream().context(), "the send buffer")?;
         }
     }
     if recv_used {
         if let Some(buf) = &call.recv {
-            check_buffer_device(comm, buf.stream(), "receive buffer")?;
+            comm.check_context(buf.stream().context(), "the receive buffer")?;
         }
     }
     let op = match &call.kind {
@@ -731,32 +750,6 @@ pub(crate) fn launch<'b, 'a: 'b, T: NcclType>(
     }
     keep([send_guard, recv_guard]);
     Ok(())
-}
-
-/// Checks that a buffer is on the communicator's device. Buffers usually come from the
-/// communicator's own stream or context, which settles it without reading further.
-#[inline]
-fn check_buffer_device(comm: &Comm, buffer_stream: &Arc<CudaStream>, what: &str) -> Result<()> {
-    if Arc::ptr_eq(buffer_stream, comm.stream())
-        || Arc::ptr_eq(buffer_stream.context(), comm.context())
-    {
-        return Ok(());
-    }
-    let ctx = buffer_stream.context();
-    if ctx.ordinal() != comm.device() || ctx.cu_ctx() != comm.context().cu_ctx() {
-        return Err(wrong_device(comm, ctx.ordinal(), what));
-    }
-    Ok(())
-}
-
-#[cold]
-#[inline(never)]
-fn wrong_device(comm: &Comm, device: usize, what: &str) -> Error {
-    Error::invalid(format!(
-        "the {what} is on device {device} but the communicator (rank {}) is on device {}",
-        comm.rank(),
-        comm.device()
-    ))
 }
 
 impl Comm {
@@ -1160,6 +1153,17 @@ mod tests {
             ok(Shape::Recv { peer: 1 }, 1, 2, None, Some(1), false).count,
             1
         );
+        assert_eq!(check_self_p2p(Shape::Send { peer: 1 }, 1, true), Ok(()));
+        assert_eq!(check_self_p2p(Shape::Recv { peer: 0 }, 1, false), Ok(()));
+        // ... but alone it would wait for itself forever.
+        for shape in [Shape::Send { peer: 1 }, Shape::Recv { peer: 1 }] {
+            let broken = check_self_p2p(shape, 1, false).unwrap_err();
+            assert_eq!(broken, Broken::SelfOutsideGroup);
+            let text = broken.to_error(shape, 1, 2).to_string();
+            assert!(text.contains("to its own rank"), "{text}");
+            assert!(text.contains("one Group"), "{text}");
+        }
+        assert_eq!(check_self_p2p(Shape::AllGather, 0, false), Ok(()));
     }
 
     #[test]

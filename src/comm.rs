@@ -16,7 +16,11 @@
 //! and never blocks forever, also when a peer has died. For an orderly shutdown in which all
 //! ranks take part, call [`Comm::finalize`] and then [`Comm::destroy`]; both report errors.
 //! A communicator that failed (see [`crate::fault`]) is aborted at once, without the wait,
-//! and one already aborted from another thread is left alone.
+//! and one already aborted from another thread is left alone. Communicators created together
+//! ([`Comm::init_all`], [`Comm::split_all`]) share the wait: once the drop of one of them
+//! timed out, the others abort at once, so dropping all of them takes one drop timeout.
+//! [`Comm::destroy`] that fails gives the communicator back with the error (as rusqlite's
+//! `Connection::close` does), so it is never left neither destroyed nor aborted.
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -78,7 +82,35 @@ pub struct Comm {
     device: usize,
     ready_timeout: Duration,
     drop_timeout: Duration,
+    /// Shared by communicators created together, so dropping them all is bounded.
+    siblings: Option<Arc<Siblings>>,
     _not_sync: PhantomData<Cell<()>>,
+}
+
+/// Communicators created together ([`Comm::init_all`], [`Comm::split_all`]) usually fail
+/// together: the ranks of one job in one process wait for each other. A program drops them
+/// one after another (a `Vec<Comm>`), and each drop may wait [`Comm::drop_timeout`] for its
+/// stream; once one of them timed out, the others abort at once, so dropping N communicators
+/// whose peers died takes one drop timeout, not N.
+#[derive(Debug, Default)]
+pub(crate) struct Siblings {
+    stuck: std::sync::atomic::AtomicBool,
+}
+
+impl Siblings {
+    /// How long a drop may wait for its stream, given its own timeout.
+    fn drop_wait(&self, timeout: Duration) -> Duration {
+        if self.stuck.load(std::sync::atomic::Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            timeout
+        }
+    }
+
+    /// Records that a drop timed out waiting.
+    fn timed_out(&self) {
+        self.stuck.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for Comm {
@@ -203,10 +235,21 @@ impl Comm {
             }
             return Err(err);
         }
+        // Every handle gets its owner before anything else can fail, so an error below
+        // aborts all of them (through Drop) instead of leaking the rest.
         let config = CommConfig::default();
-        let mut comms = Vec::with_capacity(raws.len());
-        for (raw, stream) in raws.into_iter().zip(streams) {
-            comms.push(Self::wrap(lib, raw, stream.clone(), &config)?);
+        let siblings = Arc::new(Siblings::default());
+        let mut comms: Vec<Comm> = raws
+            .into_iter()
+            .zip(streams)
+            .map(|(raw, stream)| {
+                let mut comm = Self::own(lib, raw, stream.clone(), &config);
+                comm.siblings = Some(siblings.clone());
+                comm
+            })
+            .collect();
+        for comm in &mut comms {
+            comm.read_back()?;
         }
         Ok(comms)
     }
@@ -228,8 +271,12 @@ impl Comm {
                 description: "NCCL reported success but returned no communicator".into(),
                 last_error: None,
             }),
-            // Wrapping first means any later failure aborts the handle through Drop.
-            Ok(_) => Self::wrap(lib, raw, stream, config),
+            // Owning first means any later failure aborts the handle through Drop.
+            Ok(_) => {
+                let mut comm = Self::own(lib, raw, stream, config);
+                comm.read_back()?;
+                Ok(comm)
+            }
             Err(err) => {
                 if !raw.is_null() {
                     // SAFETY: a handle from a failed init that nobody else holds.
@@ -240,13 +287,15 @@ impl Comm {
         }
     }
 
-    fn wrap(
+    /// Takes ownership of a live handle. Until [`Comm::read_back`] succeeds the
+    /// communicator has no work to wait for: dropping it aborts at once.
+    fn own(
         lib: &'static Library,
         raw: ncclComm_t,
         stream: Arc<CudaStream>,
         config: &CommConfig,
-    ) -> Result<Comm> {
-        let mut comm = Comm {
+    ) -> Comm {
+        Comm {
             core: Arc::new(CommCore {
                 handle: Mutex::new(Handle::new(raw)),
                 blocking: config.is_blocking(),
@@ -257,34 +306,36 @@ impl Comm {
             size: 0,
             device: 0,
             ready_timeout: config.ready_timeout(),
-            drop_timeout: DEFAULT_DROP_TIMEOUT,
+            drop_timeout: Duration::ZERO,
+            siblings: None,
             _not_sync: PhantomData,
-        };
-        // A communicator that never became ready has no work to wait for: if anything below
-        // fails, Drop aborts it at once.
-        comm.drop_timeout = Duration::ZERO;
-        comm.wait_ready(comm.ready_timeout)?;
-        comm.size = comm.query("ncclCommCount", |lib, raw, out| {
+        }
+    }
+
+    /// Waits until a new communicator is ready and reads back its rank, size and device.
+    fn read_back(&mut self) -> Result<()> {
+        self.wait_ready(self.ready_timeout)?;
+        self.size = self.query("ncclCommCount", |lib, raw, out| {
             // SAFETY: `raw` is a live handle (held under the lock) and `out` a valid int.
             unsafe { lib.api().ncclCommCount(raw, out) }
         })?;
-        comm.rank = comm.query("ncclCommUserRank", |lib, raw, out| {
+        self.rank = self.query("ncclCommUserRank", |lib, raw, out| {
             // SAFETY: as above.
             unsafe { lib.api().ncclCommUserRank(raw, out) }
         })?;
-        comm.device = comm.query("ncclCommCuDevice", |lib, raw, out| {
+        self.device = self.query("ncclCommCuDevice", |lib, raw, out| {
             // SAFETY: as above.
             unsafe { lib.api().ncclCommCuDevice(raw, out) }
         })?;
-        let stream_device = comm.stream.context().ordinal();
-        if stream_device != comm.device {
+        let stream_device = self.stream.context().ordinal();
+        if stream_device != self.device {
             return Err(Error::invalid(format!(
                 "the communicator is on device {} but its stream is on device {stream_device}",
-                comm.device
+                self.device
             )));
         }
-        comm.drop_timeout = DEFAULT_DROP_TIMEOUT;
-        Ok(comm)
+        self.drop_timeout = DEFAULT_DROP_TIMEOUT;
+        Ok(())
     }
 
     fn query(
@@ -348,7 +399,9 @@ impl Comm {
         status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<()> {
         if self.lib.check_pending(call, status)? {
-            self.wait_ready(self.ready_timeout)?;
+            if let Err(err) = self.wait_ready(self.ready_timeout) {
+                return Err(self.abandon_in_progress(err));
+            }
         }
         Ok(())
     }
@@ -396,7 +449,7 @@ impl Comm {
     }
 
     /// `ncclCommGetAsyncError` as is, also on a communicator marked failed (not released).
-    fn async_code_raw(&self) -> Result<ResultCode> {
+    pub(crate) fn async_code_raw(&self) -> Result<ResultCode> {
         let handle = self.core.lock();
         if handle.ptr.is_null() {
             return Err(handle.released_error("ncclCommGetAsyncError", self.rank));
@@ -499,7 +552,7 @@ impl Comm {
         self.lib.require("ncclCommSplit", Version::new(2, 18, 0))?;
         group::ensure_outside("Comm::split")?;
         let color = split_color(color)?;
-        self.check_stream_device(&stream, "split stream")?;
+        self.check_stream(&stream, "the split stream")?;
         let child_config = self.child_config(config);
         let mut raw_config = RawConfig::inherit_or(config, self.lib)?;
         let cfg_ptr = raw_config.as_mut_ptr();
@@ -508,6 +561,7 @@ impl Comm {
             stream,
             &child_config,
             color != nccl_sys::NCCL_SPLIT_NOCOLOR,
+            (),
             |raw, child| {
                 // SAFETY: live parent handle under its lock; `child` stays valid until NCCL's
                 // job has written it (see `create_child`); `cfg_ptr` is null or an
@@ -537,16 +591,19 @@ impl Comm {
     /// the child.
     ///
     /// For a nonblocking parent NCCL writes the child handle from its background job, after
-    /// the call has returned, and keeps the parent in progress until then. So the handle's
-    /// slot lives on the heap, and is read only once the parent has settled; if it never
-    /// settles (timeout), the slot is leaked rather than freed under NCCL's feet.
-    /// `expect_child` is false for a split without color, which yields no communicator.
-    pub(crate) fn create_child(
+    /// the call has returned, and keeps the parent in progress until then; the job may also
+    /// read `argument` (heap data the call was given: the rank list of a shrink, the id of a
+    /// grow). So the handle's slot lives on the heap and is read only once the parent has
+    /// settled; if it never settles, slot and argument are leaked rather than freed under
+    /// NCCL's feet. On every other path both are freed. `expect_child` is false for a split
+    /// without color, which yields no communicator.
+    pub(crate) fn create_child<A>(
         &self,
         call: &'static str,
         stream: Arc<CudaStream>,
         child_config: &CommConfig,
         expect_child: bool,
+        argument: A,
         issue: impl FnOnce(
             ncclComm_t,
             *mut ncclComm_t,
@@ -554,27 +611,25 @@ impl Comm {
             -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<Option<Comm>> {
         self.stream.context().bind_to_thread()?;
-        let slot: *mut ncclComm_t = Box::into_raw(Box::new(ptr::null_mut()));
-        // SAFETY (of the reads and the free below): `slot` came from Box::into_raw and is
-        // only freed once NCCL can no longer write to it.
-        let free_slot = |slot: *mut ncclComm_t| drop(unsafe { Box::from_raw(slot) });
-        let status = match self.with_raw(call, |raw| issue(raw, slot)) {
-            Ok(status) => status,
-            Err(err) => {
-                free_slot(slot);
-                return Err(err);
-            }
-        };
+        let slot = JobMemory::new(ptr::null_mut::<nccl_sys::ncclComm>());
+        let status = self.with_raw(call, |raw| issue(raw, slot.as_ptr()))?;
         let parent_error = match self.lib.check_pending(call, status) {
             // The parent settles when every member has joined the child, so the wait is the
             // child's creation timeout, not the parent's (which may be short, for detecting
-            // failures). On a timeout NCCL's job may still write the slot: it stays allocated.
-            Ok(_) => self.settle(call, child_config.ready_timeout())?,
+            // failures).
+            Ok(_) => match self.settle(call, child_config.ready_timeout()) {
+                Ok(code) => code,
+                Err(err) => {
+                    // NCCL's job may still write the slot and read the argument.
+                    slot.abandon();
+                    std::mem::forget(argument);
+                    return Err(err);
+                }
+            },
             Err(err) => {
                 // The call failed before starting anything; a partial child is aborted.
-                // SAFETY: see above; NCCL returned, nothing runs in the background.
-                let partial = unsafe { *slot };
-                free_slot(slot);
+                // SAFETY: NCCL returned an error, so no job of it runs in the background.
+                let partial = unsafe { slot.read() };
                 if !partial.is_null() {
                     // SAFETY: a handle from a failed creation that nobody else holds.
                     let _ = unsafe { self.lib.api().ncclCommAbort(partial) };
@@ -582,9 +637,10 @@ impl Comm {
                 return Err(err);
             }
         };
+        drop(argument);
         // SAFETY: the parent has settled, so NCCL's job has finished writing the slot.
-        let child = unsafe { *slot };
-        free_slot(slot);
+        let child = unsafe { slot.read() };
+        drop(slot);
         match (child.is_null(), expect_child) {
             (true, false) => Ok(None),
             (true, true) => Err(match parent_error {
@@ -694,6 +750,7 @@ impl Comm {
         }
         let mut out = Vec::with_capacity(comms.len());
         let mut first_err = None;
+        let siblings = Arc::new(Siblings::default());
         for ((raw, parent), color) in children.into_iter().zip(comms).zip(&colors) {
             if *color == nccl_sys::NCCL_SPLIT_NOCOLOR || raw.is_null() {
                 out.push(None);
@@ -708,7 +765,10 @@ impl Comm {
                 "ncclCommSplit",
                 Ok(nccl_sys::ncclResult_t::ncclSuccess),
             ) {
-                Ok(child) => out.push(Some(child)),
+                Ok(mut child) => {
+                    child.siblings = Some(siblings.clone());
+                    out.push(Some(child));
+                }
                 Err(err) => {
                     first_err.get_or_insert(err);
                     out.push(None);
@@ -811,14 +871,44 @@ impl Comm {
     /// is an intra-node collective that every rank on the node must call; after a finalize
     /// it is local.
     ///
+    /// Like rusqlite's `Connection::close`, a failure gives the communicator back with the
+    /// error, still allocated: abort it, or drop it (which aborts). `?` converts the pair
+    /// into the error alone, dropping (so aborting) the communicator. A communicator with an
+    /// asynchronous error is given back without calling NCCL, whose destroy would refuse it
+    /// (`ncclCommDestroy` checks the same error first); only an abort frees it then.
+    ///
     /// If an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog) already
     /// aborted the communicator, nothing is left to free and the error says why it was
     /// aborted.
-    pub fn destroy(self) -> Result<()> {
-        self.release("ncclCommDestroy", |lib, raw| {
-            // SAFETY: the handle was taken out of the core, so no one else can use it.
-            unsafe { lib.api().ncclCommDestroy(raw) }
-        })
+    // The pair is rusqlite's shape; destroy is called once per communicator, so its size
+    // costs nothing.
+    #[allow(clippy::result_large_err)]
+    pub fn destroy(self) -> std::result::Result<(), (Comm, Error)> {
+        match self.destroy_raw() {
+            Ok(()) => Ok(()),
+            Err(err) => Err((self, err)),
+        }
+    }
+
+    fn destroy_raw(&self) -> Result<()> {
+        const CALL: &str = "ncclCommDestroy";
+        if let Some(err) = self.async_error()? {
+            return Err(err);
+        }
+        let mut handle = self.core.lock();
+        if handle.ptr.is_null() {
+            return Err(handle.released_error(CALL, self.rank));
+        }
+        // Best effort: NCCL finds its device itself, but its cleanup may use the current
+        // context.
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: live handle under its lock. The lock is held through the call so that a
+        // failed destroy leaves the handle where it was, owned by this `Comm`.
+        let status = unsafe { self.lib.api().ncclCommDestroy(handle.ptr) };
+        // In progress (a nonblocking communicator) means NCCL's job frees it: it is gone.
+        self.lib.check_pending(CALL, status)?;
+        handle.take(Failure::owner(FailureState::Released));
+        Ok(())
     }
 
     /// Aborts the communicator (`ncclCommAbort`): stops its outstanding operations and frees
@@ -841,45 +931,40 @@ impl Comm {
         self.lib.check("ncclCommAbort", status)
     }
 
-    fn release(
-        &self,
-        call: &'static str,
-        f: impl FnOnce(
-            &Library,
-            ncclComm_t,
-        ) -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
-    ) -> Result<()> {
-        let raw = {
-            let mut handle = self.core.lock();
-            if handle.ptr.is_null() {
-                return Err(handle.released_error(call, self.rank));
-            }
-            handle.take(Failure::owner(FailureState::Released))
-        };
-        // Best effort: the calls find their device themselves, but NCCL's cleanup may touch
-        // the current context.
-        let _ = self.stream.context().bind_to_thread();
-        self.lib.check(call, f(self.lib, raw))
-    }
-
-    /// Checks that `stream` is on this communicator's device.
+    /// The one rule for streams and buffers handed to this communicator: they must belong to
+    /// its CUDA context (the same device, and the same context on it: a stream or an
+    /// allocation of another context is not usable from the kernels NCCL launches there).
+    /// Streams and buffers of the communicator's own stream or context settle it by pointer.
     #[inline]
-    pub(crate) fn check_stream_device(&self, stream: &CudaStream, what: &str) -> Result<()> {
-        // The communicator's own stream needs no lookup.
-        if std::ptr::eq(stream, &*self.stream) || stream.context().ordinal() == self.device {
+    pub(crate) fn check_context(&self, ctx: &Arc<CudaContext>, what: &str) -> Result<()> {
+        if Arc::ptr_eq(ctx, self.context()) || ctx.cu_ctx() == self.context().cu_ctx() {
             return Ok(());
         }
-        Err(self.wrong_stream_device(stream, what))
+        Err(self.wrong_context(ctx, what))
+    }
+
+    /// [`Comm::check_context`] for a stream.
+    #[inline]
+    pub(crate) fn check_stream(&self, stream: &CudaStream, what: &str) -> Result<()> {
+        if std::ptr::eq(stream, &*self.stream) {
+            return Ok(());
+        }
+        self.check_context(stream.context(), what)
     }
 
     #[cold]
     #[inline(never)]
-    fn wrong_stream_device(&self, stream: &CudaStream, what: &str) -> Error {
+    fn wrong_context(&self, ctx: &CudaContext, what: &str) -> Error {
+        let ordinal = ctx.ordinal();
+        let place = if ordinal == self.device {
+            format!("in another CUDA context of device {ordinal}")
+        } else {
+            format!("on device {ordinal}")
+        };
         Error::invalid(format!(
-            "{what} is on device {} but the communicator (rank {}) is on device {}",
-            stream.context().ordinal(),
-            self.rank,
-            self.device
+            "{what} is {place}, but the communicator (rank {}) runs in the context of device \
+             {} (use that context, e.g. `comm.context()` or `CudaContext::new({})`)",
+            self.rank, self.device, self.device
         ))
     }
 }
@@ -898,8 +983,15 @@ impl Drop for Comm {
         // progress here has timed out and its work will not finish). A dead peer or the
         // timeout ends the wait, and the abort below then cancels what is left.
         let healthy = !failed && matches!(self.async_code(), Ok(ResultCode::Success));
-        if healthy && !self.drop_timeout.is_zero() {
-            let _ = self.wait_stream(&self.stream, Some(self.drop_timeout));
+        let wait = match &self.siblings {
+            Some(siblings) => siblings.drop_wait(self.drop_timeout),
+            None => self.drop_timeout,
+        };
+        if healthy && !wait.is_zero() {
+            let waited = self.wait_stream(&self.stream, Some(wait));
+            if let (Err(Error::Timeout { .. }), Some(siblings)) = (waited, &self.siblings) {
+                siblings.timed_out();
+            }
         }
         let raw = self
             .core
@@ -940,6 +1032,51 @@ fn split_color(color: Option<u32>) -> Result<c_int> {
                 c_int::MAX
             ))
         }),
+    }
+}
+
+/// Heap memory whose address NCCL's background job may use after the call that received it
+/// returned (a nonblocking split, shrink or grow finishes in that job). Freed when dropped;
+/// [`JobMemory::abandon`] leaks it instead while the job may still run.
+pub(crate) struct JobMemory<T: Copy> {
+    ptr: ptr::NonNull<T>,
+}
+
+impl<T: Copy> JobMemory<T> {
+    pub(crate) fn new(value: T) -> Self {
+        Self {
+            ptr: ptr::NonNull::from(Box::leak(Box::new(value))),
+        }
+    }
+
+    /// The address to hand to NCCL.
+    pub(crate) fn as_ptr(&self) -> *mut T {
+        self.ptr.as_ptr()
+    }
+
+    /// Reads the value.
+    ///
+    /// # Safety
+    ///
+    /// No NCCL job may be writing it any more (the call failed, or its communicator
+    /// settled).
+    pub(crate) unsafe fn read(&self) -> T {
+        // SAFETY: the pointer is valid (owned, from a Box) and the caller rules out a
+        // concurrent write.
+        unsafe { self.ptr.as_ptr().read() }
+    }
+
+    /// Leaks the memory: NCCL's job may still use it.
+    pub(crate) fn abandon(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl<T: Copy> Drop for JobMemory<T> {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from `Box::leak` in `new` and is freed only here, once;
+        // owners abandon (never drop) memory a job may still use.
+        drop(unsafe { Box::from_raw(self.ptr.as_ptr()) });
     }
 }
 
@@ -987,6 +1124,30 @@ mod tests {
         assert!(err.contains("rank 4 is out of range"), "{err}");
         let err = rank_and_size(0, usize::MAX).unwrap_err().to_string();
         assert!(err.contains("does not fit"), "{err}");
+    }
+
+    #[test]
+    fn siblings_share_one_drop_timeout() {
+        let siblings = Siblings::default();
+        let timeout = Duration::from_secs(10);
+        assert_eq!(siblings.drop_wait(timeout), timeout);
+        assert_eq!(siblings.drop_wait(timeout), timeout);
+        // Once one drop timed out, the others abort without waiting.
+        siblings.timed_out();
+        assert_eq!(siblings.drop_wait(timeout), Duration::ZERO);
+        assert_eq!(siblings.drop_wait(Duration::from_secs(1)), Duration::ZERO);
+    }
+
+    #[test]
+    fn job_memory_is_freed_unless_abandoned() {
+        let slot = JobMemory::new(ptr::null_mut::<nccl_sys::ncclComm>());
+        let written = std::ptr::NonNull::<nccl_sys::ncclComm>::dangling().as_ptr();
+        // SAFETY: the test is NCCL's job here; nothing else writes the slot.
+        unsafe { slot.as_ptr().write(written) };
+        // SAFETY: the write above is over.
+        assert_eq!(unsafe { slot.read() }, written);
+        drop(slot);
+        JobMemory::new(7u64).abandon();
     }
 
     #[test]

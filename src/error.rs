@@ -218,6 +218,17 @@ impl Error {
     }
 }
 
+/// Lets `comm.destroy()?` work: the communicator a failed [`Comm::destroy`] gives back is
+/// dropped here, which aborts it.
+///
+/// [`Comm::destroy`]: crate::Comm::destroy
+impl From<(crate::Comm, Error)> for Error {
+    fn from((comm, err): (crate::Comm, Error)) -> Self {
+        drop(comm);
+        err
+    }
+}
+
 /// The NCCL library could not be loaded from any of the places searched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LibraryNotFound {

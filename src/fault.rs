@@ -1202,13 +1202,14 @@ impl Comm {
         let child_config = self.child_config(config);
         let mut raw_config = RawConfig::inherit_or(config, lib)?;
         let cfg_ptr = raw_config.as_mut_ptr();
-        // The exclude list is boxed with the call: NCCL may read it from its background job.
+        // The exclude list goes with the call: NCCL may read it from its background job.
         let list_ptr = list.as_mut_ptr();
         let child = self.create_child(
             "ncclCommShrink",
             self.stream().clone(),
             &child_config,
             true,
+            list,
             |raw, child| {
                 // SAFETY: live parent handle under its lock; `list` holds `count` ranks and
                 // outlives the parent's settling in `create_child`; `child` stays valid until
@@ -1220,7 +1221,7 @@ impl Comm {
                 }
             },
         );
-        free_unless_still_read(child, list, "ncclCommShrink")
+        expect_child(child, "ncclCommShrink")
     }
 
     /// Builds the communicator of the survivors after the ranks in `failed` died, and
@@ -1305,6 +1306,47 @@ impl Comm {
         })
     }
 
+    /// Called when waiting for this communicator to leave `ncclInProgress` failed (timeout,
+    /// or a failure recorded meanwhile): if it is still in progress, it is aborted, because
+    /// NCCL forbids any CUDA work on its streams until it is ready, and the caller is about
+    /// to record its buffers' events there (cudarc's guards). Returns the error to report,
+    /// which says so.
+    pub(crate) fn abandon_in_progress(&self, err: Error) -> Error {
+        if !matches!(self.async_code_raw(), Ok(ResultCode::InProgress)) {
+            return err;
+        }
+        let waited = match &err {
+            Error::Timeout { waited, .. } => *waited,
+            _ => Duration::ZERO,
+        };
+        let mut handle = self.core().lock();
+        let aborted = act(
+            &mut handle,
+            self.library(),
+            self.context(),
+            Action::Abort,
+            Failure {
+                state: FailureState::Released,
+                by: Actor::Owner,
+                cause: Cause::Stalled {
+                    what: "a nonblocking call to complete",
+                    waited,
+                },
+            },
+        );
+        drop(handle);
+        match (err, aborted) {
+            (Error::Timeout { what, waited }, Ok(_)) => Error::Timeout {
+                what: format!(
+                    "{what}; the communicator was aborted, since NCCL allows no CUDA work on \
+                     its streams while a call on it is still in progress"
+                ),
+                waited,
+            },
+            (err, _) => err,
+        }
+    }
+
     /// `ncclCommAbort` by the owner without giving up the `Comm`: later calls on it fail,
     /// and dropping it does nothing.
     fn abort_in_place(&self) -> Result<AbortOutcome> {
@@ -1368,6 +1410,7 @@ impl Comm {
             self.stream().clone(),
             &child_config,
             true,
+            raw_id,
             |raw, child| {
                 // SAFETY: live parent handle under its lock; `id_ptr` is null or points to an
                 // id alive until the call returns; `child` stays valid until NCCL's job wrote
@@ -1379,7 +1422,7 @@ impl Comm {
                 }
             },
         );
-        free_unless_still_read(child, raw_id, "ncclCommGrow")
+        expect_child(child, "ncclCommGrow")
     }
 
     /// Joins a growing communicator as new rank `rank` of `new_size` (`ncclCommGrow` without
@@ -1437,24 +1480,9 @@ impl Comm {
     }
 }
 
-/// Ends a call that creates a child communicator from an argument NCCL's background job reads
-/// (the rank list of a shrink, the id of a grow). Once the parent settled the argument is
-/// freed; if it never did, the job may still read it, so it is leaked on purpose.
-fn free_unless_still_read<A>(
-    child: Result<Option<Comm>>,
-    argument: A,
-    call: &'static str,
-) -> Result<Comm> {
-    match child {
-        Ok(child) => {
-            drop(argument);
-            child.ok_or_else(|| Error::usage(format!("{call} returned no communicator")))
-        }
-        Err(err) => {
-            std::mem::forget(argument);
-            Err(err)
-        }
-    }
+/// The child of a shrink or grow, which always yields one when it succeeds.
+fn expect_child(child: Result<Option<Comm>>, call: &'static str) -> Result<Comm> {
+    child?.ok_or_else(|| Error::usage(format!("{call} returned no communicator")))
 }
 
 #[cfg(test)]

@@ -296,23 +296,38 @@ impl<'g> Group<'g> {
     ///
     /// Every communicator is waited for, also after one of them failed, so the buffers'
     /// events are recorded (when the group is dropped) only once NCCL has finished
-    /// enqueueing, or has given up, on all of them.
+    /// enqueueing, or has given up, on all of them. A communicator still in progress when its
+    /// [`ready_timeout`](Comm::ready_timeout) runs out is aborted before that (NCCL allows no
+    /// CUDA work on its streams while it is in progress), and its error says so.
     pub fn finish(mut self) -> Result<()> {
-        let pending = self.raw.end();
+        self.end()
+    }
+
+    /// Ends the group once; see [`Group::finish`]. Dropping an unfinished group ends it the
+    /// same way, so the guards never record events on a stream NCCL still owns.
+    fn end(&mut self) -> Result<()> {
+        if !self.raw.open {
+            return Ok(());
+        }
+        let ended = self.raw.end();
         // An abort deferred while the group was open runs in `leave`: the fused operation
         // was cut short, which is this group's failure.
         let failure = self.membership.leave("Group::finish");
-        if pending? {
-            let mut first_err = None;
-            for comm in self.membership.comms() {
+        // Nonblocking members may still be in progress, after `ncclInProgress` and after an
+        // error alike.
+        let mut settled = Ok(());
+        if !matches!(ended, Ok(false)) {
+            for comm in self.membership.comms().filter(|comm| !comm.is_blocking()) {
                 if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
-                    first_err.get_or_insert(err);
+                    let err = comm.abandon_in_progress(err);
+                    if settled.is_ok() {
+                        settled = Err(err);
+                    }
                 }
             }
-            if let Some(err) = first_err {
-                return Err(err);
-            }
         }
+        ended?;
+        settled?;
         match failure {
             Some(err) => Err(err),
             None => Ok(()),
@@ -329,8 +344,7 @@ impl Drop for Group<'_> {
     fn drop(&mut self) {
         // A group dropped without `finish` (an early return with `?`) still has to end, or
         // this thread's NCCL group state would stay open; its error has nowhere to go.
-        self.raw.end_ignoring_errors();
-        self.membership.leave("Group");
+        let _ = self.end();
         self.guards.clear();
     }
 }

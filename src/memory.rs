@@ -183,13 +183,7 @@ impl Comm {
     ) -> Result<Registration<'a>> {
         self.library()
             .require("ncclCommRegister", Version::new(2, 19, 0))?;
-        if buffer.stream.context().ordinal() != self.device() {
-            return Err(Error::invalid(format!(
-                "the buffer is on device {} but the communicator is on device {}",
-                buffer.stream.context().ordinal(),
-                self.device()
-            )));
-        }
+        self.check_context(buffer.stream.context(), "the buffer")?;
         let bytes = buffer.len * std::mem::size_of::<T>();
         let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
         let status = self.with_raw("ncclCommRegister", |raw| {

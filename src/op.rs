@@ -121,13 +121,7 @@ impl<'c, T: NcclType> PreMulSum<'c, T> {
                 scalar.len()
             )));
         }
-        let device = scalar.stream().context().ordinal();
-        if device != comm.device() {
-            return Err(Error::invalid(format!(
-                "the scalar is on device {device} but the communicator is on device {}",
-                comm.device()
-            )));
-        }
+        comm.check_context(scalar.stream().context(), "the scalar")?;
         let (ptr, guard) = scalar.device_ptr(comm.stream());
         Self::create(
             comm,
