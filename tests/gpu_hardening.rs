@@ -1,0 +1,285 @@
+//! Edge cases of a communicator's life on real GPUs: a nonblocking call that never completes,
+//! a destroy that fails, dropping stuck communicators together, point-to-point with oneself,
+//! streams of another device. Every test uses all GPUs present (at least 2).
+//!
+//! Run on a GPU host with `cargo test --test gpu_hardening -- --include-ignored`.
+
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use nccl::{Comm, CommConfig, Error, Group, ReduceOp, UniqueId};
+
+/// Every GPU of the host, or `None` (the test then passes with a message) below two.
+fn gpus() -> Option<usize> {
+    let count = CudaContext::device_count().expect("CUDA driver") as usize;
+    if count < 2 {
+        eprintln!("skipped: needs at least 2 CUDA GPUs, found {count}");
+        return None;
+    }
+    Some(count)
+}
+
+fn stream_on(device: usize) -> Arc<CudaStream> {
+    CudaContext::new(device)
+        .map(|ctx| ctx.default_stream())
+        .expect("CUDA context")
+}
+
+/// Random values from a fixed seed (xorshift), small integers so sums are exact in f32.
+fn random(seed: u64, len: usize) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 64) as f32 - 32.0
+        })
+        .collect()
+}
+
+/// One communicator per GPU from `Comm::init_all`.
+fn all_comms(n: usize) -> Vec<Comm> {
+    let streams: Vec<_> = (0..n).map(stream_on).collect();
+    Comm::init_all(&streams).expect("ncclCommInitAll")
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn stuck_nonblocking_call_aborts_before_its_buffers_are_released() {
+    let Some(n) = gpus() else { return };
+    // Connections are made by the first collective that needs them; while rank 0 is alone
+    // in it, that setup (and so the call) stays in progress.
+    std::env::set_var("NCCL_RUNTIME_CONNECT", "1");
+    let id = UniqueId::new().unwrap();
+    let rank0_done = Barrier::new(n);
+    std::thread::scope(|scope| {
+        for rank in 0..n {
+            let (id, rank0_done) = (&id, &rank0_done);
+            scope.spawn(move || {
+                let stream = stream_on(rank);
+                let config = CommConfig::new()
+                    .blocking(false)
+                    .with_ready_timeout(Duration::from_secs(120));
+                let mut comm = Comm::init_rank_with_config(stream.clone(), id, rank, n, &config)
+                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                if rank == 0 {
+                    let data = random(7, 1 << 20);
+                    let mut buf: CudaSlice<f32> = stream.clone_htod(&data).unwrap();
+                    comm.set_ready_timeout(Duration::from_secs(3));
+                    let start = Instant::now();
+                    let result = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum);
+                    let waited = start.elapsed();
+                    println!("rank 0: lone all_reduce returned after {waited:?}: {result:?}");
+                    let err = result.expect_err("an all-reduce no peer joins cannot complete");
+                    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                    assert!(
+                        err.to_string().contains("the communicator was aborted"),
+                        "{err}"
+                    );
+                    assert!(waited < Duration::from_secs(10), "{waited:?}");
+                    // The communicator is gone, and says why; the stream and the buffer are
+                    // still usable (no CUDA error from work recorded while NCCL owned it).
+                    let failure = comm.failure().expect("a failure is recorded");
+                    assert!(failure.to_string().contains("aborted"), "{failure}");
+                    let err = comm
+                        .all_reduce_in_place(&mut buf, ReduceOp::Sum)
+                        .unwrap_err();
+                    assert!(err.to_string().contains("aborted"), "{err}");
+                    stream.synchronize().expect("stream usable after the abort");
+                    let back = stream.clone_dtoh(&buf).expect("buffer readable");
+                    assert_eq!(back.len(), data.len());
+                    let start = Instant::now();
+                    drop(comm);
+                    assert!(start.elapsed() < Duration::from_secs(2));
+                    println!("STUCK_CALL_OK rank=0 waited_ms={}", waited.as_millis());
+                    rank0_done.wait();
+                } else {
+                    rank0_done.wait();
+                    let start = Instant::now();
+                    drop(comm);
+                    println!("rank {rank}: dropped in {:?}", start.elapsed());
+                }
+            });
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn destroy_gives_the_communicator_back_when_it_fails() {
+    let Some(n) = gpus() else { return };
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|scope| {
+        for rank in 0..n {
+            let id = &id;
+            scope.spawn(move || {
+                let stream = stream_on(rank);
+                let config = CommConfig::new().blocking(false);
+                let comm = Comm::init_rank_with_config(stream.clone(), id, rank, n, &config)
+                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                let data = random(rank as u64, 4096);
+                let mut buf = stream.clone_htod(&data).unwrap();
+                comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+                let got = stream.clone_dtoh(&buf).unwrap();
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| random(r as u64, 4096)).collect();
+                let want: Vec<f32> = (0..4096)
+                    .map(|i| inputs.iter().map(|input| input[i]).sum())
+                    .collect();
+                assert_eq!(got, want, "rank {rank}");
+                // Finalize is collective; destroy afterwards is local.
+                comm.finalize().unwrap();
+                if rank == 0 {
+                    // Aborted behind the owner's back: destroy fails and hands it back.
+                    comm.abort_handle().unwrap().abort().unwrap();
+                    let (back, err) = comm.destroy().expect_err("already aborted");
+                    assert!(err.to_string().contains("AbortHandle"), "{err}");
+                    assert_eq!(back.rank(), 0);
+                    // `?` turns the pair into the error alone.
+                    let as_error: Error = (back, err).into();
+                    assert!(as_error.to_string().contains("AbortHandle"), "{as_error}");
+                } else {
+                    comm.destroy()
+                        .unwrap_or_else(|(_, e)| panic!("rank {rank}: destroy: {e}"));
+                }
+                println!("DESTROY_OK rank={rank}");
+            });
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn dropping_stuck_sibling_communicators_takes_one_drop_timeout() {
+    let Some(n) = gpus() else { return };
+    let mut comms = all_comms(n);
+    // Larger than NCCL's per-peer buffers, so a send without its receive cannot finish.
+    let len = 16 << 20;
+    let send: Vec<CudaSlice<f32>> = comms
+        .iter()
+        .map(|c| {
+            c.stream()
+                .clone_htod(&random(c.rank() as u64, len))
+                .unwrap()
+        })
+        .collect();
+    let mut recv: Vec<CudaSlice<f32>> = comms
+        .iter()
+        .map(|c| c.stream().alloc_zeros(len).unwrap())
+        .collect();
+    // A full ring first, so every connection exists and the stuck round below launches.
+    {
+        let mut group = Group::start().unwrap();
+        for ((comm, s), r) in comms.iter().zip(&send).zip(recv.iter_mut()) {
+            let rank = comm.rank();
+            group
+                .enqueue(comm, nccl::Collective::send(s, (rank + 1) % n))
+                .unwrap();
+            group
+                .enqueue(comm, nccl::Collective::recv(r, (rank + n - 1) % n))
+                .unwrap();
+        }
+        group.finish().unwrap();
+    }
+    for (comm, r) in comms.iter().zip(&recv) {
+        comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+        let from = (comm.rank() + n - 1) % n;
+        let got = comm.stream().clone_dtoh(r).unwrap();
+        assert_eq!(
+            got,
+            random(from as u64, len),
+            "ring into rank {}",
+            comm.rank()
+        );
+    }
+    // Now sends only: every communicator's kernels wait for receives that never come.
+    {
+        let mut group = Group::start().unwrap();
+        for (comm, s) in comms.iter().zip(&send) {
+            let rank = comm.rank();
+            group
+                .enqueue(comm, nccl::Collective::send(s, (rank + 1) % n))
+                .unwrap();
+        }
+        group.finish().unwrap();
+    }
+    let timeout = Duration::from_secs(2);
+    for comm in &mut comms {
+        comm.set_drop_timeout(timeout);
+    }
+    drop(send);
+    drop(recv);
+    let start = Instant::now();
+    drop(comms);
+    let took = start.elapsed();
+    println!("SIBLINGS_DROP_OK n={n} took_ms={}", took.as_millis());
+    assert!(
+        took >= timeout,
+        "the first drop waits its timeout: {took:?}"
+    );
+    // Each abort takes a moment; N full timeouts (the old behaviour) are well above this.
+    assert!(
+        took < timeout + Duration::from_millis(1500),
+        "{n} stuck communicators took {took:?} to drop"
+    );
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn point_to_point_with_oneself_needs_a_group() {
+    let Some(n) = gpus() else { return };
+    let comms = all_comms(n);
+    let len = 1 << 16;
+    for comm in &comms {
+        let rank = comm.rank();
+        let stream = comm.stream();
+        let data = random(100 + rank as u64, len);
+        let src = stream.clone_htod(&data).unwrap();
+        let mut dst: CudaSlice<f32> = stream.alloc_zeros(len).unwrap();
+        // Alone, it would wait for itself forever: refused before NCCL sees it.
+        let err = comm.send(&src, rank).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("own rank"), "{err}");
+        let err = comm.recv(&mut dst, rank).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // The communicator is untouched, and in a group the pair works.
+        assert!(comm.failure().is_none());
+        {
+            let mut group = Group::start().unwrap();
+            group
+                .enqueue(comm, nccl::Collective::send(&src, rank))
+                .unwrap();
+            group
+                .enqueue(comm, nccl::Collective::recv(&mut dst, rank))
+                .unwrap();
+            group.finish().unwrap();
+        }
+        comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+        assert_eq!(stream.clone_dtoh(&dst).unwrap(), data, "rank {rank}");
+    }
+    // A stream of another device is refused with the same rule as a buffer of one.
+    let other = comms[1].stream().clone();
+    let src = comms[0].stream().clone_htod(&random(1, len)).unwrap();
+    let mut dst: CudaSlice<f32> = comms[0].stream().alloc_zeros(len).unwrap();
+    let err = comms[0]
+        .enqueue_on(
+            &other,
+            nccl::Collective::all_reduce(&src, &mut dst, ReduceOp::Sum),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("the stream is on device 1"),
+        "{err}"
+    );
+    let foreign: CudaSlice<f32> = other.alloc_zeros(len).unwrap();
+    let err = comms[0]
+        .all_reduce(&foreign, &mut dst, ReduceOp::Sum)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("the send buffer is on device 1"),
+        "{err}"
+    );
+    println!("SELF_P2P_OK n={n}");
+}
