@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
-use nccl::{Collective, Group, ReduceOp};
+use nccl::{Group, Operation, ReduceOp};
 
 use common::{fail, wait_all, Gpus, Samples};
 
@@ -87,19 +87,19 @@ impl Op {
             let send = &sends[i];
             match self {
                 Op::AllReduce => {
-                    group.enqueue(comm, Collective::all_reduce(send, recv, ReduceOp::Sum))?
+                    group.enqueue(comm, Operation::all_reduce(send, recv, ReduceOp::Sum))?
                 }
-                Op::AllGather => group.enqueue(comm, Collective::all_gather(send, recv))?,
+                Op::AllGather => group.enqueue(comm, Operation::all_gather(send, recv))?,
                 Op::ReduceScatter => {
-                    group.enqueue(comm, Collective::reduce_scatter(send, recv, ReduceOp::Sum))?
+                    group.enqueue(comm, Operation::reduce_scatter(send, recv, ReduceOp::Sum))?
                 }
                 Op::Broadcast => group.enqueue(
                     comm,
-                    Collective::broadcast(Some(send as &dyn DevicePtr<f32>), recv, 0),
+                    Operation::broadcast(Some(send as &dyn DevicePtr<f32>), recv, 0),
                 )?,
                 Op::SendRecv => {
-                    group.enqueue(comm, Collective::send(send, (i + 1) % n))?;
-                    group.enqueue(comm, Collective::recv(recv, (i + n - 1) % n))?;
+                    group.enqueue(comm, Operation::send(send, (i + 1) % n))?;
+                    group.enqueue(comm, Operation::recv(recv, (i + n - 1) % n))?;
                 }
             }
         }

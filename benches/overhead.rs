@@ -1,5 +1,5 @@
 //! The binding's cost per call: the same 8-byte all-reduce (2 × f32, sum) on every local GPU,
-//! issued through the safe API (`Group` + `Collective::all_reduce`) and through raw nccl-sys
+//! issued through the safe API (`Group` + `Operation::all_reduce`) and through raw nccl-sys
 //! calls (`ncclGroupStart`, `ncclAllReduce` per GPU, `ncclGroupEnd` on `Comm::as_raw`), in
 //! the same process, on the same buffers and streams.
 //!
@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkGroup, Criterion};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use nccl::sys::{self, ncclResult_t};
-use nccl::{Collective, Group, ReduceOp};
+use nccl::{Group, Operation, ReduceOp};
 
 use common::{fail, wait_all, Gpus, Samples};
 
@@ -65,7 +65,7 @@ impl Bench<'_> {
             .zip(&self.sends)
             .zip(self.recvs.iter_mut())
         {
-            group.enqueue(comm, Collective::all_reduce(send, recv, ReduceOp::Sum))?;
+            group.enqueue(comm, Operation::all_reduce(send, recv, ReduceOp::Sum))?;
         }
         group.finish()
     }

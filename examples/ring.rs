@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use nccl::bootstrap::spawn_local;
-use nccl::{Collective, Group};
+use nccl::{Group, Operation};
 
 const ELEMENTS: usize = 1 << 20;
 
@@ -41,8 +41,8 @@ fn run() -> nccl::Result<()> {
      -> nccl::Result<()> {
         for _ in 0..n {
             let mut group = Group::start()?;
-            group.enqueue(&comm, Collective::send(&*current, next))?;
-            group.enqueue(&comm, Collective::recv(&mut *incoming, prev))?;
+            group.enqueue(&comm, Operation::send(&*current, next))?;
+            group.enqueue(&comm, Operation::recv(&mut *incoming, prev))?;
             group.finish()?;
             std::mem::swap(current, incoming);
         }
@@ -51,8 +51,8 @@ fn run() -> nccl::Result<()> {
 
     // Check one step: this rank now holds its predecessor's block.
     let mut group = Group::start()?;
-    group.enqueue(&comm, Collective::send(&current, next))?;
-    group.enqueue(&comm, Collective::recv(&mut incoming, prev))?;
+    group.enqueue(&comm, Operation::send(&current, next))?;
+    group.enqueue(&comm, Operation::recv(&mut incoming, prev))?;
     group.finish()?;
     comm.synchronize()?;
     if stream.clone_dtoh(&incoming)? != block(prev) {

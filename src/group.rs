@@ -16,7 +16,7 @@ use std::marker::PhantomData;
 
 use cudarc::driver::{CudaStream, SyncOnDrop};
 
-use crate::collectives::{launch, Collective};
+use crate::collectives::{dispatch, Operation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
@@ -206,7 +206,7 @@ impl<T, const N: usize> InlineList<T, N> {
 /// ```no_run
 /// # fn main() -> nccl::Result<()> {
 /// use cudarc::driver::CudaContext;
-/// use nccl::{Collective, Comm, Group, ReduceOp};
+/// use nccl::{Comm, Group, Operation, ReduceOp};
 ///
 /// let streams = (0..2)
 ///     .map(|i| CudaContext::new(i).map(|ctx| ctx.default_stream()))
@@ -218,7 +218,7 @@ impl<T, const N: usize> InlineList<T, N> {
 ///     .collect::<Result<Vec<_>, _>>()?;
 /// let mut group = Group::start()?;
 /// for (comm, grad) in comms.iter().zip(grads.iter_mut()) {
-///     group.enqueue(comm, Collective::all_reduce_in_place(grad, ReduceOp::Avg))?;
+///     group.enqueue(comm, Operation::all_reduce_in_place(grad, ReduceOp::Avg))?;
 /// }
 /// group.finish()?;
 /// # Ok(())
@@ -255,7 +255,7 @@ impl<'g> Group<'g> {
     }
 
     /// Adds `call` on `comm`'s own stream to the group.
-    pub fn enqueue<T: NcclType>(&mut self, comm: &'g Comm, call: Collective<'g, T>) -> Result<()> {
+    pub fn enqueue<T: NcclType>(&mut self, comm: &'g Comm, call: Operation<'g, T>) -> Result<()> {
         self.enqueue_on(comm, comm.stream(), call)
     }
 
@@ -266,7 +266,7 @@ impl<'g> Group<'g> {
         &mut self,
         comm: &'g Comm,
         stream: &'g CudaStream,
-        call: Collective<'g, T>,
+        call: Operation<'g, T>,
     ) -> Result<()> {
         if !self.raw.open {
             return Err(Error::usage("the group has already ended"));
@@ -282,7 +282,7 @@ impl<'g> Group<'g> {
         // thread can free it while it sits in this thread's NCCL group.
         self.membership.add(comm);
         let guards = &mut self.guards;
-        launch(comm, stream, call, true, |new| {
+        dispatch(comm, stream, call, true, |new| {
             for guard in new.into_iter().flatten() {
                 guards.push(guard);
             }

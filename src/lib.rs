@@ -41,7 +41,7 @@
 //! | configuration | [`config`] | [`CommConfig`] |
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
-//! | collectives | [`collectives`] | [`Collective`], [`Comm::all_reduce`], ... |
+//! | collectives | [`collectives`] | [`Operation`], [`Comm::all_reduce`], ... |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups | [`group`] | [`Group`] |
 //! | failures: timeouts, abort, revoke, shrink, grow | [`fault`] | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`] |
@@ -87,7 +87,7 @@ pub mod memory;
 pub mod op;
 pub mod p2p;
 
-pub use collectives::Collective;
+pub use collectives::Operation;
 pub use comm::Comm;
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};

@@ -9,32 +9,24 @@
 //! ```no_run
 //! # fn ring(comm: &nccl::Comm, send: &cudarc::driver::CudaSlice<f32>,
 //! #         recv: &mut cudarc::driver::CudaSlice<f32>) -> nccl::Result<()> {
-//! use nccl::{Collective, Group};
+//! use nccl::{Group, Operation};
 //! let next = (comm.rank() + 1) % comm.size();
 //! let prev = (comm.rank() + comm.size() - 1) % comm.size();
 //! let mut group = Group::start()?;
-//! group.enqueue(comm, Collective::send(send, next))?;
-//! group.enqueue(comm, Collective::recv(recv, prev))?;
+//! group.enqueue(comm, Operation::send(send, next))?;
+//! group.enqueue(comm, Operation::recv(recv, prev))?;
 //! group.finish()
 //! # }
 //! ```
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use crate::collectives::Collective;
+use crate::collectives::{enqueue_methods, Operation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::Result;
 
-impl Comm {
-    /// Sends `buf` to rank `peer` on the communicator's stream; see the [module docs](self).
-    pub fn send<T: NcclType>(&self, buf: &impl DevicePtr<T>, peer: usize) -> Result<()> {
-        self.enqueue(Collective::send(buf, peer))
-    }
-
-    /// Receives into `buf` from rank `peer` on the communicator's stream; see the
-    /// [module docs](self).
-    pub fn recv<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, peer: usize) -> Result<()> {
-        self.enqueue(Collective::recv(buf, peer))
-    }
+enqueue_methods! {
+    send(buf: &'a impl DevicePtr<T>, peer: usize);
+    recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize);
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use nccl::{
-    AbortOutcome, Collective, Comm, CommConfig, Error, Group, ReduceOp, ShrinkMode, UniqueId,
+    AbortOutcome, Comm, CommConfig, Error, Group, Operation, ReduceOp, ShrinkMode, UniqueId,
     Version, WatchdogAction, WatchdogOptions,
 };
 
@@ -414,7 +414,7 @@ fn abort_from_another_thread_waits_for_an_open_group() {
     group
         .enqueue(
             &comm,
-            Collective::all_reduce_in_place(&mut buf, ReduceOp::Sum),
+            Operation::all_reduce_in_place(&mut buf, ReduceOp::Sum),
         )
         .unwrap();
     // Abort from another thread while the group is open: deferred to its end.
@@ -774,10 +774,10 @@ fn child_nonblocking_vs_blocking() {
     let mut b = stream.clone_htod(&input(rank, 11, 1000)).unwrap();
     let mut group = Group::start().unwrap();
     group
-        .enqueue(&nb, Collective::all_reduce_in_place(&mut a, ReduceOp::Sum))
+        .enqueue(&nb, Operation::all_reduce_in_place(&mut a, ReduceOp::Sum))
         .unwrap();
     group
-        .enqueue(&nb, Collective::all_reduce_in_place(&mut b, ReduceOp::Sum))
+        .enqueue(&nb, Operation::all_reduce_in_place(&mut b, ReduceOp::Sum))
         .unwrap();
     group.finish().unwrap();
     nb.synchronize_timeout(Duration::from_secs(60)).unwrap();

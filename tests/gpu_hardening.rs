@@ -175,10 +175,10 @@ fn dropping_stuck_sibling_communicators_takes_one_drop_timeout() {
         for ((comm, s), r) in comms.iter().zip(&send).zip(recv.iter_mut()) {
             let rank = comm.rank();
             group
-                .enqueue(comm, nccl::Collective::send(s, (rank + 1) % n))
+                .enqueue(comm, nccl::Operation::send(s, (rank + 1) % n))
                 .unwrap();
             group
-                .enqueue(comm, nccl::Collective::recv(r, (rank + n - 1) % n))
+                .enqueue(comm, nccl::Operation::recv(r, (rank + n - 1) % n))
                 .unwrap();
         }
         group.finish().unwrap();
@@ -200,7 +200,7 @@ fn dropping_stuck_sibling_communicators_takes_one_drop_timeout() {
         for (comm, s) in comms.iter().zip(&send) {
             let rank = comm.rank();
             group
-                .enqueue(comm, nccl::Collective::send(s, (rank + 1) % n))
+                .enqueue(comm, nccl::Operation::send(s, (rank + 1) % n))
                 .unwrap();
         }
         group.finish().unwrap();
@@ -249,10 +249,10 @@ fn point_to_point_with_oneself_needs_a_group() {
         {
             let mut group = Group::start().unwrap();
             group
-                .enqueue(comm, nccl::Collective::send(&src, rank))
+                .enqueue(comm, nccl::Operation::send(&src, rank))
                 .unwrap();
             group
-                .enqueue(comm, nccl::Collective::recv(&mut dst, rank))
+                .enqueue(comm, nccl::Operation::recv(&mut dst, rank))
                 .unwrap();
             group.finish().unwrap();
         }
@@ -266,7 +266,7 @@ fn point_to_point_with_oneself_needs_a_group() {
     let err = comms[0]
         .enqueue_on(
             &other,
-            nccl::Collective::all_reduce(&src, &mut dst, ReduceOp::Sum),
+            nccl::Operation::all_reduce(&src, &mut dst, ReduceOp::Sum),
         )
         .unwrap_err();
     assert!(

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice};
-use nccl::{Collective, Comm, Error, Group, ReduceOp};
+use nccl::{Comm, Error, Group, Operation, ReduceOp};
 
 use common::{run_all_types, Ranks};
 
@@ -96,13 +96,13 @@ fn invalid_calls_are_rejected_and_leave_the_group_usable() {
         let err = group
             .enqueue(
                 &ranks.comms[0],
-                Collective::broadcast_in_place(&mut stray, n + 3),
+                Operation::broadcast_in_place(&mut stray, n + 3),
             )
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)));
         for (comm, buf) in ranks.comms.iter().zip(bufs.iter_mut()) {
             group
-                .enqueue(comm, Collective::all_reduce_in_place(buf, ReduceOp::Sum))
+                .enqueue(comm, Operation::all_reduce_in_place(buf, ReduceOp::Sum))
                 .unwrap();
         }
         group.finish().unwrap();
@@ -151,7 +151,7 @@ fn split_all_into_even_and_odd_ranks() {
     let mut group = Group::start().unwrap();
     for (child, buf) in children.iter().zip(bufs.iter_mut()) {
         group
-            .enqueue(child, Collective::all_reduce_in_place(buf, ReduceOp::Sum))
+            .enqueue(child, Operation::all_reduce_in_place(buf, ReduceOp::Sum))
             .unwrap();
     }
     group.finish().unwrap();
@@ -220,7 +220,7 @@ fn nccl_memory_registered_all_reduce() {
         let mut group = Group::start().unwrap();
         for ((comm, buf), out) in ranks.comms.iter().zip(&bufs).zip(outs.iter_mut()) {
             group
-                .enqueue(comm, Collective::all_reduce(buf, out, ReduceOp::Sum))
+                .enqueue(comm, Operation::all_reduce(buf, out, ReduceOp::Sum))
                 .unwrap();
         }
         group.finish().unwrap();

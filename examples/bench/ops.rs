@@ -11,7 +11,7 @@ use cudarc::driver::{
     sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use nccl::sys::{self, ncclComm_t, ncclResult_t, NcclLib};
-use nccl::{Collective, Comm, Group, NcclBuffer, ReduceOp, ResultCode};
+use nccl::{Comm, Group, NcclBuffer, Operation, ReduceOp, ResultCode};
 
 use crate::args::Alloc;
 use crate::coll::{Coll, Layout};
@@ -342,10 +342,10 @@ impl Issuer {
                 let send = b.send.part(shift, count)?;
                 let mut recv = b.recv.part_mut(shift, count)?;
                 let mut group = Group::start()?;
-                group.enqueue(comm, Collective::send(&send, (self.rank + 1) % self.n))?;
+                group.enqueue(comm, Operation::send(&send, (self.rank + 1) % self.n))?;
                 group.enqueue(
                     comm,
-                    Collective::recv(&mut recv, (self.rank + self.n - 1) % self.n),
+                    Operation::recv(&mut recv, (self.rank + self.n - 1) % self.n),
                 )?;
                 group.finish()?
             }

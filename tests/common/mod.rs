@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use nccl::{Collective, Comm, Group, NcclType, PreMulSum, ReduceOp, Reduction};
+use nccl::{Comm, Group, NcclType, Operation, PreMulSum, ReduceOp, Reduction};
 
 /// Test element types: conversions through `f64` and a comparison tolerance.
 pub trait Elem: NcclType + std::fmt::Debug + Default {
@@ -494,73 +494,71 @@ pub fn run_case<T: Elem>(
         };
         let r = ranks.comms[local].rank();
         let send_dyn = send.as_ref().map(|s| s as &dyn DevicePtr<T>);
-        let mut calls_here: Vec<Collective<'_, T>> = Vec::new();
+        let mut calls_here: Vec<Operation<'_, T>> = Vec::new();
         match (coll, in_place) {
-            (Coll::AllReduce, false) => calls_here.push(Collective::all_reduce(
+            (Coll::AllReduce, false) => calls_here.push(Operation::all_reduce(
                 send.as_ref().unwrap(),
                 recv.as_mut().unwrap(),
                 reduction,
             )),
-            (Coll::AllReduce, true) => calls_here.push(Collective::all_reduce_in_place(
+            (Coll::AllReduce, true) => calls_here.push(Operation::all_reduce_in_place(
                 recv.as_mut().unwrap(),
                 reduction,
             )),
-            (Coll::Broadcast, false) => calls_here.push(Collective::broadcast(
-                send_dyn,
-                recv.as_mut().unwrap(),
-                root,
-            )),
-            (Coll::Broadcast, true) => {
-                calls_here.push(Collective::broadcast_in_place(recv.as_mut().unwrap(), root))
+            (Coll::Broadcast, false) => {
+                calls_here.push(Operation::broadcast(send_dyn, recv.as_mut().unwrap(), root))
             }
-            (Coll::Reduce, false) => calls_here.push(Collective::reduce(
+            (Coll::Broadcast, true) => {
+                calls_here.push(Operation::broadcast_in_place(recv.as_mut().unwrap(), root))
+            }
+            (Coll::Reduce, false) => calls_here.push(Operation::reduce(
                 send.as_ref().unwrap(),
                 recv.as_mut().map(|b| b as &mut dyn DevicePtrMut<T>),
                 reduction,
                 root,
             )),
-            (Coll::Reduce, true) => calls_here.push(Collective::reduce_in_place(
+            (Coll::Reduce, true) => calls_here.push(Operation::reduce_in_place(
                 recv.as_mut().unwrap(),
                 reduction,
                 root,
             )),
-            (Coll::AllGather, false) => calls_here.push(Collective::all_gather(
+            (Coll::AllGather, false) => calls_here.push(Operation::all_gather(
                 send.as_ref().unwrap(),
                 recv.as_mut().unwrap(),
             )),
             (Coll::AllGather, true) => {
-                calls_here.push(Collective::all_gather_in_place(recv.as_mut().unwrap()))
+                calls_here.push(Operation::all_gather_in_place(recv.as_mut().unwrap()))
             }
-            (Coll::ReduceScatter, false) => calls_here.push(Collective::reduce_scatter(
+            (Coll::ReduceScatter, false) => calls_here.push(Operation::reduce_scatter(
                 send.as_ref().unwrap(),
                 recv.as_mut().unwrap(),
                 reduction,
             )),
-            (Coll::ReduceScatter, true) => calls_here.push(Collective::reduce_scatter_in_place(
+            (Coll::ReduceScatter, true) => calls_here.push(Operation::reduce_scatter_in_place(
                 recv.as_mut().unwrap(),
                 reduction,
             )),
-            (Coll::AllToAll, _) => calls_here.push(Collective::all_to_all(
+            (Coll::AllToAll, _) => calls_here.push(Operation::all_to_all(
                 send.as_ref().unwrap(),
                 recv.as_mut().unwrap(),
             )),
-            (Coll::Gather, false) => calls_here.push(Collective::gather(
+            (Coll::Gather, false) => calls_here.push(Operation::gather(
                 send.as_ref().unwrap(),
                 recv.as_mut().map(|b| b as &mut dyn DevicePtrMut<T>),
                 root,
             )),
             (Coll::Gather, true) => {
-                calls_here.push(Collective::gather_in_place(recv.as_mut().unwrap(), root))
+                calls_here.push(Operation::gather_in_place(recv.as_mut().unwrap(), root))
             }
             (Coll::Scatter, false) => {
-                calls_here.push(Collective::scatter(send_dyn, recv.as_mut().unwrap(), root))
+                calls_here.push(Operation::scatter(send_dyn, recv.as_mut().unwrap(), root))
             }
             (Coll::Scatter, true) => {
-                calls_here.push(Collective::scatter_in_place(recv.as_mut().unwrap(), root))
+                calls_here.push(Operation::scatter_in_place(recv.as_mut().unwrap(), root))
             }
             (Coll::Ring, _) => {
-                calls_here.push(Collective::send(send.as_ref().unwrap(), (r + 1) % n));
-                calls_here.push(Collective::recv(recv.as_mut().unwrap(), (r + n - 1) % n));
+                calls_here.push(Operation::send(send.as_ref().unwrap(), (r + 1) % n));
+                calls_here.push(Operation::recv(recv.as_mut().unwrap(), (r + n - 1) % n));
             }
         }
         calls.push(calls_here);

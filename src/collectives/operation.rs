@@ -1,0 +1,250 @@
+//! [`Operation`]: one NCCL call with its buffers, and the constructors that describe it.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use crate::dtype::NcclType;
+use crate::library::Version;
+use crate::op::Reduction;
+
+/// What an operation does, apart from its buffers and reduction: the key to NCCL's count
+/// rules and to the function called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    AllReduce,
+    Broadcast { root: usize },
+    Reduce { root: usize },
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Gather { root: usize },
+    Scatter { root: usize },
+    Send { peer: usize },
+    Recv { peer: usize },
+}
+
+impl Kind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "ncclAllReduce",
+            Kind::Broadcast { .. } => "ncclBroadcast",
+            Kind::Reduce { .. } => "ncclReduce",
+            Kind::AllGather => "ncclAllGather",
+            Kind::ReduceScatter => "ncclReduceScatter",
+            Kind::AllToAll => "ncclAlltoAll",
+            Kind::Gather { .. } => "ncclGather",
+            Kind::Scatter { .. } => "ncclScatter",
+            Kind::Send { .. } => "ncclSend",
+            Kind::Recv { .. } => "ncclRecv",
+        }
+    }
+
+    pub(crate) fn min_version(self) -> Version {
+        match self {
+            Kind::AllToAll | Kind::Gather { .. } | Kind::Scatter { .. } => Version::new(2, 28, 0),
+            Kind::Send { .. } | Kind::Recv { .. } => Version::new(2, 7, 0),
+            Kind::Broadcast { .. } => Version::new(2, 2, 0),
+            _ => Version::new(2, 0, 0),
+        }
+    }
+}
+
+/// One NCCL operation, a collective or a point-to-point transfer, with its buffers, ready to
+/// be enqueued; see the [module docs](super).
+///
+/// The lifetime `'a` covers the buffers (and a [`PreMulSum`](crate::PreMulSum) operator):
+/// they stay borrowed until the operation is enqueued, or until the group that holds it ends.
+pub struct Operation<'a, T: NcclType> {
+    pub(crate) kind: Kind,
+    pub(crate) op: Option<Reduction<'a, T>>,
+    pub(crate) send: Option<&'a dyn DevicePtr<T>>,
+    pub(crate) recv: Option<&'a mut dyn DevicePtrMut<T>>,
+    pub(crate) in_place: bool,
+}
+
+impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Operation")
+            .field("kind", &self.kind)
+            .field("op", &self.op)
+            .field("dtype", &T::DATA_TYPE)
+            .field("send_len", &self.send.as_ref().map(|b| b.len()))
+            .field("recv_len", &self.recv.as_ref().map(|b| b.len()))
+            .field("in_place", &self.in_place)
+            .finish()
+    }
+}
+
+impl<'a, T: NcclType> Operation<'a, T> {
+    fn new(
+        kind: Kind,
+        op: Option<Reduction<'a, T>>,
+        send: Option<&'a dyn DevicePtr<T>>,
+        recv: Option<&'a mut dyn DevicePtrMut<T>>,
+        in_place: bool,
+    ) -> Self {
+        Self {
+            kind,
+            op,
+            send,
+            recv,
+            in_place,
+        }
+    }
+
+    /// All-reduce: every rank ends with the reduction of all ranks' `send` in `recv`
+    /// (same length on every rank).
+    pub fn all_reduce(
+        send: &'a impl DevicePtr<T>,
+        recv: &'a mut impl DevicePtrMut<T>,
+        op: impl Into<Reduction<'a, T>>,
+    ) -> Self {
+        Self::new(
+            Kind::AllReduce,
+            Some(op.into()),
+            Some(send),
+            Some(recv),
+            false,
+        )
+    }
+
+    /// All-reduce in place: `buf` is input and output.
+    pub fn all_reduce_in_place(
+        buf: &'a mut impl DevicePtrMut<T>,
+        op: impl Into<Reduction<'a, T>>,
+    ) -> Self {
+        Self::new(Kind::AllReduce, Some(op.into()), None, Some(buf), true)
+    }
+
+    /// Broadcast: `recv` on every rank receives the root's `send`. `send` is required on the
+    /// root (same length as `recv`) and ignored elsewhere.
+    pub fn broadcast(
+        send: Option<&'a dyn DevicePtr<T>>,
+        recv: &'a mut impl DevicePtrMut<T>,
+        root: usize,
+    ) -> Self {
+        Self::new(Kind::Broadcast { root }, None, send, Some(recv), false)
+    }
+
+    /// Broadcast in place: the root's `buf` is copied into `buf` on every other rank.
+    pub fn broadcast_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
+        Self::new(Kind::Broadcast { root }, None, None, Some(buf), true)
+    }
+
+    /// Reduce: the root's `recv` receives the reduction of every rank's `send`. `recv` is
+    /// required on the root (same length as `send`) and ignored elsewhere.
+    pub fn reduce(
+        send: &'a impl DevicePtr<T>,
+        recv: Option<&'a mut dyn DevicePtrMut<T>>,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+    ) -> Self {
+        Self::new(
+            Kind::Reduce { root },
+            Some(op.into()),
+            Some(send),
+            recv,
+            false,
+        )
+    }
+
+    /// Reduce in place: `buf` is every rank's input and, on the root, the output.
+    pub fn reduce_in_place(
+        buf: &'a mut impl DevicePtrMut<T>,
+        op: impl Into<Reduction<'a, T>>,
+        root: usize,
+    ) -> Self {
+        Self::new(
+            Kind::Reduce { root },
+            Some(op.into()),
+            None,
+            Some(buf),
+            true,
+        )
+    }
+
+    /// All-gather: `recv` (`size * send.len()` elements) receives rank `i`'s `send` at
+    /// offset `i * send.len()`.
+    pub fn all_gather(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>) -> Self {
+        Self::new(Kind::AllGather, None, Some(send), Some(recv), false)
+    }
+
+    /// All-gather in place: `buf` holds `size * count` elements and this rank's contribution
+    /// at `rank * count`.
+    pub fn all_gather_in_place(buf: &'a mut impl DevicePtrMut<T>) -> Self {
+        Self::new(Kind::AllGather, None, None, Some(buf), true)
+    }
+
+    /// Reduce-scatter: `send` holds `size * recv.len()` elements; rank `i`'s `recv` receives
+    /// block `i` of the reduction.
+    pub fn reduce_scatter(
+        send: &'a impl DevicePtr<T>,
+        recv: &'a mut impl DevicePtrMut<T>,
+        op: impl Into<Reduction<'a, T>>,
+    ) -> Self {
+        Self::new(
+            Kind::ReduceScatter,
+            Some(op.into()),
+            Some(send),
+            Some(recv),
+            false,
+        )
+    }
+
+    /// Reduce-scatter in place: `buf` holds the `size * count` inputs; this rank's block of
+    /// the result is written at `rank * count`.
+    pub fn reduce_scatter_in_place(
+        buf: &'a mut impl DevicePtrMut<T>,
+        op: impl Into<Reduction<'a, T>>,
+    ) -> Self {
+        Self::new(Kind::ReduceScatter, Some(op.into()), None, Some(buf), true)
+    }
+
+    /// All-to-all (NCCL 2.28): `send` and `recv` hold `size * count` elements; block `j` of
+    /// `send` goes to rank `j`, and block `i` of `recv` comes from rank `i`.
+    pub fn all_to_all(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>) -> Self {
+        Self::new(Kind::AllToAll, None, Some(send), Some(recv), false)
+    }
+
+    /// Gather (NCCL 2.28): the root's `recv` (`size * send.len()` elements) receives rank
+    /// `i`'s `send` at `i * send.len()`. `recv` is required on the root, ignored elsewhere.
+    pub fn gather(
+        send: &'a impl DevicePtr<T>,
+        recv: Option<&'a mut dyn DevicePtrMut<T>>,
+        root: usize,
+    ) -> Self {
+        Self::new(Kind::Gather { root }, None, Some(send), recv, false)
+    }
+
+    /// Gather in place: on the root `buf` holds `size * count` elements with the root's own
+    /// part at `root * count`; on other ranks `buf` is the `count` elements they send.
+    pub fn gather_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
+        Self::new(Kind::Gather { root }, None, None, Some(buf), true)
+    }
+
+    /// Scatter (NCCL 2.28): block `i` of the root's `send` (`size * recv.len()` elements)
+    /// goes to rank `i`'s `recv`. `send` is required on the root, ignored elsewhere.
+    pub fn scatter(
+        send: Option<&'a dyn DevicePtr<T>>,
+        recv: &'a mut impl DevicePtrMut<T>,
+        root: usize,
+    ) -> Self {
+        Self::new(Kind::Scatter { root }, None, send, Some(recv), false)
+    }
+
+    /// Scatter in place: on the root `buf` holds all `size * count` elements and keeps its
+    /// own block at `root * count`; on other ranks `buf` receives `count` elements.
+    pub fn scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
+        Self::new(Kind::Scatter { root }, None, None, Some(buf), true)
+    }
+
+    /// Point-to-point send of `buf` to rank `peer`, which must post a matching receive of
+    /// the same length and type (NCCL 2.7). See [`crate::p2p`].
+    pub fn send(buf: &'a impl DevicePtr<T>, peer: usize) -> Self {
+        Self::new(Kind::Send { peer }, None, Some(buf), None, false)
+    }
+
+    /// Point-to-point receive into `buf` from rank `peer` (NCCL 2.7). See [`crate::p2p`].
+    pub fn recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize) -> Self {
+        Self::new(Kind::Recv { peer }, None, None, Some(buf), false)
+    }
+}

@@ -1,0 +1,576 @@
+//! NCCL's count and buffer rules, checked on every call before NCCL sees it.
+//!
+//! Pure functions of the operation's kind, this rank, the communicator size and the buffer
+//! lengths: no communicator or GPU is needed to test them.
+
+use super::operation::Kind;
+use crate::error::Error;
+
+/// Where a pointer handed to NCCL comes from: nothing, or a buffer plus an element offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ptr {
+    Null,
+    Send(usize),
+    Recv(usize),
+}
+
+/// The validated arguments of one NCCL call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub(crate) count: usize,
+    pub(crate) send: Ptr,
+    pub(crate) recv: Ptr,
+}
+
+/// Which count rule an operation breaks. Kept small and free of text so that checking stays
+/// a few comparisons on every call; [`Broken::to_error`] writes the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Broken {
+    /// A buffer the operation needs is missing.
+    Missing(&'static str),
+    /// A root or peer is not a rank of the communicator.
+    OutOfRange { what: &'static str, value: usize },
+    /// Two buffer lengths do not fit together.
+    Mismatch {
+        rule: LengthRule,
+        send: usize,
+        recv: usize,
+    },
+    /// A buffer that is split among the ranks does not split evenly.
+    NotMultiple { what: &'static str, len: usize },
+    /// All-to-all was asked for in place.
+    InPlaceAllToAll,
+    /// A send or receive to this rank itself outside a group: it waits for its own
+    /// counterpart, which can only come in the same group.
+    SelfOutsideGroup,
+}
+
+/// How the send and receive lengths of an operation must relate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LengthRule {
+    /// Equal lengths.
+    Equal,
+    /// Equal lengths, on the root of a broadcast.
+    RootSendsWhatItReceives,
+    /// Equal lengths, on the root of a reduce.
+    RootReceivesWhatItSends,
+    /// The receive buffer holds `size` send buffers (all-gather).
+    RecvHoldsAll,
+    /// The send buffer holds `size` receive buffers (reduce-scatter).
+    SendHoldsAll,
+    /// The root's receive buffer holds `size` send buffers (gather).
+    RootRecvHoldsAll,
+    /// The root's send buffer holds `size` receive buffers (scatter).
+    RootSendHoldsAll,
+}
+
+impl Broken {
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn to_error(self, kind: Kind, rank: usize, size: usize) -> Error {
+        let name = kind.name();
+        let message = match self {
+            Broken::Missing(what) => format!("{name} on rank {rank} needs a {what} buffer"),
+            Broken::OutOfRange { what, value } => {
+                format!("{name}: {what} {value} is out of range for a communicator of {size} ranks")
+            }
+            Broken::Mismatch {
+                rule,
+                send: s,
+                recv: r,
+            } => {
+                let detail = match rule {
+                    LengthRule::Equal => format!("send has {s} elements but receive has {r}"),
+                    LengthRule::RootSendsWhatItReceives => {
+                        format!("the root sends {s} elements but receives {r}")
+                    }
+                    LengthRule::RootReceivesWhatItSends => {
+                        format!("send has {s} elements but the root receives {r}")
+                    }
+                    LengthRule::RecvHoldsAll => {
+                        format!("the receive buffer must hold {size} x {s} elements, it has {r}")
+                    }
+                    LengthRule::SendHoldsAll => {
+                        format!("the send buffer must hold {size} x {r} elements, it has {s}")
+                    }
+                    LengthRule::RootRecvHoldsAll => format!(
+                        "the root's receive buffer must hold {size} x {s} elements, it has {r}"
+                    ),
+                    LengthRule::RootSendHoldsAll => format!(
+                        "the root's send buffer must hold {size} x {r} elements, it has {s}"
+                    ),
+                };
+                format!("{name} on rank {rank}: {detail}")
+            }
+            Broken::NotMultiple { what, len } => format!(
+                "{name} on rank {rank}: the {what} buffer has {len} elements, not a multiple \
+                 of the {size} ranks"
+            ),
+            Broken::InPlaceAllToAll => "NCCL has no in-place all-to-all".to_string(),
+            Broken::SelfOutsideGroup => format!(
+                "{name} on rank {rank} to its own rank can never complete outside a group: \
+                 issue the send and the matching receive in one Group"
+            ),
+        };
+        Error::invalid(message)
+    }
+}
+
+/// A point-to-point call to one's own rank completes only when its counterpart is in the
+/// same group; alone it would wait forever (NCCL then reports an error that looks fatal).
+#[inline]
+pub(crate) fn check_self_p2p(
+    kind: Kind,
+    rank: usize,
+    in_group: bool,
+) -> std::result::Result<(), Broken> {
+    match kind {
+        Kind::Send { peer } | Kind::Recv { peer } if peer == rank && !in_group => {
+            Err(Broken::SelfOutsideGroup)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Applies NCCL's count and buffer rules to one rank's view of an operation.
+///
+/// `send_len`/`recv_len` are the lengths of the buffers given (in place, only `recv_len`:
+/// the single buffer). Everything NCCL would read or write must lie inside them. A broken
+/// rule comes back as a [`Broken`], which becomes an error message only when it happens.
+#[inline]
+pub(crate) fn check_plan(
+    kind: Kind,
+    rank: usize,
+    size: usize,
+    send_len: Option<usize>,
+    recv_len: Option<usize>,
+    in_place: bool,
+) -> std::result::Result<Plan, Broken> {
+    let need = |len: Option<usize>, what: &'static str| len.ok_or(Broken::Missing(what));
+    let check_rank = |value: usize, what: &'static str| {
+        if value < size {
+            Ok(())
+        } else {
+            Err(Broken::OutOfRange { what, value })
+        }
+    };
+    let same = |rule, send: usize, recv: usize| {
+        if send == recv {
+            Ok(())
+        } else {
+            Err(Broken::Mismatch { rule, send, recv })
+        }
+    };
+    // `whole` must be exactly `size` times `part`.
+    let holds_all = |rule, whole: usize, part: usize, send: usize, recv: usize| {
+        if part.checked_mul(size) == Some(whole) {
+            Ok(())
+        } else {
+            Err(Broken::Mismatch { rule, send, recv })
+        }
+    };
+    let divisible = |len: usize, what: &'static str| {
+        if len % size == 0 {
+            Ok(len / size)
+        } else {
+            Err(Broken::NotMultiple { what, len })
+        }
+    };
+    let plan = |count, send, recv| Ok(Plan { count, send, recv });
+
+    match (kind, in_place) {
+        (Kind::AllReduce, false) => {
+            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
+            same(LengthRule::Equal, s, r)?;
+            plan(r, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::AllReduce, true) => plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0)),
+        (Kind::Broadcast { root }, false) => {
+            check_rank(root, "root")?;
+            let r = need(recv_len, "receive")?;
+            if rank != root {
+                // NCCL ignores the send buffer off the root; pass the receive buffer.
+                return plan(r, Ptr::Recv(0), Ptr::Recv(0));
+            }
+            let s = need(send_len, "send (root)")?;
+            same(LengthRule::RootSendsWhatItReceives, s, r)?;
+            plan(r, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::Broadcast { root }, true) => {
+            check_rank(root, "root")?;
+            plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0))
+        }
+        (Kind::Reduce { root }, false) => {
+            check_rank(root, "root")?;
+            let s = need(send_len, "send")?;
+            if rank != root {
+                return plan(s, Ptr::Send(0), Ptr::Null);
+            }
+            let r = need(recv_len, "receive (root)")?;
+            same(LengthRule::RootReceivesWhatItSends, s, r)?;
+            plan(s, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::Reduce { root }, true) => {
+            check_rank(root, "root")?;
+            plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0))
+        }
+        (Kind::AllGather, false) => {
+            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
+            holds_all(LengthRule::RecvHoldsAll, r, s, s, r)?;
+            plan(s, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::AllGather, true) => {
+            let count = divisible(need(recv_len, "in-place")?, "in-place")?;
+            plan(count, Ptr::Recv(rank * count), Ptr::Recv(0))
+        }
+        (Kind::ReduceScatter, false) => {
+            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
+            holds_all(LengthRule::SendHoldsAll, s, r, s, r)?;
+            plan(r, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::ReduceScatter, true) => {
+            let count = divisible(need(recv_len, "in-place")?, "in-place")?;
+            plan(count, Ptr::Recv(0), Ptr::Recv(rank * count))
+        }
+        (Kind::AllToAll, false) => {
+            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
+            same(LengthRule::Equal, s, r)?;
+            let count = divisible(s, "send")?;
+            plan(count, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::AllToAll, true) => Err(Broken::InPlaceAllToAll),
+        (Kind::Gather { root }, false) => {
+            check_rank(root, "root")?;
+            let s = need(send_len, "send")?;
+            if rank != root {
+                return plan(s, Ptr::Send(0), Ptr::Null);
+            }
+            let r = need(recv_len, "receive (root)")?;
+            holds_all(LengthRule::RootRecvHoldsAll, r, s, s, r)?;
+            plan(s, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::Gather { root }, true) => {
+            check_rank(root, "root")?;
+            let len = need(recv_len, "in-place")?;
+            if rank != root {
+                return plan(len, Ptr::Recv(0), Ptr::Null);
+            }
+            let count = divisible(len, "root's in-place")?;
+            plan(count, Ptr::Recv(root * count), Ptr::Recv(0))
+        }
+        (Kind::Scatter { root }, false) => {
+            check_rank(root, "root")?;
+            let r = need(recv_len, "receive")?;
+            if rank != root {
+                return plan(r, Ptr::Null, Ptr::Recv(0));
+            }
+            let s = need(send_len, "send (root)")?;
+            holds_all(LengthRule::RootSendHoldsAll, s, r, s, r)?;
+            plan(r, Ptr::Send(0), Ptr::Recv(0))
+        }
+        (Kind::Scatter { root }, true) => {
+            check_rank(root, "root")?;
+            let len = need(recv_len, "in-place")?;
+            if rank != root {
+                return plan(len, Ptr::Null, Ptr::Recv(0));
+            }
+            let count = divisible(len, "root's in-place")?;
+            plan(count, Ptr::Recv(0), Ptr::Recv(root * count))
+        }
+        (Kind::Send { peer }, _) => {
+            check_rank(peer, "peer")?;
+            plan(need(send_len, "send")?, Ptr::Send(0), Ptr::Null)
+        }
+        (Kind::Recv { peer }, _) => {
+            check_rank(peer, "peer")?;
+            plan(need(recv_len, "receive")?, Ptr::Null, Ptr::Recv(0))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(
+        kind: Kind,
+        rank: usize,
+        size: usize,
+        s: Option<usize>,
+        r: Option<usize>,
+        ip: bool,
+    ) -> Plan {
+        check_plan(kind, rank, size, s, r, ip).unwrap()
+    }
+
+    fn err(
+        kind: Kind,
+        rank: usize,
+        size: usize,
+        s: Option<usize>,
+        r: Option<usize>,
+        ip: bool,
+    ) -> String {
+        match check_plan(kind, rank, size, s, r, ip).map_err(|b| b.to_error(kind, rank, size)) {
+            Err(Error::InvalidArgument(msg)) => msg,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn all_reduce_rules() {
+        assert_eq!(
+            ok(Kind::AllReduce, 0, 4, Some(8), Some(8), false),
+            Plan {
+                count: 8,
+                send: Ptr::Send(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(Kind::AllReduce, 0, 4, Some(8), Some(7), false)
+            .contains("send has 8 elements but receive has 7"));
+        assert!(
+            err(Kind::AllReduce, 2, 4, None, Some(7), false).contains("rank 2 needs a send buffer")
+        );
+        assert_eq!(
+            ok(Kind::AllReduce, 1, 4, None, Some(5), true),
+            Plan {
+                count: 5,
+                send: Ptr::Recv(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+    }
+
+    #[test]
+    fn broadcast_rules() {
+        let root = Kind::Broadcast { root: 1 };
+        assert_eq!(ok(root, 1, 2, Some(6), Some(6), false).send, Ptr::Send(0));
+        assert!(err(root, 1, 2, None, Some(6), false).contains("needs a send (root) buffer"));
+        assert!(err(root, 1, 2, Some(5), Some(6), false)
+            .contains("root sends 5 elements but receives 6"));
+        // Off the root the send buffer is not needed, and not used even when given.
+        assert_eq!(
+            ok(root, 0, 2, None, Some(6), false),
+            Plan {
+                count: 6,
+                send: Ptr::Recv(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert_eq!(ok(root, 0, 2, Some(1), Some(6), false).send, Ptr::Recv(0));
+        assert!(err(Kind::Broadcast { root: 2 }, 0, 2, None, Some(6), false)
+            .contains("root 2 is out of range"));
+        assert_eq!(ok(root, 0, 2, None, Some(3), true).count, 3);
+    }
+
+    #[test]
+    fn reduce_rules() {
+        let kind = Kind::Reduce { root: 0 };
+        assert_eq!(
+            ok(kind, 0, 3, Some(4), Some(4), false),
+            Plan {
+                count: 4,
+                send: Ptr::Send(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(kind, 0, 3, Some(4), None, false).contains("needs a receive (root) buffer"));
+        assert!(err(kind, 0, 3, Some(4), Some(3), false).contains("the root receives 3"));
+        assert_eq!(
+            ok(kind, 2, 3, Some(4), None, false),
+            Plan {
+                count: 4,
+                send: Ptr::Send(0),
+                recv: Ptr::Null
+            }
+        );
+        assert!(
+            err(Kind::Reduce { root: 3 }, 0, 3, Some(4), Some(4), false).contains("out of range")
+        );
+    }
+
+    #[test]
+    fn all_gather_rules() {
+        assert_eq!(
+            ok(Kind::AllGather, 2, 4, Some(3), Some(12), false),
+            Plan {
+                count: 3,
+                send: Ptr::Send(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(Kind::AllGather, 2, 4, Some(3), Some(11), false)
+            .contains("must hold 4 x 3 elements, it has 11"));
+        assert!(
+            err(Kind::AllGather, 2, 4, Some(usize::MAX), Some(11), false).contains("must hold")
+        );
+        assert_eq!(
+            ok(Kind::AllGather, 2, 4, None, Some(12), true),
+            Plan {
+                count: 3,
+                send: Ptr::Recv(6),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(Kind::AllGather, 2, 4, None, Some(10), true)
+            .contains("not a multiple of the 4 ranks"));
+    }
+
+    #[test]
+    fn reduce_scatter_rules() {
+        assert_eq!(
+            ok(Kind::ReduceScatter, 1, 4, Some(8), Some(2), false),
+            Plan {
+                count: 2,
+                send: Ptr::Send(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(Kind::ReduceScatter, 1, 4, Some(7), Some(2), false)
+            .contains("send buffer must hold 4 x 2"));
+        assert_eq!(
+            ok(Kind::ReduceScatter, 3, 4, None, Some(8), true),
+            Plan {
+                count: 2,
+                send: Ptr::Recv(0),
+                recv: Ptr::Recv(6)
+            }
+        );
+    }
+
+    #[test]
+    fn all_to_all_rules() {
+        assert_eq!(ok(Kind::AllToAll, 0, 4, Some(8), Some(8), false).count, 2);
+        assert!(err(Kind::AllToAll, 0, 4, Some(8), Some(12), false)
+            .contains("send has 8 elements but receive has 12"));
+        assert!(err(Kind::AllToAll, 0, 4, Some(6), Some(6), false).contains("not a multiple"));
+        assert!(err(Kind::AllToAll, 0, 4, None, Some(8), true).contains("no in-place all-to-all"));
+    }
+
+    #[test]
+    fn gather_and_scatter_rules() {
+        let gather = Kind::Gather { root: 1 };
+        assert_eq!(
+            ok(gather, 1, 3, Some(2), Some(6), false),
+            Plan {
+                count: 2,
+                send: Ptr::Send(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(gather, 1, 3, Some(2), Some(5), false)
+            .contains("root's receive buffer must hold 3 x 2"));
+        assert!(err(gather, 1, 3, Some(2), None, false).contains("needs a receive (root) buffer"));
+        assert_eq!(ok(gather, 0, 3, Some(2), None, false).recv, Ptr::Null);
+        assert_eq!(
+            ok(gather, 1, 3, None, Some(6), true),
+            Plan {
+                count: 2,
+                send: Ptr::Recv(2),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert_eq!(
+            ok(gather, 2, 3, None, Some(2), true),
+            Plan {
+                count: 2,
+                send: Ptr::Recv(0),
+                recv: Ptr::Null
+            }
+        );
+
+        let scatter = Kind::Scatter { root: 2 };
+        assert_eq!(
+            ok(scatter, 2, 3, Some(9), Some(3), false),
+            Plan {
+                count: 3,
+                send: Ptr::Send(0),
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(scatter, 2, 3, Some(8), Some(3), false)
+            .contains("root's send buffer must hold 3 x 3"));
+        assert!(err(scatter, 2, 3, None, Some(3), false).contains("needs a send (root) buffer"));
+        assert_eq!(ok(scatter, 0, 3, None, Some(3), false).send, Ptr::Null);
+        assert_eq!(
+            ok(scatter, 2, 3, None, Some(9), true),
+            Plan {
+                count: 3,
+                send: Ptr::Recv(0),
+                recv: Ptr::Recv(6)
+            }
+        );
+        assert!(err(scatter, 2, 3, None, Some(8), true).contains("not a multiple"));
+        assert!(err(Kind::Scatter { root: 5 }, 0, 3, None, Some(3), false)
+            .contains("root 5 is out of range"));
+    }
+
+    #[test]
+    fn point_to_point_rules() {
+        assert_eq!(
+            ok(Kind::Send { peer: 1 }, 0, 2, Some(4), None, false),
+            Plan {
+                count: 4,
+                send: Ptr::Send(0),
+                recv: Ptr::Null
+            }
+        );
+        assert_eq!(
+            ok(Kind::Recv { peer: 0 }, 1, 2, None, Some(4), false),
+            Plan {
+                count: 4,
+                send: Ptr::Null,
+                recv: Ptr::Recv(0)
+            }
+        );
+        assert!(err(Kind::Send { peer: 2 }, 0, 2, Some(4), None, false)
+            .contains("peer 2 is out of range"));
+        // Sending to oneself is allowed by NCCL (inside a group).
+        assert_eq!(
+            ok(Kind::Recv { peer: 1 }, 1, 2, None, Some(1), false).count,
+            1
+        );
+        assert_eq!(check_self_p2p(Kind::Send { peer: 1 }, 1, true), Ok(()));
+        assert_eq!(check_self_p2p(Kind::Recv { peer: 0 }, 1, false), Ok(()));
+        // ... but alone it would wait for itself forever.
+        for kind in [Kind::Send { peer: 1 }, Kind::Recv { peer: 1 }] {
+            let broken = check_self_p2p(kind, 1, false).unwrap_err();
+            assert_eq!(broken, Broken::SelfOutsideGroup);
+            let text = broken.to_error(kind, 1, 2).to_string();
+            assert!(text.contains("to its own rank"), "{text}");
+            assert!(text.contains("one Group"), "{text}");
+        }
+        assert_eq!(check_self_p2p(Kind::AllGather, 0, false), Ok(()));
+    }
+
+    #[test]
+    fn offsets_never_leave_the_buffer() {
+        // Exhaustive over small sizes: every pointer + count stays inside its buffer.
+        for size in 1..=5 {
+            for rank in 0..size {
+                for len in 0..=12 {
+                    let kinds = [
+                        Kind::AllGather,
+                        Kind::ReduceScatter,
+                        Kind::Gather { root: size - 1 },
+                        Kind::Scatter { root: 0 },
+                    ];
+                    for kind in kinds {
+                        let Ok(p) = check_plan(kind, rank, size, None, Some(len), true) else {
+                            continue;
+                        };
+                        for ptr in [p.send, p.recv] {
+                            if let Ptr::Recv(offset) = ptr {
+                                assert!(
+                                    offset + p.count <= len,
+                                    "{kind:?} {rank}/{size} len {len}: {p:?}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
