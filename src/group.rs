@@ -123,7 +123,11 @@ impl<'c> Membership<'c> {
 
     /// Adds `comm` unless it is already a member.
     pub(crate) fn add(&mut self, comm: &'c Comm) {
-        if !self.comms.iter().any(|c| c.core_ptr() == comm.core_ptr()) {
+        if !self
+            .comms
+            .iter()
+            .any(|c| c.shared_ptr() == comm.shared_ptr())
+        {
             comm.group_enter();
             self.comms.push(comm);
         }

@@ -160,7 +160,7 @@ impl<T: NcclType> Drop for NcclBuffer<T> {
 /// A buffer registered with a communicator; deregistered when dropped.
 pub struct Registration<'a> {
     comm: &'a Comm,
-    handle: *mut std::ffi::c_void,
+    state: *mut std::ffi::c_void,
     bytes: usize,
 }
 
@@ -185,7 +185,7 @@ impl Comm {
             .require("ncclCommRegister", Version::new(2, 19, 0))?;
         self.check_context(buffer.stream.context(), "the buffer")?;
         let bytes = buffer.len * std::mem::size_of::<T>();
-        let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut state: *mut std::ffi::c_void = std::ptr::null_mut();
         let status = self.with_raw("ncclCommRegister", |raw| {
             // SAFETY: live handle under its lock; the buffer is `bytes` long, stays borrowed
             // while registered, and `handle` is a valid out-pointer.
@@ -194,14 +194,14 @@ impl Comm {
                     raw,
                     buffer.ptr as *mut std::ffi::c_void,
                     bytes,
-                    &mut handle,
+                    &mut state,
                 )
             }
         })?;
         self.complete("ncclCommRegister", status)?;
         Ok(Registration {
             comm: self,
-            handle,
+            state,
             bytes,
         })
     }
@@ -211,18 +211,18 @@ impl Registration<'_> {
     /// Deregisters now, reporting an error instead of ignoring it as `Drop` does.
     pub fn deregister(mut self) -> Result<()> {
         let result = self.deregister_raw();
-        self.handle = std::ptr::null_mut();
+        self.state = std::ptr::null_mut();
         result
     }
 
     fn deregister_raw(&self) -> Result<()> {
-        if self.handle.is_null() {
+        if self.state.is_null() {
             return Ok(());
         }
         let lib = self.comm.library();
         let status = self.comm.with_raw("ncclCommDeregister", |raw| {
             // SAFETY: the handle came from ncclCommRegister on this live communicator.
-            unsafe { lib.api().ncclCommDeregister(raw, self.handle) }
+            unsafe { lib.api().ncclCommDeregister(raw, self.state) }
         })?;
         lib.check("ncclCommDeregister", status)
     }

@@ -259,7 +259,7 @@ impl<T: NcclType> Reduction<'_, T> {
         comm: &Comm,
         stream: &CudaStream,
     ) -> Result<ncclRedOp_t> {
-        if op.comm.core_ptr() != comm.core_ptr() {
+        if op.comm.shared_ptr() != comm.shared_ptr() {
             return Err(Error::invalid(format!(
                 "the PreMulSum operator was created on another communicator (rank {} of {}), \
                  not on this one (rank {} of {})",

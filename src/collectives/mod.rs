@@ -10,7 +10,7 @@
 //! [`Group::enqueue`](crate::Group::enqueue) all hand that description to one function that
 //! validates it completely (library version, element type, root or peer, buffer lengths
 //! against NCCL's count rules, buffers and stream on the communicator's device) and only then
-//! calls NCCL. A rejected operation is an [`Error::InvalidArgument`] and nothing is enqueued.
+//! calls NCCL. A rejected operation is an [`Error::InvalidArgument`](crate::Error::InvalidArgument) and nothing is enqueued.
 //!
 //! The convenience methods on [`Comm`] (`all_reduce`, `broadcast`, ...) build the description
 //! and enqueue it on the communicator's stream.

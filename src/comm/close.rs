@@ -1,0 +1,170 @@
+//! The end of a communicator's life: finalize and destroy (collective, orderly), abort, and
+//! what dropping does; see the [module docs](super#end-of-life).
+
+use std::time::Duration;
+
+use super::state::{Failure, FailureState};
+use super::Comm;
+use crate::error::{Error, Result, ResultCode};
+use crate::group;
+use crate::library::Version;
+
+impl Comm {
+    /// Flushes all operations and releases network resources (`ncclCommFinalize`, NCCL
+    /// 2.14). It is collective: every rank calls it, then [`Comm::destroy`]. Returns once the
+    /// communicator is quiescent (a nonblocking one is polled to completion).
+    pub fn finalize(&self) -> Result<()> {
+        self.lib
+            .require("ncclCommFinalize", Version::new(2, 14, 0))?;
+        group::ensure_outside("Comm::finalize")?;
+        let status = self.with_raw("ncclCommFinalize", |raw| {
+            // SAFETY: live handle under its lock.
+            unsafe { self.lib.api().ncclCommFinalize(raw) }
+        })?;
+        self.complete("ncclCommFinalize", status)
+    }
+
+    /// Frees the communicator (`ncclCommDestroy`). Without a prior [`Comm::finalize`] this
+    /// is an intra-node collective that every rank on the node must call; after a finalize
+    /// it is local.
+    ///
+    /// Like rusqlite's `Connection::close`, a failure gives the communicator back with the
+    /// error, still allocated: abort it, or drop it (which aborts). `?` converts the pair
+    /// into the error alone, dropping (so aborting) the communicator. A communicator with an
+    /// asynchronous error is given back without calling NCCL, whose destroy would refuse it
+    /// (`ncclCommDestroy` checks the same error first); only an abort frees it then.
+    ///
+    /// If an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog) already
+    /// aborted the communicator, nothing is left to free and the error says why it was
+    /// aborted.
+    // The pair is rusqlite's shape; destroy is called once per communicator, so its size
+    // costs nothing.
+    #[allow(clippy::result_large_err)]
+    pub fn destroy(self) -> std::result::Result<(), (Comm, Error)> {
+        match self.destroy_raw() {
+            Ok(()) => Ok(()),
+            Err(err) => Err((self, err)),
+        }
+    }
+
+    fn destroy_raw(&self) -> Result<()> {
+        const CALL: &str = "ncclCommDestroy";
+        if let Some(err) = self.async_error()? {
+            return Err(err);
+        }
+        let mut state = self.shared.lock();
+        if state.ptr.is_null() {
+            return Err(state.released_error(CALL, self.rank));
+        }
+        // Best effort: NCCL finds its device itself, but its cleanup may use the current
+        // context.
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: live handle under its lock. The lock is held through the call so that a
+        // failed destroy leaves the handle where it was, owned by this `Comm`.
+        let status = unsafe { self.lib.api().ncclCommDestroy(state.ptr) };
+        // In progress (a nonblocking communicator) means NCCL's job frees it: it is gone.
+        self.lib.check_pending(CALL, status)?;
+        state.take(Failure::owner(FailureState::Released));
+        Ok(())
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): stops its outstanding operations and frees
+    /// it without waiting for peers. After a failure every rank should abort.
+    ///
+    /// Aborting a communicator that an [`AbortHandle`](crate::AbortHandle) or a
+    /// [`Watchdog`](crate::Watchdog) already aborted is a no-op that returns `Ok`.
+    pub fn abort(self) -> Result<()> {
+        let raw = {
+            let mut state = self.shared.lock();
+            if state.ptr.is_null() {
+                // Only another thread can have released it: `self` is still owned here.
+                return Ok(());
+            }
+            state.take(Failure::owner(FailureState::Released))
+        };
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the handle was taken out of the core, so no one else can use it.
+        let status = unsafe { self.lib.api().ncclCommAbort(raw) };
+        self.lib.check("ncclCommAbort", status)
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        let (live, failed) = {
+            let state = self.shared.lock();
+            (!state.ptr.is_null(), state.failure.is_some())
+        };
+        if !live {
+            return;
+        }
+        // Let the last operations finish, unless the communicator already failed or is stuck
+        // in progress (every call waits until it is ready, so a communicator still in
+        // progress here has timed out and its work will not finish). A dead peer or the
+        // timeout ends the wait, and the abort below then cancels what is left.
+        let healthy = !failed && matches!(self.async_code(), Ok(ResultCode::Success));
+        let wait = match &self.siblings {
+            Some(siblings) => siblings.drop_wait(self.drop_timeout),
+            None => self.drop_timeout,
+        };
+        if healthy && !wait.is_zero() {
+            let waited = self.wait_stream(&self.stream, Some(wait));
+            if let (Err(Error::Timeout { .. }), Some(siblings)) = (waited, &self.siblings) {
+                siblings.timed_out();
+            }
+        }
+        let raw = self
+            .shared
+            .lock()
+            .take(Failure::owner(FailureState::Released));
+        if !raw.is_null() {
+            let _ = self.stream.context().bind_to_thread();
+            // SAFETY: the handle was taken out of the core, so no one else can use it; abort
+            // never waits for peers.
+            let _ = unsafe { self.lib.api().ncclCommAbort(raw) };
+        }
+    }
+}
+
+/// Communicators created together ([`Comm::init_all`], [`Comm::split_all`]) usually fail
+/// together: the ranks of one job in one process wait for each other. A program drops them
+/// one after another (a `Vec<Comm>`), and each drop may wait [`Comm::drop_timeout`] for its
+/// stream; once one of them timed out, the others abort at once, so dropping N communicators
+/// whose peers died takes one drop timeout, not N.
+#[derive(Debug, Default)]
+pub(crate) struct Siblings {
+    stuck: std::sync::atomic::AtomicBool,
+}
+
+impl Siblings {
+    /// How long a drop may wait for its stream, given its own timeout.
+    fn drop_wait(&self, timeout: Duration) -> Duration {
+        if self.stuck.load(std::sync::atomic::Ordering::Relaxed) {
+            Duration::ZERO
+        } else {
+            timeout
+        }
+    }
+
+    /// Records that a drop timed out waiting.
+    fn timed_out(&self) {
+        self.stuck.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn siblings_share_one_drop_timeout() {
+        let siblings = Siblings::default();
+        let timeout = Duration::from_secs(10);
+        assert_eq!(siblings.drop_wait(timeout), timeout);
+        assert_eq!(siblings.drop_wait(timeout), timeout);
+        // Once one drop timed out, the others abort without waiting.
+        siblings.timed_out();
+        assert_eq!(siblings.drop_wait(timeout), Duration::ZERO);
+        assert_eq!(siblings.drop_wait(Duration::from_secs(1)), Duration::ZERO);
+    }
+}

@@ -1,0 +1,286 @@
+//! Creating communicators: joining by unique id, one process over several GPUs, and taking
+//! ownership of a handle NCCL produced.
+
+use std::marker::PhantomData;
+use std::os::raw::c_int;
+use std::ptr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaStream;
+use nccl_sys::ncclComm_t;
+
+use super::state::Shared;
+use super::{Comm, Siblings, DEFAULT_DROP_TIMEOUT};
+use crate::config::CommConfig;
+use crate::error::{Error, Result, ResultCode};
+use crate::group;
+use crate::id::UniqueId;
+use crate::library::{self, Library};
+
+impl Comm {
+    /// Joins the communicator named by `id` as `rank` of `size`, on the device of `stream`
+    /// (`ncclCommInitRank`). Every rank must call this, each in its own thread or process
+    /// (or use [`Comm::init_all`] for one process driving several GPUs).
+    ///
+    /// The stream's CUDA context is made current first: NCCL binds the communicator to the
+    /// current device. Operations run on `stream` unless another stream is given per call.
+    pub fn init_rank(
+        stream: Arc<CudaStream>,
+        id: &UniqueId,
+        rank: usize,
+        size: usize,
+    ) -> Result<Comm> {
+        Self::init_rank_with_config(stream, id, rank, size, &CommConfig::default())
+    }
+
+    /// [`Comm::init_rank`] with a configuration (`ncclCommInitRankConfig`, NCCL 2.14).
+    pub fn init_rank_with_config(
+        stream: Arc<CudaStream>,
+        id: &UniqueId,
+        rank: usize,
+        size: usize,
+        config: &CommConfig,
+    ) -> Result<Comm> {
+        let lib = library::get()?;
+        group::ensure_outside("Comm::init_rank")?;
+        let (my_rank, nranks) = rank_and_size(rank, size)?;
+        let mut raw_config = config.to_raw(lib)?;
+        stream.context().bind_to_thread()?;
+        let mut raw: ncclComm_t = ptr::null_mut();
+        let status = match raw_config.as_mut() {
+            // SAFETY: `raw` is a valid out-pointer; the id is passed by value as NCCL expects.
+            None => unsafe {
+                lib.api()
+                    .ncclCommInitRank(&mut raw, nranks, id.to_raw(), my_rank)
+            },
+            // SAFETY: as above, and `cfg` is an initialised ncclConfig_t whose strings live in
+            // `raw_config` until the call returns (NCCL copies what it keeps).
+            Some(cfg) => unsafe {
+                lib.api()
+                    .ncclCommInitRankConfig(&mut raw, nranks, id.to_raw(), my_rank, cfg)
+            },
+        };
+        let call = if raw_config.as_mut().is_some() {
+            "ncclCommInitRankConfig"
+        } else {
+            "ncclCommInitRank"
+        };
+        Self::adopt(lib, raw, stream, config, call, status).map_err(|err| match err {
+            // Say what a nonblocking init waits for: usually a rank that never joined.
+            Error::Timeout { waited, .. } => Error::Timeout {
+                what: format!(
+                    "{call} of rank {rank} of {size} to complete (every rank must join with \
+                     the same id; one has not, or the bootstrap network is unreachable); the \
+                     communicator was aborted"
+                ),
+                waited,
+            },
+            other => other,
+        })
+    }
+
+    /// Creates one communicator per stream, all in this process (`ncclCommInitAll`); rank `i`
+    /// runs on the device of `streams[i]`. Every stream must be on a different GPU, in that
+    /// GPU's primary context (the one `CudaContext::new` returns).
+    ///
+    /// Operations on these communicators must be issued from one thread inside a
+    /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
+    pub fn init_all(streams: &[Arc<CudaStream>]) -> Result<Vec<Comm>> {
+        let lib = library::get()?;
+        group::ensure_outside("Comm::init_all")?;
+        if streams.is_empty() {
+            return Err(Error::invalid("init_all needs at least one stream"));
+        }
+        let mut devices = Vec::with_capacity(streams.len());
+        for (i, stream) in streams.iter().enumerate() {
+            let ctx = stream.context();
+            if !ctx.is_primary() {
+                return Err(Error::invalid(format!(
+                    "stream {i} is not in the primary context of device {}; ncclCommInitAll \
+                     uses primary contexts",
+                    ctx.ordinal()
+                )));
+            }
+            let ordinal = ctx.ordinal();
+            if let Some(j) = devices.iter().position(|&d| d == ordinal as c_int) {
+                return Err(Error::invalid(format!(
+                    "streams {j} and {i} are both on device {ordinal}; each rank needs its own GPU"
+                )));
+            }
+            devices.push(c_int::try_from(ordinal).map_err(|_| {
+                Error::invalid(format!("device ordinal {ordinal} does not fit a C int"))
+            })?);
+        }
+        let ndev = c_int::try_from(devices.len())
+            .map_err(|_| Error::invalid("too many streams for ncclCommInitAll"))?;
+        let mut raws: Vec<ncclComm_t> = vec![ptr::null_mut(); devices.len()];
+        // SAFETY: `raws` has room for `ndev` handles and `devices` holds `ndev` ordinals.
+        let status = unsafe {
+            lib.api()
+                .ncclCommInitAll(raws.as_mut_ptr(), ndev, devices.as_ptr())
+        };
+        if let Err(err) = lib.check("ncclCommInitAll", status) {
+            for raw in raws.into_iter().filter(|raw| !raw.is_null()) {
+                // SAFETY: a handle NCCL returned and nobody else holds; the init failed, so
+                // it is released without waiting for peers.
+                let _ = unsafe { lib.api().ncclCommAbort(raw) };
+            }
+            return Err(err);
+        }
+        // Every handle gets its owner before anything else can fail, so an error below
+        // aborts all of them (through Drop) instead of leaking the rest.
+        let config = CommConfig::default();
+        let siblings = Arc::new(Siblings::default());
+        let mut comms: Vec<Comm> = raws
+            .into_iter()
+            .zip(streams)
+            .map(|(raw, stream)| {
+                let mut comm = Self::own(lib, raw, stream.clone(), &config);
+                comm.siblings = Some(siblings.clone());
+                comm
+            })
+            .collect();
+        for comm in &mut comms {
+            comm.read_back()?;
+        }
+        Ok(comms)
+    }
+
+    /// Takes ownership of a handle NCCL just produced, finishing a nonblocking creation and
+    /// reading back the rank, size and device. On failure the handle is aborted.
+    pub(crate) fn adopt(
+        lib: &'static Library,
+        raw: ncclComm_t,
+        stream: Arc<CudaStream>,
+        config: &CommConfig,
+        call: &'static str,
+        status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
+    ) -> Result<Comm> {
+        match lib.check_pending(call, status) {
+            Ok(_) if raw.is_null() => Err(Error::Nccl {
+                call,
+                code: ResultCode::InternalError,
+                description: "NCCL reported success but returned no communicator".into(),
+                last_error: None,
+            }),
+            // Owning first means any later failure aborts the handle through Drop.
+            Ok(_) => {
+                let mut comm = Self::own(lib, raw, stream, config);
+                comm.read_back()?;
+                Ok(comm)
+            }
+            Err(err) => {
+                if !raw.is_null() {
+                    // SAFETY: a handle from a failed init that nobody else holds.
+                    let _ = unsafe { lib.api().ncclCommAbort(raw) };
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Takes ownership of a live handle. Until [`Comm::read_back`] succeeds the
+    /// communicator has no work to wait for: dropping it aborts at once.
+    fn own(
+        lib: &'static Library,
+        raw: ncclComm_t,
+        stream: Arc<CudaStream>,
+        config: &CommConfig,
+    ) -> Comm {
+        Comm {
+            shared: Arc::new(Shared::new(raw, config.is_blocking())),
+            stream,
+            lib,
+            rank: 0,
+            size: 0,
+            device: 0,
+            ready_timeout: config.ready_timeout(),
+            drop_timeout: Duration::ZERO,
+            siblings: None,
+            _not_sync: PhantomData,
+        }
+    }
+
+    /// Waits until a new communicator is ready and reads back its rank, size and device.
+    fn read_back(&mut self) -> Result<()> {
+        self.wait_ready(self.ready_timeout)?;
+        self.size = self.query("ncclCommCount", |lib, raw, out| {
+            // SAFETY: `raw` is a live handle (held under the lock) and `out` a valid int.
+            unsafe { lib.api().ncclCommCount(raw, out) }
+        })?;
+        self.rank = self.query("ncclCommUserRank", |lib, raw, out| {
+            // SAFETY: as above.
+            unsafe { lib.api().ncclCommUserRank(raw, out) }
+        })?;
+        self.device = self.query("ncclCommCuDevice", |lib, raw, out| {
+            // SAFETY: as above.
+            unsafe { lib.api().ncclCommCuDevice(raw, out) }
+        })?;
+        let stream_device = self.stream.context().ordinal();
+        if stream_device != self.device {
+            return Err(Error::invalid(format!(
+                "the communicator is on device {} but its stream is on device {stream_device}",
+                self.device
+            )));
+        }
+        self.drop_timeout = DEFAULT_DROP_TIMEOUT;
+        Ok(())
+    }
+
+    fn query(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(
+            &Library,
+            ncclComm_t,
+            &mut c_int,
+        ) -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
+    ) -> Result<usize> {
+        let mut value: c_int = -1;
+        let status = self.with_raw(call, |raw| f(self.lib, raw, &mut value))?;
+        self.lib.check(call, status)?;
+        usize::try_from(value).map_err(|_| Error::Nccl {
+            call,
+            code: ResultCode::InternalError,
+            description: format!("NCCL returned the negative value {value}"),
+            last_error: None,
+        })
+    }
+}
+
+/// Validates and converts a rank and size for NCCL's `int` parameters.
+pub(crate) fn rank_and_size(rank: usize, size: usize) -> Result<(c_int, c_int)> {
+    if size == 0 {
+        return Err(Error::invalid(
+            "a communicator needs at least one rank (size 0)",
+        ));
+    }
+    if rank >= size {
+        return Err(Error::invalid(format!(
+            "rank {rank} is out of range for a communicator of size {size}"
+        )));
+    }
+    let size = c_int::try_from(size)
+        .map_err(|_| Error::invalid(format!("communicator size {size} does not fit a C int")))?;
+    Ok((rank as c_int, size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_and_size_are_checked() {
+        assert_eq!(rank_and_size(0, 1).unwrap(), (0, 1));
+        assert_eq!(rank_and_size(3, 4).unwrap(), (3, 4));
+        assert!(rank_and_size(0, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("size 0"));
+        let err = rank_and_size(4, 4).unwrap_err().to_string();
+        assert!(err.contains("rank 4 is out of range"), "{err}");
+        let err = rank_and_size(0, usize::MAX).unwrap_err().to_string();
+        assert!(err.contains("does not fit"), "{err}");
+    }
+}

@@ -1,0 +1,251 @@
+//! Communicators: creation, queries, and their end of life.
+//!
+//! A [`Comm`] is one rank of an NCCL communicator, bound to one GPU and to a default CUDA
+//! stream on which its operations run. It is `Send` (it may move to another thread) but not
+//! `Sync`: NCCL forbids issuing operations on one communicator from several threads at once,
+//! and ranks must issue operations in the same order, which concurrent callers could not
+//! guarantee.
+//!
+//! The rooms: `state.rs` owns the raw handle and its state (one owner, as rusqlite's
+//! `InnerConnection`); `init.rs` creates communicators, `child.rs` splits them, `wait.rs`
+//! waits on them and `close.rs` ends them. Failure handling (abort handles, the watchdog,
+//! revoke/shrink/grow) lives in [`crate::fault`].
+//!
+//! # End of life
+//!
+//! `ncclCommDestroy` is an intra-node collective: every rank on the node must call it, or it
+//! blocks forever. Dropping a `Comm` therefore never destroys it. Drop first waits, for at most
+//! [`Comm::drop_timeout`] (10 s by default), for the work already enqueued on the
+//! communicator's stream, so results of the last operations are not cut short, and then calls
+//! `ncclCommAbort`, which releases the communicator without waiting for peers. It never panics
+//! and never blocks forever, also when a peer has died. For an orderly shutdown in which all
+//! ranks take part, call [`Comm::finalize`] and then [`Comm::destroy`]; both report errors.
+//! A communicator that failed (see [`crate::fault`]) is aborted at once, without the wait,
+//! and one already aborted from another thread is left alone. Communicators created together
+//! ([`Comm::init_all`], [`Comm::split_all`]) share the wait: once the drop of one of them
+//! timed out, the others abort at once, so dropping all of them takes one drop timeout.
+//! [`Comm::destroy`] that fails gives the communicator back with the error (as rusqlite's
+//! `Connection::close` does), so it is never left neither destroyed nor aborted.
+
+mod child;
+mod close;
+mod init;
+pub(crate) mod state;
+mod wait;
+
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use nccl_sys::ncclComm_t;
+
+pub(crate) use close::Siblings;
+pub(crate) use init::rank_and_size;
+pub(crate) use state::Shared;
+
+use crate::error::{Error, Result};
+use crate::library::Library;
+
+/// How long [`Drop`] waits for enqueued work before aborting, unless changed with
+/// [`Comm::set_drop_timeout`].
+pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One rank of an NCCL communicator.
+pub struct Comm {
+    shared: Arc<Shared>,
+    stream: Arc<CudaStream>,
+    lib: &'static Library,
+    rank: usize,
+    size: usize,
+    device: usize,
+    ready_timeout: Duration,
+    drop_timeout: Duration,
+    /// Shared by communicators created together, so dropping them all is bounded.
+    siblings: Option<Arc<Siblings>>,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("device", &self.device)
+            .field("blocking", &self.shared.blocking)
+            .field("released", &self.shared.lock().ptr.is_null())
+            .finish()
+    }
+}
+
+impl Comm {
+    /// This process's rank in the communicator, as reported by NCCL.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks in the communicator, as reported by NCCL.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The CUDA device ordinal the communicator runs on, as reported by NCCL.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The communicator's default stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The CUDA context of the communicator's stream.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        self.stream.context()
+    }
+
+    /// Whether calls on this communicator block (the default) or may return in progress.
+    pub fn is_blocking(&self) -> bool {
+        self.shared.blocking
+    }
+
+    /// The NCCL library this communicator was created with.
+    pub fn library(&self) -> &'static Library {
+        self.lib
+    }
+
+    /// How long a nonblocking communicator may stay in progress before a call fails.
+    pub fn ready_timeout(&self) -> Duration {
+        self.ready_timeout
+    }
+
+    /// Sets how long a nonblocking communicator may stay in progress before a call fails
+    /// with [`Error::Timeout`] (for example a short one once creation, which can take long,
+    /// is over).
+    pub fn set_ready_timeout(&mut self, timeout: Duration) {
+        self.ready_timeout = timeout;
+    }
+
+    /// How long [`Drop`] waits for enqueued work before aborting.
+    pub fn drop_timeout(&self) -> Duration {
+        self.drop_timeout
+    }
+
+    /// Sets how long [`Drop`] waits for enqueued work before aborting (zero aborts at once).
+    pub fn set_drop_timeout(&mut self, timeout: Duration) {
+        self.drop_timeout = timeout;
+    }
+
+    /// The raw `ncclComm_t`, for NCCL functions this crate does not wrap.
+    ///
+    /// # Safety
+    ///
+    /// The handle must not be used after the `Comm` is dropped, aborted or destroyed, must
+    /// not be destroyed or aborted through it, and must not be used concurrently with calls
+    /// through this `Comm`.
+    pub unsafe fn as_raw(&self) -> ncclComm_t {
+        self.shared.lock().ptr
+    }
+
+    pub(crate) fn shared_ptr(&self) -> *const Shared {
+        Arc::as_ptr(&self.shared)
+    }
+
+    /// Runs `f` with the raw handle while holding the communicator's lock; fails if the
+    /// communicator was already aborted or destroyed, or, for calls that enqueue work, if it
+    /// failed (see [`crate::fault`]).
+    #[inline]
+    pub(crate) fn with_raw<R>(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(ncclComm_t) -> R,
+    ) -> Result<R> {
+        let state = self.shared.lock();
+        state.usable_for(call, self.rank)?;
+        Ok(f(state.ptr))
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Completes a call on this communicator: `ncclInProgress` from a nonblocking
+    /// communicator is waited out (NCCL forbids any other call, and any CUDA work on its
+    /// streams, until the communicator is ready again).
+    #[inline]
+    pub(crate) fn complete(
+        &self,
+        call: &'static str,
+        status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
+    ) -> Result<()> {
+        if matches!(status, Ok(nccl_sys::ncclResult_t::ncclSuccess)) {
+            return Ok(());
+        }
+        self.complete_slow(call, status)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn complete_slow(
+        &self,
+        call: &'static str,
+        status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
+    ) -> Result<()> {
+        if self.lib.check_pending(call, status)? {
+            if let Err(err) = self.wait_ready(self.ready_timeout) {
+                return Err(self.abandon_in_progress(err));
+            }
+        }
+        Ok(())
+    }
+
+    /// The one rule for streams and buffers handed to this communicator: they must belong to
+    /// its CUDA context (the same device, and the same context on it: a stream or an
+    /// allocation of another context is not usable from the kernels NCCL launches there).
+    /// Streams and buffers of the communicator's own stream or context settle it by pointer.
+    #[inline]
+    pub(crate) fn check_context(&self, ctx: &Arc<CudaContext>, what: &str) -> Result<()> {
+        if Arc::ptr_eq(ctx, self.context()) || ctx.cu_ctx() == self.context().cu_ctx() {
+            return Ok(());
+        }
+        Err(self.wrong_context(ctx, what))
+    }
+
+    /// [`Comm::check_context`] for a stream.
+    #[inline]
+    pub(crate) fn check_stream(&self, stream: &CudaStream, what: &str) -> Result<()> {
+        if std::ptr::eq(stream, &*self.stream) {
+            return Ok(());
+        }
+        self.check_context(stream.context(), what)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wrong_context(&self, ctx: &CudaContext, what: &str) -> Error {
+        let ordinal = ctx.ordinal();
+        let place = if ordinal == self.device {
+            format!("in another CUDA context of device {ordinal}")
+        } else {
+            format!("on device {ordinal}")
+        };
+        Error::invalid(format!(
+            "{what} is {place}, but the communicator (rank {}) runs in the context of device \
+             {} (use that context, e.g. `comm.context()` or `CudaContext::new({})`)",
+            self.rank, self.device, self.device
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn comm_is_send_but_not_sync() {
+        fn assert_send<T: Send>() {}
+        assert_send::<Comm>();
+        // `Comm: !Sync` is checked by the compile-fail doctest on `Comm`'s module.
+    }
+}

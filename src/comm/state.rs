@@ -1,0 +1,388 @@
+//! The owner of a communicator's raw handle and its state: [`Shared`] holds the lock that
+//! every NCCL call on the communicator is made under, and [`State`] what the lock guards (the
+//! handle, group membership, a deferred abort, and the [`Failure`] that ended its use).
+//!
+//! Like rusqlite's `InnerConnection`, this is the one place that owns the `ncclComm_t`: it is
+//! taken out exactly once, by destroy or abort (see `close.rs` and [`crate::fault`]).
+
+use std::ptr;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use cudarc::driver::DriverError;
+use nccl_sys::ncclComm_t;
+
+use crate::error::{Error, Result, ResultCode};
+
+/// The raw handle, shared with the handles that may outlive a borrow of the `Comm` (abort
+/// handles, watchdogs). The mutex serialises every NCCL call on the communicator and guards
+/// its fault state (see [`crate::fault`]).
+///
+/// Aligned to a cache line and no larger than one, so the lock word, the handle and its
+/// fault state, which every enqueue reads, share a single line.
+#[repr(align(64))]
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    pub(crate) blocking: bool,
+}
+
+// SAFETY: the raw handle is only used while holding the mutex, so calls on it never overlap,
+// and NCCL allows a communicator to be used from different threads one at a time.
+unsafe impl Send for Shared {}
+// SAFETY: as above; shared references only reach the handle through the mutex.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The shared state of a live handle, which it now owns.
+    pub(crate) fn new(raw: ncclComm_t, blocking: bool) -> Self {
+        Self {
+            state: Mutex::new(State::new(raw)),
+            blocking,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means another thread panicked between NCCL calls; the handle
+        // itself is still what it was.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The raw handle and its fault state, guarded by the communicator's lock.
+pub(crate) struct State {
+    /// The NCCL handle; null once aborted or destroyed.
+    pub(crate) ptr: ncclComm_t,
+    /// Groups open on the owner's thread that contain this communicator.
+    pub(crate) open_groups: u32,
+    /// An abort or revoke requested while a group was open, run when the last one ends.
+    pub(crate) deferred: Option<Action>,
+    /// Why the communicator can no longer run work, if it cannot. Boxed so the handle stays
+    /// small: every enqueue reads it next to the lock word and the pointer.
+    pub(crate) failure: Option<Box<Failure>>,
+}
+
+impl State {
+    pub(crate) fn new(ptr: ncclComm_t) -> Self {
+        Self {
+            ptr,
+            open_groups: 0,
+            deferred: None,
+            failure: None,
+        }
+    }
+
+    /// Fails unless `call` may be made now: never once released, and after a failure only
+    /// calls that inspect, tear down or rebuild the communicator.
+    #[inline]
+    pub(crate) fn usable_for(&self, call: &'static str, rank: usize) -> Result<()> {
+        if !self.ptr.is_null() && self.failure.is_none() {
+            return Ok(());
+        }
+        self.unusable_for(call, rank)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn unusable_for(&self, call: &'static str, rank: usize) -> Result<()> {
+        if self.ptr.is_null() {
+            return Err(self.released_error(call, rank));
+        }
+        match &self.failure {
+            Some(failure) if !allowed_after_failure(call) => Err(failure.to_error(call, rank)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Fails with the recorded failure, or because the communicator was released.
+    pub(crate) fn check_failure(&self, call: &'static str, rank: usize) -> Result<()> {
+        if self.ptr.is_null() {
+            return Err(self.released_error(call, rank));
+        }
+        match &self.failure {
+            Some(failure) => Err(failure.to_error(call, rank)),
+            None => Ok(()),
+        }
+    }
+
+    /// The error for a call on a released communicator.
+    pub(crate) fn released_error(&self, call: &'static str, rank: usize) -> Error {
+        match &self.failure {
+            Some(failure) if failure.by != Actor::Owner => failure.to_error(call, rank),
+            _ => Error::usage(format!(
+                "{call} on a communicator that was already aborted or destroyed"
+            )),
+        }
+    }
+
+    /// Takes the raw handle out (null if it was already taken), recording why.
+    pub(crate) fn take(&mut self, failure: Failure) -> ncclComm_t {
+        let raw = std::mem::replace(&mut self.ptr, ptr::null_mut());
+        self.deferred = None;
+        self.record(failure.state, failure);
+        raw
+    }
+
+    /// Records a failure; an earlier one keeps its cause and author, and the state only
+    /// ever gets worse (failed, then revoked, then released).
+    pub(crate) fn record(&mut self, state: FailureState, failure: Failure) {
+        match &mut self.failure {
+            Some(previous) => previous.state = previous.state.max(state),
+            None => self.failure = Some(Box::new(Failure { state, ..failure })),
+        }
+    }
+}
+
+/// Calls allowed on a communicator that failed but was not released: queries, tear-down,
+/// and the calls that build a replacement from it.
+fn allowed_after_failure(call: &str) -> bool {
+    matches!(
+        call,
+        "ncclCommGetAsyncError"
+            | "ncclCommCount"
+            | "ncclCommUserRank"
+            | "ncclCommCuDevice"
+            | "ncclRedOpDestroy"
+            | "ncclCommDeregister"
+            | "ncclCommWindowDeregister"
+            | "ncclCommSplit"
+            | "ncclCommShrink"
+            | "ncclCommRevoke"
+            | "ncclCommAbort"
+            | "ncclCommDestroy"
+    )
+}
+
+/// What happened to a communicator, from least to most final.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum FailureState {
+    /// Marked failed by a watchdog ([`WatchdogAction::Report`]); still allocated.
+    Failed,
+    /// Revoked: quiesced, and only shrink, split, abort and destroy remain.
+    Revoked,
+    /// Aborted or destroyed: the handle is gone.
+    Released,
+}
+
+/// Who acted on the communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Actor {
+    Owner,
+    State,
+    Watchdog,
+}
+
+/// Why a communicator was acted on.
+#[derive(Debug, Clone)]
+pub(crate) enum Cause {
+    /// Asked for explicitly.
+    Requested,
+    /// No progress: `what` did not happen within `waited`.
+    Stalled {
+        what: &'static str,
+        waited: Duration,
+    },
+    /// `ncclCommGetAsyncError` reported an error.
+    AsyncError {
+        code: ResultCode,
+        description: String,
+        last_error: Option<String>,
+    },
+    /// A CUDA call of the watchdog failed (a sticky error of the context, usually).
+    Cuda(DriverError),
+}
+
+/// A failure recorded on a communicator.
+#[derive(Debug, Clone)]
+pub(crate) struct Failure {
+    pub(crate) state: FailureState,
+    pub(crate) by: Actor,
+    pub(crate) cause: Cause,
+}
+
+impl Failure {
+    /// The owner aborted, destroyed or revoked the communicator itself.
+    pub(crate) fn owner(state: FailureState) -> Self {
+        Self {
+            state,
+            by: Actor::Owner,
+            cause: Cause::Requested,
+        }
+    }
+
+    /// The error a call on the communicator gets.
+    pub(crate) fn to_error(&self, call: &'static str, rank: usize) -> Error {
+        let verb = match self.state {
+            FailureState::Failed => "marked failed",
+            FailureState::Revoked => "revoked",
+            FailureState::Released => "aborted",
+        };
+        let who = match self.by {
+            Actor::Owner => "",
+            Actor::State => " through an AbortHandle",
+            Actor::Watchdog => " by its watchdog",
+        };
+        let hint = match self.state {
+            FailureState::Failed => {
+                "; abort it, or shrink it with ShrinkMode::Abort to go on without the failed ranks"
+            }
+            FailureState::Revoked => "; only shrink, split, abort and destroy remain possible",
+            FailureState::Released => "",
+        };
+        match &self.cause {
+            Cause::Requested => Error::usage(format!(
+                "{call} on rank {rank}: the communicator was {verb}{who}{hint}"
+            )),
+            Cause::Stalled { what, waited } => Error::Timeout {
+                what: format!(
+                    "{what} on rank {rank}; the communicator was {verb}{who}, so {call} cannot \
+                     go on{hint}"
+                ),
+                waited: *waited,
+            },
+            Cause::AsyncError {
+                code,
+                description,
+                last_error,
+            } => Error::Nccl {
+                call: "ncclCommGetAsyncError",
+                code: *code,
+                description: format!(
+                    "{description} (on rank {rank}; the communicator was {verb}{who}, so {call} \
+                     cannot go on{hint})"
+                ),
+                last_error: last_error.clone(),
+            },
+            Cause::Cuda(err) => Error::Cuda(*err),
+        }
+    }
+}
+
+/// What to do with a communicator that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Action {
+    Report,
+    Revoke,
+    Abort,
+}
+
+impl Action {
+    pub(crate) fn state(self) -> FailureState {
+        match self {
+            Action::Report => FailureState::Failed,
+            Action::Revoke => FailureState::Revoked,
+            Action::Abort => FailureState::Released,
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_state_fits_one_cache_line() {
+        assert_eq!(std::mem::align_of::<Shared>(), 64);
+        assert_eq!(std::mem::size_of::<Shared>(), 64);
+    }
+
+    pub(crate) fn null_state() -> State {
+        State::new(ptr::null_mut())
+    }
+
+    pub(crate) fn live_state() -> State {
+        // Never passed to NCCL: the tests below only exercise the bookkeeping.
+        State::new(std::ptr::NonNull::<nccl_sys::ncclComm>::dangling().as_ptr())
+    }
+
+    #[test]
+    fn calls_after_a_failure_are_refused_except_management() {
+        let mut state = live_state();
+        assert!(state.usable_for("ncclAllReduce", 1).is_ok());
+        state.record(
+            FailureState::Failed,
+            Failure {
+                state: FailureState::Failed,
+                by: Actor::Watchdog,
+                cause: Cause::Stalled {
+                    what: "work enqueued on the communicator's stream to finish",
+                    waited: Duration::from_secs(5),
+                },
+            },
+        );
+        let err = state.usable_for("ncclAllReduce", 1).unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("marked failed by its watchdog"), "{text}");
+        assert!(text.contains("ncclAllReduce cannot go on"), "{text}");
+        assert!(text.contains("rank 1"), "{text}");
+        assert!(text.contains("ShrinkMode::Abort"), "{text}");
+        for call in ["ncclCommShrink", "ncclCommAbort", "ncclCommGetAsyncError"] {
+            assert!(state.usable_for(call, 1).is_ok(), "{call}");
+        }
+        assert!(state.check_failure("Comm::synchronize", 1).is_err());
+        // A later revoke keeps the cause and author, and gets worse only.
+        state.record(FailureState::Revoked, Failure::owner(FailureState::Revoked));
+        let failure = state.failure.clone().unwrap();
+        assert_eq!(failure.state, FailureState::Revoked);
+        assert_eq!(failure.by, Actor::Watchdog);
+        state.record(FailureState::Failed, Failure::owner(FailureState::Failed));
+        assert_eq!(state.failure.as_ref().unwrap().state, FailureState::Revoked);
+        // Taking the handle out marks it released.
+        let raw = state.take(Failure::owner(FailureState::Released));
+        assert!(!raw.is_null());
+        assert!(state.ptr.is_null());
+        let text = state
+            .usable_for("ncclCommShrink", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("aborted by its watchdog"), "{text}");
+    }
+
+    #[test]
+    fn errors_name_who_acted_and_why() {
+        let released_by_owner = {
+            let mut h = live_state();
+            h.take(Failure::owner(FailureState::Released));
+            h
+        };
+        let text = released_by_owner
+            .usable_for("ncclAllReduce", 0)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("already aborted or destroyed"), "{text}");
+        assert!(null_state().usable_for("ncclAllReduce", 0).is_err());
+
+        let by_handle = Failure {
+            state: FailureState::Released,
+            by: Actor::State,
+            cause: Cause::Requested,
+        };
+        let text = by_handle.to_error("ncclBroadcast", 2).to_string();
+        assert!(text.contains("aborted through an AbortHandle"), "{text}");
+        assert!(text.contains("ncclBroadcast on rank 2"), "{text}");
+
+        let async_err = Failure {
+            state: FailureState::Released,
+            by: Actor::Watchdog,
+            cause: Cause::AsyncError {
+                code: ResultCode::RemoteError,
+                description: "remote process exited or there was a network error".into(),
+                last_error: Some("peer 3 closed the connection".into()),
+            },
+        };
+        let err = async_err.to_error("Comm::synchronize", 0);
+        assert_eq!(err.nccl_code(), Some(ResultCode::RemoteError));
+        assert!(err.is_fatal());
+        let text = err.to_string();
+        assert!(text.contains("aborted by its watchdog"), "{text}");
+        assert!(text.contains("peer 3 closed the connection"), "{text}");
+
+        let revoked = Failure::owner(FailureState::Revoked).to_error("ncclAllReduce", 0);
+        assert!(revoked
+            .to_string()
+            .contains("only shrink, split, abort and destroy"));
+    }
+}

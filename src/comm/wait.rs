@@ -1,0 +1,188 @@
+//! Waiting on a communicator: for a nonblocking call to finish, for the work on its stream,
+//! and reading its asynchronous error on the way, so a failed peer is reported instead of
+//! hanging.
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+
+use super::Comm;
+use crate::error::{Error, Result, ResultCode};
+
+impl Comm {
+    /// Polls `ncclCommGetAsyncError` until the communicator is no longer in progress.
+    ///
+    /// For a nonblocking communicator this is how creation, split and enqueueing finish; for
+    /// a blocking one it returns at once unless an asynchronous error is pending.
+    ///
+    /// Returns early with the failure if the communicator was aborted, revoked or reported
+    /// failed by an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog).
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        loop {
+            self.check_failure("Comm::wait_ready")?;
+            match self.async_code()? {
+                ResultCode::Success => return Ok(()),
+                ResultCode::InProgress => {}
+                code => return Err(self.lib.error("ncclCommGetAsyncError", code)),
+            }
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    what: format!("communicator rank {} to become ready", self.rank),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
+    }
+
+    /// Fails with the recorded failure, if the communicator has one.
+    pub(crate) fn check_failure(&self, call: &'static str) -> Result<()> {
+        self.shared.lock().check_failure(call, self.rank)
+    }
+
+    pub(crate) fn async_code(&self) -> Result<ResultCode> {
+        let mut code = nccl_sys::ncclResult_t::ncclSuccess;
+        let status = self.with_raw("ncclCommGetAsyncError", |raw| {
+            // SAFETY: live handle under the lock; `code` is a valid out-pointer.
+            unsafe { self.lib.api().ncclCommGetAsyncError(raw, &mut code) }
+        })?;
+        self.lib.check("ncclCommGetAsyncError", status)?;
+        Ok(ResultCode::from_raw(code))
+    }
+
+    /// `ncclCommGetAsyncError` as is, also on a communicator marked failed (not released).
+    pub(crate) fn async_code_raw(&self) -> Result<ResultCode> {
+        let state = self.shared.lock();
+        if state.ptr.is_null() {
+            return Err(state.released_error("ncclCommGetAsyncError", self.rank));
+        }
+        let mut code = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: live handle under its lock; `code` is a valid out-pointer.
+        let status = unsafe { self.lib.api().ncclCommGetAsyncError(state.ptr, &mut code) };
+        self.lib.check("ncclCommGetAsyncError", status)?;
+        Ok(ResultCode::from_raw(code))
+    }
+
+    /// The communicator's asynchronous error, if it has one (`ncclCommGetAsyncError`).
+    ///
+    /// `Ok(None)` means healthy (or, for a nonblocking communicator, still progressing).
+    /// An error here is fatal: the communicator must be aborted.
+    pub fn async_error(&self) -> Result<Option<Error>> {
+        Ok(match self.async_code()? {
+            ResultCode::Success | ResultCode::InProgress => None,
+            code => Some(self.lib.error("ncclCommGetAsyncError", code)),
+        })
+    }
+
+    /// Waits until all work enqueued so far on the communicator's stream has finished,
+    /// checking the communicator's asynchronous error while waiting, so a failed peer is
+    /// reported instead of hanging. Gives up with [`Error::Timeout`] after `timeout`.
+    pub fn synchronize_timeout(&self, timeout: Duration) -> Result<()> {
+        Self::wait_stream(self, &self.stream, Some(timeout))
+    }
+
+    /// Waits until all work enqueued so far on the communicator's stream has finished,
+    /// returning early with the communicator's asynchronous error if one occurs.
+    pub fn synchronize(&self) -> Result<()> {
+        Self::wait_stream(self, &self.stream, None)
+    }
+
+    pub(crate) fn wait_stream(&self, stream: &CudaStream, timeout: Option<Duration>) -> Result<()> {
+        let start = Instant::now();
+        let expired = |start: Instant| timeout.is_some_and(|limit| start.elapsed() >= limit);
+        let mut backoff = Backoff::new();
+        // NCCL forbids CUDA work on the communicator's streams while it is in progress (only
+        // possible here after an earlier call timed out): wait for it first, issuing nothing.
+        loop {
+            self.check_failure("Comm::synchronize")?;
+            match self.async_code()? {
+                ResultCode::Success => break,
+                ResultCode::InProgress => {}
+                code => return Err(self.lib.error("ncclCommGetAsyncError", code)),
+            }
+            if expired(start) {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "communicator rank {} to finish its last call before synchronizing",
+                        self.rank
+                    ),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
+        let done = stream.record_event(None)?;
+        loop {
+            if done.try_is_complete()? {
+                // Work cut short by an abort from another thread also completes: report the
+                // abort rather than success.
+                return self.check_failure("Comm::synchronize");
+            }
+            self.check_failure("Comm::synchronize")?;
+            if let Some(err) = self.async_error()? {
+                return Err(err);
+            }
+            if expired(start) {
+                return Err(Error::Timeout {
+                    what: format!("work on the stream of rank {}", self.rank),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
+    }
+
+    /// Waits until the communicator is no longer in progress and returns its state then
+    /// (success, or the error it reports). Unlike [`Comm::wait_ready`], an error state is a
+    /// result here: after a failure NCCL's jobs (shrink) still finish on a failed parent.
+    pub(crate) fn settle(&self, call: &'static str, timeout: Duration) -> Result<ResultCode> {
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        loop {
+            let code = self.async_code_raw()?;
+            if code != ResultCode::InProgress {
+                return Ok(code);
+            }
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    what: format!("{call} on rank {} to complete", self.rank),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
+    }
+
+    /// The failure recorded on this communicator (by [`Comm::revoke`], an [`AbortHandle`](crate::AbortHandle) or
+    /// a [`Watchdog`](crate::Watchdog)), as the error its calls now get; `None` while it is usable.
+    pub fn failure(&self) -> Option<Error> {
+        self.shared()
+            .lock()
+            .check_failure("Comm::failure", self.rank())
+            .err()
+    }
+}
+
+/// Polling pace: spin briefly (most waits are short), then yield, then sleep in steps that
+/// grow to at most 50 µs, so a long wait costs little CPU and a timed wait ends at most about
+/// 50 µs late.
+pub(crate) struct Backoff {
+    polls: u32,
+}
+
+impl Backoff {
+    pub(crate) fn new() -> Self {
+        Self { polls: 0 }
+    }
+
+    pub(crate) fn wait(&mut self) {
+        self.polls = self.polls.saturating_add(1);
+        match self.polls {
+            0..=64 => std::hint::spin_loop(),
+            65..=1024 => std::thread::yield_now(),
+            n => std::thread::sleep(Duration::from_micros(u64::from((n - 1024).min(50)))),
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! Aborting: by the owner, through an [`AbortHandle`] from any thread, deferred while a
+//! group holds the communicator, and when a nonblocking call never completes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+
+use super::require_nonblocking;
+use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
+use crate::comm::{Comm, Shared};
+use crate::error::{Error, Result, ResultCode};
+use crate::library::Library;
+
+/// The outcome of [`AbortHandle::abort`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AbortOutcome {
+    /// `ncclCommAbort` ran; the communicator is gone.
+    Aborted,
+    /// The communicator is in a [`Group`](crate::Group) still open on its owner's thread: it
+    /// is marked aborted now and `ncclCommAbort` runs when that group ends.
+    Deferred,
+    /// It was already aborted or destroyed (or an abort is already pending); nothing done.
+    AlreadyReleased,
+}
+
+/// What [`act`] must do, decided from the bookkeeping alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Nothing: already released, or the same action already happened or is pending.
+    Nothing,
+    /// Recorded; NCCL is called when the owner's open group ends.
+    Deferred,
+    /// Recorded (a report needs no NCCL call).
+    Recorded,
+    /// Call NCCL now.
+    Run,
+}
+
+/// Records `failure` for `action` on `state` and decides whether NCCL must be called now.
+fn plan(state: &mut State, action: Action, failure: &Failure) -> Step {
+    if state.ptr.is_null() || state.deferred == Some(Action::Abort) {
+        return Step::Nothing;
+    }
+    let recorded = state.failure.as_ref().map(|f| f.state);
+    if action == Action::Revoke && recorded >= Some(FailureState::Revoked) {
+        return Step::Nothing;
+    }
+    if action == Action::Report {
+        if recorded.is_some() {
+            return Step::Nothing;
+        }
+        state.record(FailureState::Failed, failure.clone());
+        return Step::Recorded;
+    }
+    if state.open_groups > 0 {
+        state.record(action.state(), failure.clone());
+        state.deferred = state.deferred.max(Some(action));
+        return Step::Deferred;
+    }
+    Step::Run
+}
+
+/// Carries out `action` on the communicator behind `state` (its lock held), recording
+/// `failure`.
+pub(crate) fn act(
+    state: &mut State,
+    lib: &Library,
+    ctx: &CudaContext,
+    action: Action,
+    failure: Failure,
+) -> Result<AbortOutcome> {
+    match plan(state, action, &failure) {
+        Step::Nothing => Ok(AbortOutcome::AlreadyReleased),
+        Step::Deferred => Ok(AbortOutcome::Deferred),
+        Step::Recorded => Ok(AbortOutcome::Aborted),
+        Step::Run => {
+            run_action(state, lib, ctx, action, failure)?;
+            Ok(AbortOutcome::Aborted)
+        }
+    }
+}
+
+/// Calls NCCL for `action` now (no group is open).
+pub(crate) fn run_action(
+    state: &mut State,
+    lib: &Library,
+    ctx: &CudaContext,
+    action: Action,
+    failure: Failure,
+) -> Result<()> {
+    match action {
+        Action::Report => {
+            state.record(FailureState::Failed, failure);
+            Ok(())
+        }
+        Action::Abort => {
+            let raw = state.take(Failure {
+                state: FailureState::Released,
+                ..failure
+            });
+            if raw.is_null() {
+                return Ok(());
+            }
+            // Best effort: NCCL finds its device itself, but its cleanup may use the
+            // current context.
+            let _ = ctx.bind_to_thread();
+            // SAFETY: the handle was taken out of the shared state under its lock, so no
+            // other thread can use it; the communicator is nonblocking (checked when the
+            // abort handle or watchdog was made) and no group holds it (`open_groups == 0`),
+            // as NCCL requires for an abort from another thread.
+            let status = unsafe { lib.api().ncclCommAbort(raw) };
+            lib.check("ncclCommAbort", status)
+        }
+        Action::Revoke => {
+            // SAFETY: live handle under its lock; the flags must be NCCL_REVOKE_DEFAULT.
+            let status = unsafe {
+                lib.api()
+                    .ncclCommRevoke(state.ptr, nccl_sys::NCCL_REVOKE_DEFAULT)
+            };
+            lib.check_pending("ncclCommRevoke", status)?;
+            state.record(FailureState::Revoked, failure);
+            Ok(())
+        }
+    }
+}
+
+/// Aborts a nonblocking communicator from any thread; see the [module docs](super).
+///
+/// Made by [`Comm::abort_handle`]. It keeps the communicator's shared state alive (not the
+/// NCCL communicator: once the `Comm` is dropped or destroyed, `abort` does nothing).
+#[derive(Clone)]
+pub struct AbortHandle {
+    shared: Arc<Shared>,
+    lib: &'static Library,
+    ctx: Arc<CudaContext>,
+    rank: usize,
+}
+
+impl std::fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AbortHandle")
+            .field("rank", &self.rank)
+            .field("released", &self.is_released())
+            .finish()
+    }
+}
+
+impl AbortHandle {
+    /// Aborts the communicator (`ncclCommAbort`), unless it is already aborted or
+    /// destroyed. Safe to call from any thread, at any time, any number of times.
+    ///
+    /// If its owner has it in a [`Group`](crate::Group) that is still open, the abort is
+    /// [deferred](AbortOutcome::Deferred) to the end of that group. An error means NCCL
+    /// reported one while aborting; the communicator is released either way.
+    pub fn abort(&self) -> Result<AbortOutcome> {
+        let mut state = self.shared.lock();
+        act(
+            &mut state,
+            self.lib,
+            &self.ctx,
+            Action::Abort,
+            Failure {
+                state: FailureState::Released,
+                by: Actor::State,
+                cause: Cause::Requested,
+            },
+        )
+    }
+
+    /// Whether the communicator was aborted or destroyed (by anyone).
+    pub fn is_released(&self) -> bool {
+        self.shared.lock().ptr.is_null()
+    }
+
+    /// The rank of the communicator this handle aborts.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl Comm {
+    /// A handle that aborts this communicator from any thread; see the [module docs](super).
+    ///
+    /// Only for nonblocking communicators: NCCL does not allow aborting a blocking one from
+    /// another thread ([`Error::InvalidUsage`]).
+    pub fn abort_handle(&self) -> Result<AbortHandle> {
+        require_nonblocking(self, "an abort state")?;
+        Ok(AbortHandle {
+            shared: self.shared().clone(),
+            lib: self.library(),
+            ctx: self.context().clone(),
+            rank: self.rank(),
+        })
+    }
+
+    /// Called when waiting for this communicator to leave `ncclInProgress` failed (timeout,
+    /// or a failure recorded meanwhile): if it is still in progress, it is aborted, because
+    /// NCCL forbids any CUDA work on its streams until it is ready, and the caller is about
+    /// to record its buffers' events there (cudarc's guards). Returns the error to report,
+    /// which says so.
+    pub(crate) fn abandon_in_progress(&self, err: Error) -> Error {
+        if !matches!(self.async_code_raw(), Ok(ResultCode::InProgress)) {
+            return err;
+        }
+        let waited = match &err {
+            Error::Timeout { waited, .. } => *waited,
+            _ => Duration::ZERO,
+        };
+        let mut state = self.shared().lock();
+        let aborted = act(
+            &mut state,
+            self.library(),
+            self.context(),
+            Action::Abort,
+            Failure {
+                state: FailureState::Released,
+                by: Actor::Owner,
+                cause: Cause::Stalled {
+                    what: "a nonblocking call to complete",
+                    waited,
+                },
+            },
+        );
+        drop(state);
+        match (err, aborted) {
+            (Error::Timeout { what, waited }, Ok(_)) => Error::Timeout {
+                what: format!(
+                    "{what}; the communicator was aborted, since NCCL allows no CUDA work on \
+                     its streams while a call on it is still in progress"
+                ),
+                waited,
+            },
+            (err, _) => err,
+        }
+    }
+
+    /// `ncclCommAbort` by the owner without giving up the `Comm`: later calls on it fail,
+    /// and dropping it does nothing.
+    pub(crate) fn abort_in_place(&self) -> Result<AbortOutcome> {
+        let mut state = self.shared().lock();
+        act(
+            &mut state,
+            self.library(),
+            self.context(),
+            Action::Abort,
+            Failure {
+                state: FailureState::Released,
+                by: Actor::Owner,
+                cause: Cause::Requested,
+            },
+        )
+    }
+
+    /// Marks this communicator as part of a group open on this thread.
+    pub(crate) fn group_enter(&self) {
+        let mut state = self.shared().lock();
+        state.open_groups = state.open_groups.saturating_add(1);
+    }
+
+    /// Ends a group membership; runs an abort or revoke deferred meanwhile. Returns the
+    /// communicator's failure, if it has one now, as the error of `call`.
+    pub(crate) fn group_leave(&self, call: &'static str) -> Option<Error> {
+        let mut state = self.shared().lock();
+        state.open_groups = state.open_groups.saturating_sub(1);
+        if state.open_groups == 0 {
+            if let Some(action) = state.deferred.take() {
+                // The failure was recorded when the action was requested; keep it.
+                let failure = state
+                    .failure
+                    .as_deref()
+                    .cloned()
+                    .unwrap_or_else(|| Failure::owner(action.state()));
+                // Errors have nowhere to go: the communicator is marked failed either way.
+                let _ = run_action(&mut state, self.library(), self.context(), action, failure);
+            }
+        }
+        state.check_failure(call, self.rank()).err()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::state::tests::{live_state, null_state};
+
+    #[test]
+    fn actions_are_planned_deferred_and_idempotent() {
+        let by = |actor| Failure {
+            state: FailureState::Released,
+            by: actor,
+            cause: Cause::Requested,
+        };
+        // Outside a group: run now.
+        let mut h = live_state();
+        assert_eq!(plan(&mut h, Action::Abort, &by(Actor::State)), Step::Run);
+
+        // Inside a group: recorded at once, NCCL deferred; the handle stays until then.
+        let mut h = live_state();
+        h.open_groups = 1;
+        assert_eq!(
+            plan(&mut h, Action::Abort, &by(Actor::State)),
+            Step::Deferred
+        );
+        assert_eq!(h.deferred, Some(Action::Abort));
+        assert!(!h.ptr.is_null());
+        let text = h.usable_for("ncclAllReduce", 0).unwrap_err().to_string();
+        assert!(text.contains("aborted through an AbortHandle"), "{text}");
+        // A second abort, or a revoke, while one is pending does nothing.
+        assert_eq!(
+            plan(&mut h, Action::Abort, &by(Actor::State)),
+            Step::Nothing
+        );
+        assert_eq!(
+            plan(&mut h, Action::Revoke, &by(Actor::Watchdog)),
+            Step::Nothing
+        );
+
+        // A deferred revoke is upgraded by a later abort.
+        let mut h = live_state();
+        h.open_groups = 2;
+        assert_eq!(
+            plan(&mut h, Action::Revoke, &by(Actor::Watchdog)),
+            Step::Deferred
+        );
+        assert_eq!(
+            plan(&mut h, Action::Abort, &by(Actor::State)),
+            Step::Deferred
+        );
+        assert_eq!(h.deferred, Some(Action::Abort));
+        assert_eq!(h.failure.as_ref().unwrap().by, Actor::Watchdog);
+        assert_eq!(h.failure.as_ref().unwrap().state, FailureState::Released);
+
+        // Released: nothing, whatever is asked.
+        let mut h = null_state();
+        for action in [Action::Abort, Action::Revoke, Action::Report] {
+            assert_eq!(plan(&mut h, action, &by(Actor::State)), Step::Nothing);
+        }
+
+        // A report only records, once; a revoke after it still runs.
+        let mut h = live_state();
+        assert_eq!(
+            plan(&mut h, Action::Report, &by(Actor::Watchdog)),
+            Step::Recorded
+        );
+        assert_eq!(h.failure.as_ref().unwrap().state, FailureState::Failed);
+        assert_eq!(
+            plan(&mut h, Action::Report, &by(Actor::Watchdog)),
+            Step::Nothing
+        );
+        assert_eq!(plan(&mut h, Action::Revoke, &by(Actor::Owner)), Step::Run);
+    }
+}
