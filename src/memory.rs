@@ -16,7 +16,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
-use crate::comm::Comm;
+use crate::comm::{comm_call, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::library::{self, Library, Version};
@@ -160,7 +160,7 @@ impl<T: NcclType> Drop for NcclBuffer<T> {
 /// A buffer registered with a communicator; deregistered when dropped.
 pub struct Registration<'a> {
     comm: &'a Comm,
-    state: *mut std::ffi::c_void,
+    handle: *mut std::ffi::c_void,
     bytes: usize,
 }
 
@@ -185,23 +185,14 @@ impl Comm {
             .require("ncclCommRegister", Version::new(2, 19, 0))?;
         self.check_context(buffer.stream.context(), "the buffer")?;
         let bytes = buffer.len * std::mem::size_of::<T>();
-        let mut state: *mut std::ffi::c_void = std::ptr::null_mut();
-        let status = self.with_raw("ncclCommRegister", |raw| {
-            // SAFETY: live handle under its lock; the buffer is `bytes` long, stays borrowed
-            // while registered, and `handle` is a valid out-pointer.
-            unsafe {
-                self.library().api().ncclCommRegister(
-                    raw,
-                    buffer.ptr as *mut std::ffi::c_void,
-                    bytes,
-                    &mut state,
-                )
-            }
-        })?;
-        self.complete("ncclCommRegister", status)?;
+        let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
+        let base = buffer.ptr as *mut std::ffi::c_void;
+        // SAFETY: live handle under its lock; the buffer is `bytes` long, stays borrowed
+        // while registered, and `handle` is a valid out-pointer.
+        unsafe { comm_call!(self, |raw| ncclCommRegister(raw, base, bytes, &mut handle)) }?;
         Ok(Registration {
             comm: self,
-            state,
+            handle,
             bytes,
         })
     }
@@ -211,18 +202,18 @@ impl Registration<'_> {
     /// Deregisters now, reporting an error instead of ignoring it as `Drop` does.
     pub fn deregister(mut self) -> Result<()> {
         let result = self.deregister_raw();
-        self.state = std::ptr::null_mut();
+        self.handle = std::ptr::null_mut();
         result
     }
 
     fn deregister_raw(&self) -> Result<()> {
-        if self.state.is_null() {
+        if self.handle.is_null() {
             return Ok(());
         }
         let lib = self.comm.library();
         let status = self.comm.with_raw("ncclCommDeregister", |raw| {
             // SAFETY: the handle came from ncclCommRegister on this live communicator.
-            unsafe { lib.api().ncclCommDeregister(raw, self.state) }
+            unsafe { lib.api().ncclCommDeregister(raw, self.handle) }
         })?;
         lib.check("ncclCommDeregister", status)
     }

@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
 use nccl_sys::{ncclRedOp_t, ncclScalarResidence_t};
 
-use crate::comm::Comm;
+use crate::comm::{comm_call, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::library::Version;
@@ -141,21 +141,15 @@ impl<'c, T: NcclType> PreMulSum<'c, T> {
         lib.require("ncclRedOpCreatePreMulSum", Version::new(2, 11, 0))?;
         lib.require(T::DATA_TYPE.name(), T::DATA_TYPE.min_version())?;
         let mut raw = ncclRedOp_t::ncclSum;
-        let status = comm.with_raw("ncclRedOpCreatePreMulSum", |comm_raw| {
-            // SAFETY: `raw` is a valid out-pointer; `scalar` points to one `T`, on the host
-            // (read before the call returns) or on the comm's device (kept borrowed by the
-            // returned operator); the handle is live under the comm's lock.
-            unsafe {
-                lib.api().ncclRedOpCreatePreMulSum(
-                    &mut raw,
-                    scalar,
-                    T::DATA_TYPE.raw(),
-                    residence,
-                    comm_raw,
-                )
-            }
-        })?;
-        comm.complete("ncclRedOpCreatePreMulSum", status)?;
+        let datatype = T::DATA_TYPE.raw();
+        // SAFETY: `raw` is a valid out-pointer; `scalar` points to one `T`, on the host
+        // (read before the call returns) or on the comm's device (kept borrowed by the
+        // returned operator); the handle is live under the comm's lock.
+        unsafe {
+            comm_call!(comm, |comm_raw| ncclRedOpCreatePreMulSum(
+                &mut raw, scalar, datatype, residence, comm_raw
+            ))
+        }?;
         Ok(Self {
             comm,
             raw,

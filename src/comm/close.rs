@@ -17,11 +17,8 @@ impl Comm {
         self.lib
             .require("ncclCommFinalize", Version::new(2, 14, 0))?;
         group::ensure_outside("Comm::finalize")?;
-        let status = self.with_raw("ncclCommFinalize", |raw| {
-            // SAFETY: live handle under its lock.
-            unsafe { self.lib.api().ncclCommFinalize(raw) }
-        })?;
-        self.complete("ncclCommFinalize", status)
+        // SAFETY: live handle under its lock; no other argument.
+        unsafe { comm_call!(self, |raw| ncclCommFinalize(raw)) }
     }
 
     /// Frees the communicator (`ncclCommDestroy`). Without a prior [`Comm::finalize`] this

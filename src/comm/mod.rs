@@ -27,6 +27,25 @@
 //! [`Comm::destroy`] that fails gives the communicator back with the error (as rusqlite's
 //! `Connection::close` does), so it is never left neither destroyed nor aborted.
 
+/// One NCCL call on a communicator's handle, in one line: the handle is lent to the call
+/// under the communicator's lock (failing first, with the reason, if the communicator was
+/// aborted or failed), the C function's name labels any error, and the status is completed
+/// (a nonblocking call still in progress is waited out). The call site names the handle's
+/// binding, wraps the macro in `unsafe` and says why the arguments are sound:
+///
+/// ```ignore
+/// // SAFETY: live handle under its lock; `id` is a valid, writable ncclUniqueId.
+/// unsafe { comm_call!(self, |raw| ncclCommGetUniqueId(raw, &mut id)) }?;
+/// ```
+macro_rules! comm_call {
+    ($comm:expr, |$raw:ident| $f:ident($($arg:expr),* $(,)?)) => {{
+        let comm: &$crate::comm::Comm = $comm;
+        let status = comm.with_raw(stringify!($f), |$raw| comm.library().api().$f($($arg),*))?;
+        comm.complete(stringify!($f), status)
+    }};
+}
+pub(crate) use comm_call;
+
 mod child;
 mod close;
 mod init;

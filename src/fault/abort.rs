@@ -185,7 +185,7 @@ impl Comm {
     /// Only for nonblocking communicators: NCCL does not allow aborting a blocking one from
     /// another thread ([`Error::InvalidUsage`]).
     pub fn abort_handle(&self) -> Result<AbortHandle> {
-        require_nonblocking(self, "an abort state")?;
+        require_nonblocking(self, "an abort handle")?;
         Ok(AbortHandle {
             shared: self.shared().clone(),
             lib: self.library(),

@@ -10,7 +10,7 @@ use nccl_sys::ncclComm_t;
 use super::abort::run_action;
 use super::{GROW_SINCE, REVOKE_SINCE, SHRINK_SINCE};
 use crate::comm::state::{Action, Failure, FailureState};
-use crate::comm::{rank_and_size, Comm};
+use crate::comm::{comm_call, rank_and_size, Comm};
 use crate::config::{CommConfig, RawConfig};
 use crate::error::{Error, Result};
 use crate::group;
@@ -279,15 +279,12 @@ impl Comm {
         let lib = self.library();
         lib.require("ncclCommGetUniqueId", GROW_SINCE)?;
         group::ensure_outside("Comm::get_unique_id_for_grow")?;
-        let mut raw = nccl_sys::ncclUniqueId {
+        let mut id = nccl_sys::ncclUniqueId {
             internal: [0; UNIQUE_ID_BYTES],
         };
-        let status = self.with_raw("ncclCommGetUniqueId", |comm| {
-            // SAFETY: live handle under its lock; `raw` is a valid, writable id.
-            unsafe { lib.api().ncclCommGetUniqueId(comm, &mut raw) }
-        })?;
-        self.complete("ncclCommGetUniqueId", status)?;
-        Ok(UniqueId::from_raw(&raw))
+        // SAFETY: live handle under its lock; `id` is a valid, writable id.
+        unsafe { comm_call!(self, |raw| ncclCommGetUniqueId(raw, &mut id)) }?;
+        Ok(UniqueId::from_raw(&id))
     }
 
     /// Grows the communicator to `new_size` ranks (`ncclCommGrow`, NCCL 2.29); called by
