@@ -6,8 +6,16 @@
 //! collective and with cudarc's copies, with the same event tracking as a `CudaSlice`.
 //!
 //! [`Comm::register`] registers a buffer with a communicator (`ncclCommRegister`, 2.19, local)
-//! and deregisters it when the returned [`Registration`] is dropped. NCCL's rule: if one rank
-//! passes registered buffers to an operation, every rank must.
+//! and deregisters it when the returned [`Registration`] is dropped. The registration borrows
+//! the buffer mutably and is itself a device buffer (cudarc's `DevicePtr` and `DevicePtrMut`),
+//! so it is passed to operations as their send or receive buffer, in or out of place, while
+//! the borrow checker keeps the buffer from being freed or used behind it. NCCL's rule: if one
+//! rank passes registered buffers to an operation, every rank must.
+//!
+//! Deregistering waits for the buffer's queued work first. If NCCL fails to deregister, the
+//! buffer may still be mapped by NCCL, so it is never returned to NCCL's allocator: its memory
+//! is leaked when it is dropped, rather than freed under NCCL. A communicator that was aborted
+//! or destroyed has released its registrations itself; deregistering then only forgets them.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -29,6 +37,8 @@ pub struct NcclBuffer<T: NcclType> {
     lib: &'static Library,
     read: Option<CudaEvent>,
     write: Option<CudaEvent>,
+    /// Set when NCCL may still map the memory (a failed deregistration): never freed then.
+    leaked: bool,
     _type: PhantomData<T>,
 }
 
@@ -80,6 +90,7 @@ impl<T: NcclType> NcclBuffer<T> {
             lib,
             read: None,
             write: None,
+            leaked: false,
             _type: PhantomData,
         };
         buffer.read = event()?;
@@ -96,6 +107,20 @@ impl<T: NcclType> NcclBuffer<T> {
     /// Whether the buffer has no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Waits until no queued work uses the buffer: its last recorded read and write, or, in a
+    /// context without event tracking, everything on its stream.
+    fn wait_idle(&self) -> Result<()> {
+        let ctx = self.stream.context();
+        ctx.bind_to_thread()?;
+        if ctx.is_event_tracking() {
+            for event in [&self.read, &self.write].into_iter().flatten() {
+                event.synchronize()?;
+            }
+        }
+        self.stream.synchronize()?;
+        Ok(())
     }
 }
 
@@ -142,12 +167,11 @@ impl<T: NcclType> DevicePtrMut<T> for NcclBuffer<T> {
 impl<T: NcclType> Drop for NcclBuffer<T> {
     fn drop(&mut self) {
         // Every recorded use must be finished before the memory goes back to NCCL.
-        let ctx = self.stream.context();
-        let _ = ctx.bind_to_thread();
-        for event in [&self.read, &self.write].into_iter().flatten() {
-            ctx.record_err(event.synchronize());
+        let idle = self.wait_idle();
+        if self.leaked || idle.is_err() {
+            // NCCL may still map it, or queued work may still use it: leak, never free.
+            return;
         }
-        ctx.record_err(self.stream.synchronize());
         // SAFETY: the pointer came from ncclMemAlloc and no queued work uses it any more.
         let _ = unsafe {
             self.lib
@@ -157,18 +181,20 @@ impl<T: NcclType> Drop for NcclBuffer<T> {
     }
 }
 
-/// A buffer registered with a communicator; deregistered when dropped.
-pub struct Registration<'a> {
+/// A buffer registered with a communicator; deregistered when dropped. It borrows the
+/// buffer for its whole life and stands for it in operations (send or receive); see the
+/// [module docs](self).
+pub struct Registration<'a, T: NcclType> {
     comm: &'a Comm,
+    buffer: &'a mut NcclBuffer<T>,
     handle: *mut std::ffi::c_void,
-    bytes: usize,
 }
 
-impl std::fmt::Debug for Registration<'_> {
+impl<T: NcclType> std::fmt::Debug for Registration<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registration")
             .field("rank", &self.comm.rank())
-            .field("bytes", &self.bytes)
+            .field("buffer", &self.buffer)
             .finish()
     }
 }
@@ -176,11 +202,12 @@ impl std::fmt::Debug for Registration<'_> {
 impl Comm {
     /// Registers `buffer` with this communicator for zero-copy transfers
     /// (`ncclCommRegister`, NCCL 2.19). Local: no other rank takes part, but if one rank
-    /// uses registered buffers in an operation, all must.
+    /// uses registered buffers in an operation, all must. Use the returned registration
+    /// where the buffer would go.
     pub fn register<'a, T: NcclType>(
         &'a self,
-        buffer: &'a NcclBuffer<T>,
-    ) -> Result<Registration<'a>> {
+        buffer: &'a mut NcclBuffer<T>,
+    ) -> Result<Registration<'a, T>> {
         self.library()
             .require("ncclCommRegister", Version::new(2, 19, 0))?;
         self.check_context(buffer.stream.context(), "the buffer")?;
@@ -192,35 +219,90 @@ impl Comm {
         unsafe { comm_call!(self, |raw| ncclCommRegister(raw, base, bytes, &mut handle)) }?;
         Ok(Registration {
             comm: self,
+            buffer,
             handle,
-            bytes,
         })
     }
 }
 
-impl Registration<'_> {
-    /// Deregisters now, reporting an error instead of ignoring it as `Drop` does.
-    pub fn deregister(mut self) -> Result<()> {
-        let result = self.deregister_raw();
-        self.handle = std::ptr::null_mut();
-        result
+impl<'a, T: NcclType> Registration<'a, T> {
+    /// Deregisters now (`ncclCommDeregister`), after the buffer's queued work, reporting
+    /// what `Drop` would ignore. On failure the registration comes back with the error, as
+    /// rusqlite's `close` does: try again, or drop it (the buffer is then never freed).
+    #[allow(clippy::result_large_err)] // rusqlite's shape; called once per registration
+    pub fn deregister(mut self) -> std::result::Result<(), (Self, Error)> {
+        match self.deregister_raw() {
+            Ok(()) => {
+                self.handle = std::ptr::null_mut();
+                Ok(())
+            }
+            Err(err) => Err((self, err)),
+        }
     }
 
-    fn deregister_raw(&self) -> Result<()> {
+    /// The registered buffer, for reading its length or stream.
+    pub fn buffer(&self) -> &NcclBuffer<T> {
+        self.buffer
+    }
+
+    fn deregister_raw(&mut self) -> Result<()> {
         if self.handle.is_null() {
             return Ok(());
         }
+        // Deregistration must not race work still queued on the buffer.
+        self.buffer.wait_idle()?;
         let lib = self.comm.library();
-        let status = self.comm.with_raw("ncclCommDeregister", |raw| {
-            // SAFETY: the handle came from ncclCommRegister on this live communicator.
-            unsafe { lib.api().ncclCommDeregister(raw, self.handle) }
-        })?;
+        let handle = self.handle;
+        // An aborted or destroyed communicator freed its registrations: nothing to call, and
+        // with_raw says so without touching the handle.
+        let status = match self.comm.with_raw("ncclCommDeregister", |raw| {
+            // SAFETY: the handle came from ncclCommRegister on this live communicator and no
+            // queued work uses the buffer.
+            unsafe { lib.api().ncclCommDeregister(raw, handle) }
+        }) {
+            Ok(status) => status,
+            Err(err) if self.comm.shared().lock().ptr.is_null() => {
+                self.handle = std::ptr::null_mut();
+                return Err(err);
+            }
+            Err(err) => return Err(err),
+        };
         lib.check("ncclCommDeregister", status)
     }
 }
 
-impl Drop for Registration<'_> {
+impl<T: NcclType> DeviceSlice<T> for Registration<'_, T> {
+    fn len(&self) -> usize {
+        self.buffer.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.buffer.stream
+    }
+}
+
+impl<T: NcclType> DevicePtr<T> for Registration<'_, T> {
+    fn device_ptr<'b>(
+        &'b self,
+        stream: &'b CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
+        self.buffer.device_ptr(stream)
+    }
+}
+
+impl<T: NcclType> DevicePtrMut<T> for Registration<'_, T> {
+    fn device_ptr_mut<'b>(
+        &'b mut self,
+        stream: &'b CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
+        self.buffer.device_ptr_mut(stream)
+    }
+}
+
+impl<T: NcclType> Drop for Registration<'_, T> {
     fn drop(&mut self) {
-        let _ = self.deregister_raw();
+        if self.deregister_raw().is_err() && !self.handle.is_null() {
+            // NCCL may still map the buffer: it must never go back to the allocator.
+            self.buffer.leaked = true;
+        }
     }
 }

@@ -205,10 +205,10 @@ fn nccl_memory_registered_all_reduce() {
         comm.stream().memcpy_htod(&data, buf).unwrap();
     }
     {
-        let registrations: Vec<_> = ranks
+        let mut registrations: Vec<_> = ranks
             .comms
             .iter()
-            .zip(&bufs)
+            .zip(bufs.iter_mut())
             .map(|(comm, buf)| comm.register(buf).unwrap())
             .collect();
         assert_eq!(registrations.len(), n);
@@ -217,23 +217,42 @@ fn nccl_memory_registered_all_reduce() {
             .iter()
             .map(|c| c.stream().alloc_zeros(len).unwrap())
             .collect();
+        // A registered buffer as the send buffer...
         let mut group = Group::start().unwrap();
-        for ((comm, buf), out) in ranks.comms.iter().zip(&bufs).zip(outs.iter_mut()) {
+        for ((comm, reg), out) in ranks.comms.iter().zip(&registrations).zip(outs.iter_mut()) {
             group
-                .enqueue(comm, Operation::all_reduce(buf, out, ReduceOp::Sum))
+                .enqueue(comm, Operation::all_reduce(reg, out, ReduceOp::Sum))
                 .unwrap();
         }
         group.finish().unwrap();
         ranks.sync();
+        let want = |i: usize| -> f32 { (0..n).map(|r| (r * 3 + i % 11) as f32).sum() };
         for (comm, out) in ranks.comms.iter().zip(&outs) {
             let got = comm.stream().clone_dtoh(out).unwrap();
             for (i, v) in got.iter().enumerate() {
-                let want: f32 = (0..n).map(|r| (r * 3 + i % 11) as f32).sum();
-                assert_eq!(*v, want, "rank {} element {i}", comm.rank());
+                assert_eq!(*v, want(i), "rank {} element {i}", comm.rank());
+            }
+        }
+        // ... and as the receive buffer, in place.
+        let mut group = Group::start().unwrap();
+        for (comm, reg) in ranks.comms.iter().zip(registrations.iter_mut()) {
+            group
+                .enqueue(comm, Operation::all_reduce_in_place(reg, ReduceOp::Max))
+                .unwrap();
+        }
+        group.finish().unwrap();
+        ranks.sync();
+        for (comm, reg) in ranks.comms.iter().zip(&registrations) {
+            let got = comm.stream().clone_dtoh(reg).unwrap();
+            for (i, v) in got.iter().enumerate() {
+                let max = ((n - 1) * 3 + i % 11) as f32;
+                assert_eq!(*v, max, "in place, rank {} element {i}", comm.rank());
             }
         }
         for registration in registrations {
-            registration.deregister().unwrap();
+            registration
+                .deregister()
+                .unwrap_or_else(|(_, err)| panic!("deregister: {err}"));
         }
     }
 }
