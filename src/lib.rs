@@ -37,17 +37,38 @@
 //! | loading, versions | [`library`] | [`version`], [`Version`], [`library::load_from`] |
 //! | errors | [`error`] | [`Error`], [`ResultCode`] |
 //! | unique id | [`id`] | [`UniqueId`] |
-//! | communicator | [`comm`] | [`Comm`] |
+//! | communicator: create, split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`] |
 //! | configuration | [`config`] | [`CommConfig`] |
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
-//! | collectives | [`collectives`] | [`Operation`], [`Comm::all_reduce`], ... |
+//! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups | [`group`] | [`Group`] |
-//! | failures: timeouts, abort, revoke, shrink, grow | [`fault`] | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`] |
+//! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
+//! # Words used here, one meaning each
+//!
+//! * **raw handle**: NCCL's `ncclComm_t`. It has one owner, the communicator's shared state
+//!   (`comm/state.rs`), and leaves it exactly once, through destroy or abort.
+//! * **[`AbortHandle`]**: a clonable capability to abort a communicator from another thread.
+//! * **operation**: one NCCL call with its buffers ([`Operation`]): a collective (all-reduce,
+//!   broadcast, ...) or a point-to-point transfer (send, receive).
+//! * **the communicator's stream**: where a [`Comm`]'s operations run unless a call names
+//!   another ([`Comm::stream`]). **A default stream** is only ever CUDA's: the stream a
+//!   context has without creating one (`CudaContext::default_stream`).
+//! * **failure**: why a communicator can no longer run operations (marked failed, revoked,
+//!   aborted), recorded with who acted and why; its calls then return it as their error.
+//! * **in progress**: NCCL's `ncclInProgress`: a nonblocking communicator still finishing a
+//!   call. Nothing else may be called on it, and no CUDA work may go to its streams, until it
+//!   is **ready** again ([`Comm::wait_ready`]).
+//! * **check** turns a status NCCL returned into a `Result`; **complete** finishes a call on
+//!   a communicator (check, then wait until ready); **synchronize** waits for the work queued
+//!   on a stream, watching the communicator's asynchronous error meanwhile.
+//! * **launch**: only the bootstrap's sense, how processes were started ([`bootstrap::Launch`]);
+//!   handing an operation to NCCL is **dispatch**.
+
 //! # Safety guarantees
 //!
 //! Every operation is validated before NCCL sees it: buffer lengths against NCCL's count

@@ -102,7 +102,7 @@ impl Comm {
             // The parent settles when every member has joined the child, so the wait is the
             // child's creation timeout, not the parent's (which may be short, for detecting
             // failures).
-            Ok(_) => match self.settle(call, child_config.ready_timeout()) {
+            Ok(_) => match self.poll_in_progress(call, Some(child_config.ready_timeout()), false) {
                 Ok(code) => code,
                 Err(err) => {
                     // NCCL's job may still write the slot and read the argument.
@@ -209,7 +209,9 @@ impl Comm {
             // As in `create_child`: NCCL's jobs write the children and keep the parents in
             // progress until done. If a parent never settles, the slots stay allocated.
             for parent in comms {
-                if let Err(err) = parent.settle("ncclCommSplit", parent.ready_timeout) {
+                if let Err(err) =
+                    parent.poll_in_progress("ncclCommSplit", Some(parent.ready_timeout), false)
+                {
                     std::mem::forget(children);
                     return Err(err);
                 }

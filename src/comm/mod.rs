@@ -114,7 +114,8 @@ impl Comm {
         self.device
     }
 
-    /// The communicator's default stream.
+    /// The communicator's stream: where its operations run unless a call names another
+    /// (not to be confused with a CUDA context's default stream, which it often is).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }

@@ -18,18 +18,38 @@ impl Comm {
     /// Returns early with the failure if the communicator was aborted, revoked or reported
     /// failed by an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog).
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        match self.poll_in_progress("the communicator to become ready", Some(timeout), true)? {
+            ResultCode::Success => Ok(()),
+            code => Err(self.lib.error("ncclCommGetAsyncError", code)),
+        }
+    }
+
+    /// The one polling loop: reads `ncclCommGetAsyncError` until the communicator is no longer
+    /// in progress, and returns its state then (success or the error it reports). With
+    /// `stop_at_failure`, a failure recorded meanwhile (abort, revoke, watchdog) ends the wait
+    /// with its error; without, the wait goes on for NCCL's jobs that still finish on a failed
+    /// communicator (shrink). `what` names what is awaited, for the timeout error.
+    pub(crate) fn poll_in_progress(
+        &self,
+        what: &str,
+        timeout: Option<Duration>,
+        stop_at_failure: bool,
+    ) -> Result<ResultCode> {
         let start = Instant::now();
         let mut backoff = Backoff::new();
         loop {
-            self.check_failure("Comm::wait_ready")?;
-            match self.async_code()? {
-                ResultCode::Success => return Ok(()),
-                ResultCode::InProgress => {}
-                code => return Err(self.lib.error("ncclCommGetAsyncError", code)),
+            let code = if stop_at_failure {
+                self.check_failure("Comm::wait_ready")?;
+                self.async_code()?
+            } else {
+                self.async_code_raw()?
+            };
+            if code != ResultCode::InProgress {
+                return Ok(code);
             }
-            if start.elapsed() >= timeout {
+            if timeout.is_some_and(|limit| start.elapsed() >= limit) {
                 return Err(Error::Timeout {
-                    what: format!("communicator rank {} to become ready", self.rank),
+                    what: format!("{what} on rank {}", self.rank),
                     waited: start.elapsed(),
                 });
             }
@@ -95,23 +115,13 @@ impl Comm {
         let mut backoff = Backoff::new();
         // NCCL forbids CUDA work on the communicator's streams while it is in progress (only
         // possible here after an earlier call timed out): wait for it first, issuing nothing.
-        loop {
-            self.check_failure("Comm::synchronize")?;
-            match self.async_code()? {
-                ResultCode::Success => break,
-                ResultCode::InProgress => {}
-                code => return Err(self.lib.error("ncclCommGetAsyncError", code)),
-            }
-            if expired(start) {
-                return Err(Error::Timeout {
-                    what: format!(
-                        "communicator rank {} to finish its last call before synchronizing",
-                        self.rank
-                    ),
-                    waited: start.elapsed(),
-                });
-            }
-            backoff.wait();
+        let code = self.poll_in_progress(
+            "the communicator to finish its last call before synchronizing",
+            timeout,
+            true,
+        )?;
+        if code != ResultCode::Success {
+            return Err(self.lib.error("ncclCommGetAsyncError", code));
         }
         let done = stream.record_event(None)?;
         loop {
@@ -127,27 +137,6 @@ impl Comm {
             if expired(start) {
                 return Err(Error::Timeout {
                     what: format!("work on the stream of rank {}", self.rank),
-                    waited: start.elapsed(),
-                });
-            }
-            backoff.wait();
-        }
-    }
-
-    /// Waits until the communicator is no longer in progress and returns its state then
-    /// (success, or the error it reports). Unlike [`Comm::wait_ready`], an error state is a
-    /// result here: after a failure NCCL's jobs (shrink) still finish on a failed parent.
-    pub(crate) fn settle(&self, call: &'static str, timeout: Duration) -> Result<ResultCode> {
-        let start = Instant::now();
-        let mut backoff = Backoff::new();
-        loop {
-            let code = self.async_code_raw()?;
-            if code != ResultCode::InProgress {
-                return Ok(code);
-            }
-            if start.elapsed() >= timeout {
-                return Err(Error::Timeout {
-                    what: format!("{call} on rank {} to complete", self.rank),
                     waited: start.elapsed(),
                 });
             }

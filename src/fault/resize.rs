@@ -140,8 +140,12 @@ impl Comm {
                 )?;
             }
         }
-        self.settle("ncclCommRevoke", self.ready_timeout())
-            .map(drop)
+        self.poll_in_progress(
+            "ncclCommRevoke to complete",
+            Some(self.ready_timeout()),
+            false,
+        )
+        .map(drop)
     }
 
     /// Builds a communicator of the surviving ranks (`ncclCommShrink`, NCCL 2.27): every
