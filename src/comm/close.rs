@@ -71,18 +71,12 @@ impl Comm {
     /// Aborting a communicator that an [`AbortHandle`](crate::AbortHandle) or a
     /// [`Watchdog`](crate::Watchdog) already aborted is a no-op that returns `Ok`.
     pub fn abort(self) -> Result<()> {
-        let raw = {
-            let mut state = self.shared.lock();
-            if state.ptr.is_null() {
-                // Only another thread can have released it: `self` is still owned here.
-                return Ok(());
-            }
-            state.take(Failure::owner(FailureState::Released))
-        };
-        let _ = self.stream.context().bind_to_thread();
-        // SAFETY: the handle was taken out of the core, so no one else can use it.
-        let status = unsafe { self.lib.api().ncclCommAbort(raw) };
-        self.lib.check("ncclCommAbort", status)
+        // Already released means another thread did it: `self` is still owned here.
+        self.shared.lock().abort(
+            self.lib,
+            self.stream.context(),
+            Failure::owner(FailureState::Released),
+        )
     }
 }
 
@@ -110,16 +104,12 @@ impl Drop for Comm {
                 siblings.timed_out();
             }
         }
-        let raw = self
-            .shared
-            .lock()
-            .take(Failure::owner(FailureState::Released));
-        if !raw.is_null() {
-            let _ = self.stream.context().bind_to_thread();
-            // SAFETY: the handle was taken out of the core, so no one else can use it; abort
-            // never waits for peers.
-            let _ = unsafe { self.lib.api().ncclCommAbort(raw) };
-        }
+        // Errors have nowhere to go from a drop; the handle is gone either way.
+        let _ = self.shared.lock().abort(
+            self.lib,
+            self.stream.context(),
+            Failure::owner(FailureState::Released),
+        );
     }
 }
 

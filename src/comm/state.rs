@@ -9,10 +9,11 @@ use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use cudarc::driver::DriverError;
+use cudarc::driver::{CudaContext, DriverError};
 use nccl_sys::ncclComm_t;
 
 use crate::error::{Error, Result, ResultCode};
+use crate::library::Library;
 
 /// The raw handle, shared with the handles that may outlive a borrow of the `Comm` (abort
 /// handles, watchdogs). The mutex serialises every NCCL call on the communicator and guards
@@ -123,6 +124,33 @@ impl State {
         self.deferred = None;
         self.record(failure.state, failure);
         raw
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): takes the raw handle out, recording
+    /// `failure` as its release, and hands it to NCCL, which frees it without waiting for
+    /// peers. Does nothing if it was already released. The one place a live communicator is
+    /// aborted (owner, drop, abort handle, watchdog).
+    pub(crate) fn abort(
+        &mut self,
+        lib: &Library,
+        ctx: &CudaContext,
+        failure: Failure,
+    ) -> Result<()> {
+        let raw = self.take(Failure {
+            state: FailureState::Released,
+            ..failure
+        });
+        if raw.is_null() {
+            return Ok(());
+        }
+        // Best effort: NCCL finds its device itself, but its cleanup may use the current
+        // context.
+        let _ = ctx.bind_to_thread();
+        // SAFETY: the handle was taken out of the state under its lock, so no other call can
+        // use it. An abort from another thread additionally needs a nonblocking communicator
+        // that no group holds, which its callers check (see `crate::fault`).
+        let status = unsafe { lib.api().ncclCommAbort(raw) };
+        lib.check("ncclCommAbort", status)
     }
 
     /// Records a failure; an earlier one keeps its cause and author, and the state only

@@ -94,24 +94,7 @@ pub(crate) fn run_action(
             state.record(FailureState::Failed, failure);
             Ok(())
         }
-        Action::Abort => {
-            let raw = state.take(Failure {
-                state: FailureState::Released,
-                ..failure
-            });
-            if raw.is_null() {
-                return Ok(());
-            }
-            // Best effort: NCCL finds its device itself, but its cleanup may use the
-            // current context.
-            let _ = ctx.bind_to_thread();
-            // SAFETY: the handle was taken out of the shared state under its lock, so no
-            // other thread can use it; the communicator is nonblocking (checked when the
-            // abort handle or watchdog was made) and no group holds it (`open_groups == 0`),
-            // as NCCL requires for an abort from another thread.
-            let status = unsafe { lib.api().ncclCommAbort(raw) };
-            lib.check("ncclCommAbort", status)
-        }
+        Action::Abort => state.abort(lib, ctx, failure),
         Action::Revoke => {
             // SAFETY: live handle under its lock; the flags must be NCCL_REVOKE_DEFAULT.
             let status = unsafe {
@@ -207,22 +190,10 @@ impl Comm {
             Error::Timeout { waited, .. } => *waited,
             _ => Duration::ZERO,
         };
-        let mut state = self.shared().lock();
-        let aborted = act(
-            &mut state,
-            self.library(),
-            self.context(),
-            Action::Abort,
-            Failure {
-                state: FailureState::Released,
-                by: Actor::Owner,
-                cause: Cause::Stalled {
-                    what: "a nonblocking call to complete",
-                    waited,
-                },
-            },
-        );
-        drop(state);
+        let aborted = self.abort_in_place(Cause::Stalled {
+            what: "a nonblocking call to complete",
+            waited,
+        });
         match (err, aborted) {
             (Error::Timeout { what, waited }, Ok(_)) => Error::Timeout {
                 what: format!(
@@ -235,9 +206,9 @@ impl Comm {
         }
     }
 
-    /// `ncclCommAbort` by the owner without giving up the `Comm`: later calls on it fail,
-    /// and dropping it does nothing.
-    pub(crate) fn abort_in_place(&self) -> Result<AbortOutcome> {
+    /// `ncclCommAbort` by the owner without giving up the `Comm`: later calls on it fail
+    /// with `cause`, and dropping it does nothing.
+    pub(crate) fn abort_in_place(&self, cause: Cause) -> Result<AbortOutcome> {
         let mut state = self.shared().lock();
         act(
             &mut state,
@@ -247,7 +218,7 @@ impl Comm {
             Failure {
                 state: FailureState::Released,
                 by: Actor::Owner,
-                cause: Cause::Requested,
+                cause,
             },
         )
     }

@@ -9,7 +9,7 @@ use nccl_sys::ncclComm_t;
 
 use super::abort::run_action;
 use super::{GROW_SINCE, REVOKE_SINCE, SHRINK_SINCE};
-use crate::comm::state::{Action, Failure, FailureState};
+use crate::comm::state::{Action, Cause, Failure, FailureState};
 use crate::comm::{comm_call, rank_and_size, Comm};
 use crate::config::{CommConfig, RawConfig};
 use crate::error::{Error, Result};
@@ -251,7 +251,7 @@ impl Comm {
         let shrink_error = match self.shrink(failed, ShrinkMode::Abort, config) {
             Ok(comm) => {
                 // The parent's resources are still held; NCCL leaves freeing them to us.
-                let _ = self.abort_in_place();
+                let _ = self.abort_in_place(Cause::Requested);
                 return Ok(Recovered {
                     comm,
                     shrink_error: None,
@@ -261,7 +261,7 @@ impl Comm {
         };
         // Its kernels may still spin on the stream the new communicator will use: abort them
         // first. The parent is dead either way; what its abort reports changes nothing.
-        let _ = self.abort_in_place();
+        let _ = self.abort_in_place(Cause::Requested);
         let fresh = if survivor.rank == 0 {
             Some(UniqueId::new()?)
         } else {
