@@ -11,199 +11,16 @@
 //! events would be recorded before NCCL has actually enqueued the work. The group keeps every
 //! buffer borrowed, and records their events, only after `ncclGroupEnd`.
 
-use std::cell::Cell;
-use std::marker::PhantomData;
-
 use cudarc::driver::{CudaStream, SyncOnDrop};
 
 use crate::collectives::{dispatch, Operation};
-use crate::comm::Comm;
+use crate::comm::{Comm, Membership};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::{self, Library};
-
-thread_local! {
-    static OPEN_GROUPS: Cell<u32> = const { Cell::new(0) };
-}
-
-/// Whether a group opened by this crate is active on the calling thread.
-#[inline]
-pub fn is_open() -> bool {
-    OPEN_GROUPS.with(|open| open.get() > 0)
-}
-
-/// Fails if a group is open on this thread; `what` names the refused call.
-#[inline]
-pub(crate) fn ensure_outside(what: &str) -> Result<()> {
-    if is_open() {
-        return Err(group_open_error(what));
-    }
-    Ok(())
-}
-
-#[cold]
-#[inline(never)]
-fn group_open_error(what: &str) -> Error {
-    Error::usage(format!(
-        "{what} called while a Group is open on this thread: enqueue through the Group (or \
-         finish it first)"
-    ))
-}
-
-/// A started `ncclGroupStart` that is ended exactly once, by `end` or on drop.
-pub(crate) struct RawGroup {
-    lib: &'static Library,
-    open: bool,
-    _thread_bound: PhantomData<*const ()>,
-}
-
-impl RawGroup {
-    pub(crate) fn start(lib: &'static Library) -> Result<Self> {
-        if is_open() {
-            return Err(Error::usage(
-                "a Group is already open on this thread; NCCL groups here do not nest",
-            ));
-        }
-        // SAFETY: ncclGroupStart only updates this thread's group depth.
-        let status = unsafe { lib.api().ncclGroupStart() };
-        lib.check("ncclGroupStart", status)?;
-        OPEN_GROUPS.with(|open| open.set(open.get() + 1));
-        Ok(Self {
-            lib,
-            open: true,
-            _thread_bound: PhantomData,
-        })
-    }
-
-    /// Ends the group; `Ok(true)` means nonblocking communicators are still progressing.
-    pub(crate) fn end(&mut self) -> Result<bool> {
-        if !self.open {
-            return Ok(false);
-        }
-        self.open = false;
-        OPEN_GROUPS.with(|open| open.set(open.get().saturating_sub(1)));
-        // SAFETY: matches the ncclGroupStart of `start` on this same thread (the type is
-        // neither Send nor Sync).
-        let status = unsafe { self.lib.api().ncclGroupEnd() };
-        self.lib.check_pending("ncclGroupEnd", status)
-    }
-
-    pub(crate) fn end_ignoring_errors(&mut self) {
-        let _ = self.end();
-    }
-}
-
-impl Drop for RawGroup {
-    fn drop(&mut self) {
-        self.end_ignoring_errors();
-    }
-}
-
-/// Marks communicators as members of a group open on this thread until [`Membership::leave`]
-/// (or drop): an abort or revoke requested from another thread meanwhile is carried out
-/// when the group has ended, because NCCL forbids aborting a communicator while a thread is
-/// inside a call on it (see [`crate::fault`]).
-pub(crate) struct Membership<'c> {
-    comms: InlineList<&'c Comm, 8>,
-    /// Until `leave`: the communicators are still marked as members.
-    entered: bool,
-}
-
-impl<'c> Membership<'c> {
-    pub(crate) fn enter(comms: impl IntoIterator<Item = &'c Comm>) -> Self {
-        let mut membership = Self {
-            comms: InlineList::new(),
-            entered: true,
-        };
-        for comm in comms {
-            membership.add(comm);
-        }
-        membership
-    }
-
-    /// Adds `comm` unless it is already a member.
-    pub(crate) fn add(&mut self, comm: &'c Comm) {
-        if !self
-            .comms
-            .iter()
-            .any(|c| c.shared_ptr() == comm.shared_ptr())
-        {
-            comm.group_enter();
-            self.comms.push(comm);
-        }
-    }
-
-    /// The members, in the order they joined.
-    pub(crate) fn comms(&self) -> impl Iterator<Item = &'c Comm> + '_ {
-        self.comms.iter().copied()
-    }
-
-    /// Ends the membership of every communicator, carrying out deferred aborts; returns the
-    /// first failure found on a member (as the error of `call`). Only the first call acts.
-    pub(crate) fn leave(&mut self, call: &'static str) -> Option<Error> {
-        if !std::mem::replace(&mut self.entered, false) {
-            return None;
-        }
-        let mut first = None;
-        for comm in self.comms.iter() {
-            if let Some(err) = comm.group_leave(call) {
-                first.get_or_insert(err);
-            }
-        }
-        first
-    }
-}
-
-impl Drop for Membership<'_> {
-    fn drop(&mut self) {
-        self.leave("Group");
-    }
-}
-
-/// A list that keeps its first `N` items in place and only spills further ones to the heap:
-/// most groups hold a few operations on a few communicators, and allocating for each group
-/// would cost more than all of its bookkeeping.
-pub(crate) struct InlineList<T, const N: usize> {
-    inline: [Option<T>; N],
-    len: usize,
-    spilled: Vec<T>,
-}
-
-impl<T, const N: usize> InlineList<T, N> {
-    pub(crate) fn new() -> Self {
-        Self {
-            inline: std::array::from_fn(|_| None),
-            len: 0,
-            spilled: Vec::new(),
-        }
-    }
-
-    pub(crate) fn push(&mut self, item: T) {
-        match self.inline.get_mut(self.len) {
-            Some(slot) => *slot = Some(item),
-            None => self.spilled.push(item),
-        }
-        self.len += 1;
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    /// The items in the order they were pushed.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
-        self.inline.iter().flatten().chain(&self.spilled)
-    }
-
-    /// Drops every item, in the order they were pushed.
-    pub(crate) fn clear(&mut self) {
-        for slot in &mut self.inline {
-            *slot = None;
-        }
-        self.spilled.clear();
-        self.len = 0;
-    }
-}
+use crate::inline_list::InlineList;
+use crate::library;
+pub use crate::thread_group::is_open;
+use crate::thread_group::RawGroup;
 
 /// An open NCCL group; see the [module docs](self).
 ///
@@ -240,7 +57,7 @@ pub struct Group<'g> {
 impl std::fmt::Debug for Group<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Group")
-            .field("open", &self.raw.open)
+            .field("open", &self.raw.is_open())
             .field("communicators", &self.membership.comms().count())
             .field("buffers", &self.guards.len())
             .finish()
@@ -272,7 +89,7 @@ impl<'g> Group<'g> {
         stream: &'g CudaStream,
         call: Operation<'g, T>,
     ) -> Result<()> {
-        if !self.raw.open {
+        if !self.raw.is_open() {
             return Err(Error::usage("the group has already ended"));
         }
         if let Some(first) = self.membership.comms().next() {
@@ -310,7 +127,7 @@ impl<'g> Group<'g> {
     /// Ends the group once; see [`Group::finish`]. Dropping an unfinished group ends it the
     /// same way, so the guards never record events on a stream NCCL still owns.
     fn end(&mut self) -> Result<()> {
-        if !self.raw.open {
+        if !self.raw.is_open() {
             return Ok(());
         }
         let ended = self.raw.end();
@@ -350,45 +167,5 @@ impl Drop for Group<'_> {
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         let _ = self.end();
         self.guards.clear();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn inline_list_keeps_order_past_its_inline_room() {
-        let mut list: InlineList<String, 2> = InlineList::new();
-        for i in 0..5 {
-            list.push(i.to_string());
-        }
-        assert_eq!(list.len(), 5);
-        assert_eq!(
-            list.iter().cloned().collect::<Vec<_>>(),
-            ["0", "1", "2", "3", "4"]
-        );
-        list.clear();
-        assert_eq!(list.len(), 0);
-        assert_eq!(list.iter().count(), 0);
-        list.push("again".into());
-        assert_eq!(list.iter().collect::<Vec<_>>(), ["again"]);
-    }
-
-    #[test]
-    fn outside_check_reflects_open_groups() {
-        assert!(!is_open());
-        assert!(ensure_outside("x").is_ok());
-        OPEN_GROUPS.with(|open| open.set(1));
-        let err = ensure_outside("ncclAllReduce").unwrap_err().to_string();
-        assert!(
-            err.contains("ncclAllReduce called while a Group is open"),
-            "{err}"
-        );
-        OPEN_GROUPS.with(|open| open.set(0));
-        // Other threads have their own state.
-        OPEN_GROUPS.with(|open| open.set(1));
-        std::thread::spawn(|| assert!(!is_open())).join().unwrap();
-        OPEN_GROUPS.with(|open| open.set(0));
     }
 }

@@ -103,10 +103,12 @@ pub mod error;
 pub mod fault;
 pub mod group;
 pub mod id;
+mod inline_list;
 pub mod library;
 pub mod memory;
 pub mod op;
 pub mod p2p;
+mod thread_group;
 
 pub use collectives::Operation;
 pub use comm::Comm;

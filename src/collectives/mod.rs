@@ -44,8 +44,8 @@ pub use operation::Operation;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::Result;
-use crate::group;
 use crate::op::Reduction;
+use crate::thread_group;
 
 impl Comm {
     /// Enqueues `call` on the communicator's stream.
@@ -60,7 +60,7 @@ impl Comm {
         stream: &CudaStream,
         call: Operation<'_, T>,
     ) -> Result<()> {
-        group::ensure_outside(call.kind.name())?;
+        thread_group::ensure_outside(call.kind.name())?;
         dispatch(self, stream, call, false, drop)
     }
 }

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
-use super::{Comm, Siblings};
+use super::{Comm, Membership, Siblings};
 use crate::config::{CommConfig, RawConfig};
 use crate::error::{Error, Result, ResultCode};
-use crate::group;
 use crate::library::Version;
+use crate::thread_group;
 
 impl Comm {
     /// Splits the communicator (`ncclCommSplit`, NCCL 2.18). Ranks passing the same `color`
@@ -35,7 +35,7 @@ impl Comm {
         stream: Arc<CudaStream>,
     ) -> Result<Option<Comm>> {
         self.lib.require("ncclCommSplit", Version::new(2, 18, 0))?;
-        group::ensure_outside("Comm::split")?;
+        thread_group::ensure_outside("Comm::split")?;
         let color = split_color(color)?;
         self.check_stream(&stream, "the split stream")?;
         let child_config = self.child_config(config);
@@ -183,9 +183,9 @@ impl Comm {
             .map(|&color| split_color(color))
             .collect::<Result<Vec<_>>>()?;
         let mut children: Vec<ncclComm_t> = vec![ptr::null_mut(); comms.len()];
-        let mut group = group::RawGroup::start(lib)?;
+        let mut group = thread_group::RawGroup::start(lib)?;
         // Aborts from other threads wait until the group has ended (see `crate::fault`).
-        let _entered = group::Membership::enter(comms.iter());
+        let _entered = Membership::enter(comms.iter());
         for (i, comm) in comms.iter().enumerate() {
             let child = &mut children[i];
             let status = comm.with_raw("ncclCommSplit", |raw| {

@@ -6,8 +6,8 @@ use std::time::Duration;
 use super::state::{Failure, FailureState};
 use super::Comm;
 use crate::error::{Error, Result, ResultCode};
-use crate::group;
 use crate::library::Version;
+use crate::thread_group;
 
 impl Comm {
     /// Flushes all operations and releases network resources (`ncclCommFinalize`, NCCL
@@ -16,7 +16,7 @@ impl Comm {
     pub fn finalize(&self) -> Result<()> {
         self.lib
             .require("ncclCommFinalize", Version::new(2, 14, 0))?;
-        group::ensure_outside("Comm::finalize")?;
+        thread_group::ensure_outside("Comm::finalize")?;
         // SAFETY: live handle under its lock; no other argument.
         unsafe { comm_call!(self, |raw| ncclCommFinalize(raw)) }
     }

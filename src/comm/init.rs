@@ -14,9 +14,9 @@ use super::state::Shared;
 use super::{Comm, Siblings, DEFAULT_DROP_TIMEOUT};
 use crate::config::CommConfig;
 use crate::error::{Error, Result, ResultCode};
-use crate::group;
 use crate::id::UniqueId;
 use crate::library::{self, Library};
+use crate::thread_group;
 
 impl Comm {
     /// Joins the communicator named by `id` as `rank` of `size`, on the device of `stream`
@@ -43,7 +43,7 @@ impl Comm {
         config: &CommConfig,
     ) -> Result<Comm> {
         let lib = library::get()?;
-        group::ensure_outside("Comm::init_rank")?;
+        thread_group::ensure_outside("Comm::init_rank")?;
         let (my_rank, nranks) = rank_and_size(rank, size)?;
         let mut raw_config = config.to_raw(lib)?;
         stream.context().bind_to_thread()?;
@@ -88,7 +88,7 @@ impl Comm {
     /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
     pub fn init_all(streams: &[Arc<CudaStream>]) -> Result<Vec<Comm>> {
         let lib = library::get()?;
-        group::ensure_outside("Comm::init_all")?;
+        thread_group::ensure_outside("Comm::init_all")?;
         if streams.is_empty() {
             return Err(Error::invalid("init_all needs at least one stream"));
         }

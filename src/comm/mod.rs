@@ -49,6 +49,7 @@ pub(crate) use comm_call;
 mod child;
 mod close;
 mod init;
+mod membership;
 pub(crate) mod state;
 mod wait;
 
@@ -62,6 +63,7 @@ use nccl_sys::ncclComm_t;
 
 pub(crate) use close::Siblings;
 pub(crate) use init::rank_and_size;
+pub(crate) use membership::Membership;
 pub(crate) use state::Shared;
 
 use crate::error::{Error, Result};

@@ -13,9 +13,9 @@ use crate::comm::state::{Action, Cause, Failure, FailureState};
 use crate::comm::{comm_call, rank_and_size, Comm};
 use crate::config::{CommConfig, RawConfig};
 use crate::error::{Error, Result};
-use crate::group;
 use crate::id::{UniqueId, UNIQUE_ID_BYTES};
 use crate::library;
+use crate::thread_group;
 
 /// A survivor's place in the communicator that [`Comm::recover`] builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,7 +121,7 @@ impl Comm {
     /// This is a local call: each rank revokes its own communicator.
     pub fn revoke(&self) -> Result<()> {
         self.library().require("ncclCommRevoke", REVOKE_SINCE)?;
-        group::ensure_outside("Comm::revoke")?;
+        thread_group::ensure_outside("Comm::revoke")?;
         {
             let mut state = self.shared().lock();
             state.usable_for("ncclCommRevoke", self.rank())?;
@@ -165,7 +165,7 @@ impl Comm {
     ) -> Result<Comm> {
         let lib = self.library();
         lib.require("ncclCommShrink", SHRINK_SINCE)?;
-        group::ensure_outside("Comm::shrink")?;
+        thread_group::ensure_outside("Comm::shrink")?;
         let mut list = exclude_list(exclude, self.rank(), self.size())?;
         let count =
             c_int::try_from(list.len()).map_err(|_| Error::invalid("too many ranks to exclude"))?;
@@ -244,7 +244,7 @@ impl Comm {
         config: Option<&CommConfig>,
         share_id: impl FnOnce(Survivor, Option<UniqueId>) -> Result<UniqueId>,
     ) -> Result<Recovered> {
-        group::ensure_outside("Comm::recover")?;
+        thread_group::ensure_outside("Comm::recover")?;
         let survivor = survivor_of(self.rank(), self.size(), failed)?;
         let stream = self.stream().clone();
         let child_config = self.child_config(config);
@@ -282,7 +282,7 @@ impl Comm {
     pub fn get_unique_id_for_grow(&self) -> Result<UniqueId> {
         let lib = self.library();
         lib.require("ncclCommGetUniqueId", GROW_SINCE)?;
-        group::ensure_outside("Comm::get_unique_id_for_grow")?;
+        thread_group::ensure_outside("Comm::get_unique_id_for_grow")?;
         let mut id = nccl_sys::ncclUniqueId {
             internal: [0; UNIQUE_ID_BYTES],
         };
@@ -304,7 +304,7 @@ impl Comm {
     ) -> Result<Comm> {
         let lib = self.library();
         lib.require("ncclCommGrow", GROW_SINCE)?;
-        group::ensure_outside("Comm::grow")?;
+        thread_group::ensure_outside("Comm::grow")?;
         let nranks = grow_size(self.size(), new_size)?;
         let child_config = self.child_config(config);
         let mut raw_config = RawConfig::inherit_or(config, lib)?;
@@ -345,7 +345,7 @@ impl Comm {
     ) -> Result<Comm> {
         let lib = library::get()?;
         lib.require("ncclCommGrow", GROW_SINCE)?;
-        group::ensure_outside("Comm::join_grow")?;
+        thread_group::ensure_outside("Comm::join_grow")?;
         let (rank, nranks) = rank_and_size(rank, new_size)?;
         let config = config.cloned().unwrap_or_default();
         let mut raw_config = config.to_raw(lib)?;

@@ -1,0 +1,67 @@
+//! Which communicators sit in a group open on this thread: while they do, an abort or
+//! revoke requested from another thread is deferred until the group has ended.
+
+use super::Comm;
+use crate::error::Error;
+use crate::inline_list::InlineList;
+
+/// Marks communicators as members of a group open on this thread until [`Membership::leave`]
+/// (or drop): an abort or revoke requested from another thread meanwhile is carried out
+/// when the group has ended, because NCCL forbids aborting a communicator while a thread is
+/// inside a call on it (see [`crate::fault`]).
+pub(crate) struct Membership<'c> {
+    comms: InlineList<&'c Comm, 8>,
+    /// Until `leave`: the communicators are still marked as members.
+    entered: bool,
+}
+
+impl<'c> Membership<'c> {
+    pub(crate) fn enter(comms: impl IntoIterator<Item = &'c Comm>) -> Self {
+        let mut membership = Self {
+            comms: InlineList::new(),
+            entered: true,
+        };
+        for comm in comms {
+            membership.add(comm);
+        }
+        membership
+    }
+
+    /// Adds `comm` unless it is already a member.
+    pub(crate) fn add(&mut self, comm: &'c Comm) {
+        if !self
+            .comms
+            .iter()
+            .any(|c| c.shared_ptr() == comm.shared_ptr())
+        {
+            comm.group_enter();
+            self.comms.push(comm);
+        }
+    }
+
+    /// The members, in the order they joined.
+    pub(crate) fn comms(&self) -> impl Iterator<Item = &'c Comm> + '_ {
+        self.comms.iter().copied()
+    }
+
+    /// Ends the membership of every communicator, carrying out deferred aborts; returns the
+    /// first failure found on a member (as the error of `call`). Only the first call acts.
+    pub(crate) fn leave(&mut self, call: &'static str) -> Option<Error> {
+        if !std::mem::replace(&mut self.entered, false) {
+            return None;
+        }
+        let mut first = None;
+        for comm in self.comms.iter() {
+            if let Some(err) = comm.group_leave(call) {
+                first.get_or_insert(err);
+            }
+        }
+        first
+    }
+}
+
+impl Drop for Membership<'_> {
+    fn drop(&mut self) {
+        self.leave("Group");
+    }
+}
