@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::state::{Failure, FailureState};
+use super::state::{Actor, Cause, Failure, FailureState};
 use super::Comm;
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Version;
@@ -77,6 +77,43 @@ impl Comm {
             self.stream.context(),
             Failure::owner(FailureState::Released),
         )
+    }
+
+    /// Called when waiting for this communicator to leave `ncclInProgress` failed (timeout,
+    /// or a failure recorded meanwhile): if it is still in progress, it is aborted, because
+    /// NCCL forbids any CUDA work on its streams until it is ready, and the caller is about
+    /// to record its buffers' events there (cudarc's guards). Returns the error to report,
+    /// which says so.
+    pub(crate) fn abandon_in_progress(&self, err: Error) -> Error {
+        if !matches!(self.async_code_raw(), Ok(ResultCode::InProgress)) {
+            return err;
+        }
+        let waited = match &err {
+            Error::Timeout { waited, .. } => *waited,
+            _ => Duration::ZERO,
+        };
+        let aborted = self.shared.lock().abort(
+            self.lib,
+            self.stream.context(),
+            Failure {
+                state: FailureState::Released,
+                by: Actor::Owner,
+                cause: Cause::Stalled {
+                    what: "a nonblocking call to complete",
+                    waited,
+                },
+            },
+        );
+        match (err, aborted) {
+            (Error::Timeout { what, waited }, Ok(_)) => Error::Timeout {
+                what: format!(
+                    "{what}; the communicator was aborted, since NCCL allows no CUDA work on \
+                     its streams while a call on it is still in progress"
+                ),
+                waited,
+            },
+            (err, _) => err,
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Which communicators sit in a group open on this thread: while they do, an abort or
 //! revoke requested from another thread is deferred until the group has ended.
 
+use super::state::Failure;
 use super::Comm;
 use crate::error::Error;
 use crate::inline_list::InlineList;
@@ -63,5 +64,33 @@ impl<'c> Membership<'c> {
 impl Drop for Membership<'_> {
     fn drop(&mut self) {
         self.leave("Group");
+    }
+}
+
+impl Comm {
+    /// Marks this communicator as part of a group open on this thread.
+    pub(crate) fn group_enter(&self) {
+        let mut state = self.shared.lock();
+        state.open_groups = state.open_groups.saturating_add(1);
+    }
+
+    /// Ends a group membership; runs an abort or revoke deferred meanwhile. Returns the
+    /// communicator's failure, if it has one now, as the error of `call`.
+    pub(crate) fn group_leave(&self, call: &'static str) -> Option<Error> {
+        let mut state = self.shared.lock();
+        state.open_groups = state.open_groups.saturating_sub(1);
+        if state.open_groups == 0 {
+            if let Some(action) = state.deferred.take() {
+                // The failure was recorded when the action was requested; keep it.
+                let failure = state
+                    .failure
+                    .as_deref()
+                    .cloned()
+                    .unwrap_or_else(|| Failure::owner(action.state()));
+                // Errors have nowhere to go: the communicator is marked failed either way.
+                let _ = state.run(self.library(), self.context(), action, failure);
+            }
+        }
+        state.check_failure(call, self.rank()).err()
     }
 }

@@ -153,6 +153,33 @@ impl State {
         lib.check("ncclCommAbort", status)
     }
 
+    /// Carries out `action` now (no group holds the communicator), recording `failure`.
+    pub(crate) fn run(
+        &mut self,
+        lib: &Library,
+        ctx: &CudaContext,
+        action: Action,
+        failure: Failure,
+    ) -> Result<()> {
+        match action {
+            Action::Report => {
+                self.record(FailureState::Failed, failure);
+                Ok(())
+            }
+            Action::Abort => self.abort(lib, ctx, failure),
+            Action::Revoke => {
+                // SAFETY: live handle under its lock; the flags must be NCCL_REVOKE_DEFAULT.
+                let status = unsafe {
+                    lib.api()
+                        .ncclCommRevoke(self.ptr, nccl_sys::NCCL_REVOKE_DEFAULT)
+                };
+                lib.check_pending("ncclCommRevoke", status)?;
+                self.record(FailureState::Revoked, failure);
+                Ok(())
+            }
+        }
+    }
+
     /// Records a failure; an earlier one keeps its cause and author, and the state only
     /// ever gets worse (failed, then revoked, then released).
     pub(crate) fn record(&mut self, state: FailureState, failure: Failure) {

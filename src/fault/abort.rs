@@ -2,14 +2,13 @@
 //! group holds the communicator, and when a nonblocking call never completes.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use cudarc::driver::CudaContext;
 
 use super::require_nonblocking;
 use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
 use crate::comm::{Comm, Shared};
-use crate::error::{Error, Result, ResultCode};
+use crate::error::Result;
 use crate::library::Library;
 
 /// The outcome of [`AbortHandle::abort`].
@@ -75,35 +74,8 @@ pub(crate) fn act(
         Step::Deferred => Ok(AbortOutcome::Deferred),
         Step::Recorded => Ok(AbortOutcome::Aborted),
         Step::Run => {
-            run_action(state, lib, ctx, action, failure)?;
+            state.run(lib, ctx, action, failure)?;
             Ok(AbortOutcome::Aborted)
-        }
-    }
-}
-
-/// Calls NCCL for `action` now (no group is open).
-pub(crate) fn run_action(
-    state: &mut State,
-    lib: &Library,
-    ctx: &CudaContext,
-    action: Action,
-    failure: Failure,
-) -> Result<()> {
-    match action {
-        Action::Report => {
-            state.record(FailureState::Failed, failure);
-            Ok(())
-        }
-        Action::Abort => state.abort(lib, ctx, failure),
-        Action::Revoke => {
-            // SAFETY: live handle under its lock; the flags must be NCCL_REVOKE_DEFAULT.
-            let status = unsafe {
-                lib.api()
-                    .ncclCommRevoke(state.ptr, nccl_sys::NCCL_REVOKE_DEFAULT)
-            };
-            lib.check_pending("ncclCommRevoke", status)?;
-            state.record(FailureState::Revoked, failure);
-            Ok(())
         }
     }
 }
@@ -177,35 +149,6 @@ impl Comm {
         })
     }
 
-    /// Called when waiting for this communicator to leave `ncclInProgress` failed (timeout,
-    /// or a failure recorded meanwhile): if it is still in progress, it is aborted, because
-    /// NCCL forbids any CUDA work on its streams until it is ready, and the caller is about
-    /// to record its buffers' events there (cudarc's guards). Returns the error to report,
-    /// which says so.
-    pub(crate) fn abandon_in_progress(&self, err: Error) -> Error {
-        if !matches!(self.async_code_raw(), Ok(ResultCode::InProgress)) {
-            return err;
-        }
-        let waited = match &err {
-            Error::Timeout { waited, .. } => *waited,
-            _ => Duration::ZERO,
-        };
-        let aborted = self.abort_in_place(Cause::Stalled {
-            what: "a nonblocking call to complete",
-            waited,
-        });
-        match (err, aborted) {
-            (Error::Timeout { what, waited }, Ok(_)) => Error::Timeout {
-                what: format!(
-                    "{what}; the communicator was aborted, since NCCL allows no CUDA work on \
-                     its streams while a call on it is still in progress"
-                ),
-                waited,
-            },
-            (err, _) => err,
-        }
-    }
-
     /// `ncclCommAbort` by the owner without giving up the `Comm`: later calls on it fail
     /// with `cause`, and dropping it does nothing.
     pub(crate) fn abort_in_place(&self, cause: Cause) -> Result<AbortOutcome> {
@@ -221,32 +164,6 @@ impl Comm {
                 cause,
             },
         )
-    }
-
-    /// Marks this communicator as part of a group open on this thread.
-    pub(crate) fn group_enter(&self) {
-        let mut state = self.shared().lock();
-        state.open_groups = state.open_groups.saturating_add(1);
-    }
-
-    /// Ends a group membership; runs an abort or revoke deferred meanwhile. Returns the
-    /// communicator's failure, if it has one now, as the error of `call`.
-    pub(crate) fn group_leave(&self, call: &'static str) -> Option<Error> {
-        let mut state = self.shared().lock();
-        state.open_groups = state.open_groups.saturating_sub(1);
-        if state.open_groups == 0 {
-            if let Some(action) = state.deferred.take() {
-                // The failure was recorded when the action was requested; keep it.
-                let failure = state
-                    .failure
-                    .as_deref()
-                    .cloned()
-                    .unwrap_or_else(|| Failure::owner(action.state()));
-                // Errors have nowhere to go: the communicator is marked failed either way.
-                let _ = run_action(&mut state, self.library(), self.context(), action, failure);
-            }
-        }
-        state.check_failure(call, self.rank()).err()
     }
 }
 

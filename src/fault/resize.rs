@@ -7,7 +7,6 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
-use super::abort::run_action;
 use super::{GROW_SINCE, REVOKE_SINCE, SHRINK_SINCE};
 use crate::comm::state::{Action, Cause, Failure, FailureState};
 use crate::comm::{comm_call, rank_and_size, Comm};
@@ -131,8 +130,7 @@ impl Comm {
                 .is_some_and(|f| f.state >= FailureState::Revoked);
             if !revoked {
                 let _ = self.context().bind_to_thread();
-                run_action(
-                    &mut state,
+                state.run(
                     self.library(),
                     self.context(),
                     Action::Revoke,
