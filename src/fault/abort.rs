@@ -138,7 +138,7 @@ impl Comm {
     /// A handle that aborts this communicator from any thread; see the [module docs](super).
     ///
     /// Only for nonblocking communicators: NCCL does not allow aborting a blocking one from
-    /// another thread ([`Error::InvalidUsage`]).
+    /// another thread ([`Error::InvalidUsage`](crate::Error::InvalidUsage)).
     pub fn abort_handle(&self) -> Result<AbortHandle> {
         require_nonblocking(self, "an abort handle")?;
         Ok(AbortHandle {
