@@ -207,13 +207,14 @@ fn join_from_env(spec: &Spec) -> Comm {
     comm
 }
 
+/// Orderly shutdown: finalize, then destroy.
 fn shut_down(ranks: Ranks) {
     for comm in ranks.comms {
         let rank = comm.rank();
         comm.finalize()
             .unwrap_or_else(|e| panic!("rank {rank}: finalize: {e}"));
         comm.destroy()
-            .unwrap_or_else(|e| panic!("rank {rank}: destroy: {e}"));
+            .unwrap_or_else(|e| panic!("rank {rank}: destroy: {e:?}"));
     }
 }
 

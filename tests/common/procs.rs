@@ -316,8 +316,8 @@ fn forward(
 /// [`GRACE_AFTER_FAILURE`] after another child failed (its peers usually wait for it).
 /// Returns one line per child that did not exit successfully (empty when all did).
 pub fn wait_children(children: &mut Vec<(usize, Child)>, limit: Duration) -> Vec<String> {
-    let start = Instant::now();
-    let mut deadline = start + limit;
+    let limit_at = Instant::now() + limit;
+    let mut grace_at: Option<Instant> = None;
     let mut failed = Vec::new();
     while !children.is_empty() {
         let before = failed.len();
@@ -334,15 +334,20 @@ pub fn wait_children(children: &mut Vec<(usize, Child)>, limit: Duration) -> Vec
                 false
             }
         });
-        if failed.len() > before {
-            deadline = deadline.min(Instant::now() + GRACE_AFTER_FAILURE);
+        let now = Instant::now();
+        if failed.len() > before && grace_at.is_none() {
+            grace_at = Some(now + GRACE_AFTER_FAILURE);
         }
-        if Instant::now() > deadline {
-            let why = if failed.is_empty() {
-                format!("still running after {limit:?}")
-            } else {
-                format!("still running {GRACE_AFTER_FAILURE:?} after another rank failed")
-            };
+        let why = if now > limit_at {
+            Some(format!("still running after {limit:?}"))
+        } else if grace_at.is_some_and(|at| now > at) {
+            Some(format!(
+                "still running {GRACE_AFTER_FAILURE:?} after another rank failed"
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = why {
             for (rank, child) in children.iter_mut() {
                 let _ = child.kill();
                 let _ = child.wait();
