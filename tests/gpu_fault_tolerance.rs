@@ -13,6 +13,10 @@
 //! ```text
 //! cargo test --release --test gpu_fault_tolerance -- --include-ignored --test-threads=1 --nocapture
 //! ```
+//!
+//! Past 600 lines on purpose: each scenario is a parent test and the `child_*` test it
+//! re-executes this binary for, and the children share their setup (`join`, `check_sum`); the
+//! process harness itself is in `common::procs`.
 
 mod common;
 
