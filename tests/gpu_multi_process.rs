@@ -1,42 +1,38 @@
-//! One process per GPU, as under mpirun: the test re-executes its own binary once per rank,
-//! passing the unique id as hex in the environment.
+//! One process per GPU, as under mpirun: the test re-executes its own binary once per rank
+//! (N = every GPU present, N >= 2), passing the unique id as hex in the environment.
 //!
 //! Run on a GPU host with `cargo test --test gpu_multi_process -- --include-ignored`.
 
 mod common;
 
-use std::process::{Child, Command};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaSlice};
 use nccl::{Comm, PreMulSum, ReduceOp, UniqueId};
 
-use common::{run_all_types, wait_children, Ranks};
+use common::procs::{fields, gpus_or_skip, var, Children};
+use common::{run_all_types, Ranks};
 
 const CHILD_ENV: &str = "NCCL_RS_TEST_CHILD";
 
-/// Starts one child per rank running `test`, and waits (bounded) for all of them.
-fn run_children(test: &str, size: usize) {
+/// Starts one child per GPU running `test`, waits (bounded) for all of them, and checks that
+/// every rank printed `DONE rank=...` (a child that found no marker would pass doing nothing).
+fn run_children(test: &str) {
+    let Some(size) = gpus_or_skip(test, 2) else {
+        return;
+    };
     let id = UniqueId::new().expect("ncclGetUniqueId");
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut children: Vec<(usize, Child)> = (0..size)
-        .map(|rank| {
-            let child = Command::new(&exe)
-                .args([
-                    test,
-                    "--exact",
-                    "--include-ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(CHILD_ENV, format!("{rank},{size},{id}"))
-                .spawn()
-                .expect("spawn child");
-            (rank, child)
-        })
+    let ranks: Vec<usize> = (0..size).collect();
+    let children = Children::spawn(test, &ranks, |rank| {
+        vec![var(CHILD_ENV, format!("{rank},{size},{id}"))]
+    });
+    let lines = children.finish(Duration::from_secs(600));
+    let mut done: Vec<usize> = fields(&lines, "DONE", "rank")
+        .into_iter()
+        .map(|(_, rank)| rank as usize)
         .collect();
-    let failed = wait_children(&mut children, Duration::from_secs(600));
-    assert!(failed.is_empty(), "{test}: {failed:?}");
+    done.sort_unstable();
+    assert_eq!(done, ranks, "{test}: ranks that finished");
 }
 
 /// In a child: this rank's communicator; `None` when not started as a child.
@@ -48,8 +44,9 @@ fn child_comm() -> Option<Comm> {
     let id: UniqueId = parts.next()?.parse().expect("id hex");
     let stream = CudaContext::new(rank)
         .and_then(|ctx| ctx.new_stream())
-        .expect("stream");
-    let comm = Comm::init_rank(stream, &id, rank, size).expect("ncclCommInitRank");
+        .unwrap_or_else(|e| panic!("rank {rank}: a stream on GPU {rank}: {e}"));
+    let comm = Comm::init_rank(stream, &id, rank, size)
+        .unwrap_or_else(|e| panic!("rank {rank}: ncclCommInitRank: {e}"));
     assert_eq!(
         (comm.rank(), comm.size(), comm.device()),
         (rank, size, rank)
@@ -57,19 +54,10 @@ fn child_comm() -> Option<Comm> {
     Some(comm)
 }
 
-fn gpu_count(min: usize) -> usize {
-    let count = CudaContext::device_count().expect("CUDA driver") as usize;
-    assert!(
-        count >= min,
-        "this test needs {min} CUDA GPUs, found {count}"
-    );
-    count
-}
-
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn every_collective_type_and_op_one_process_per_gpu() {
-    run_children("child_full_matrix", gpu_count(2));
+    run_children("child_full_matrix");
 }
 
 #[test]
@@ -82,18 +70,19 @@ fn child_full_matrix() {
         size,
     };
     let checked = run_all_types(&ranks, 129);
+    let rank = ranks.comms[0].rank();
     println!(
-        "rank {} of {size} (NCCL {}): {checked} buffers checked against the host",
-        ranks.comms[0].rank(),
+        "rank {rank} of {size} (NCCL {}): {checked} buffers checked against the host",
         nccl::version().unwrap()
     );
-    assert!(checked > 200);
+    assert!(checked > 200, "rank {rank}: only {checked} buffers checked");
+    println!("DONE rank={rank} checked={checked}");
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn split_premulsum_device_scalar_and_orderly_shutdown() {
-    run_children("child_split_and_shutdown", gpu_count(2));
+    run_children("child_split_and_shutdown");
 }
 
 #[test]
@@ -116,7 +105,12 @@ fn child_split_and_shutdown() {
         .filter(|q| q % 2 == rank % 2)
         .map(|q| q as i32 + 1)
         .sum();
-    assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|&v| v == want));
+    let got = stream.clone_dtoh(&buf).unwrap();
+    assert!(
+        got.iter().all(|&v| v == want),
+        "rank {rank}: half all-reduce gave {:?}..., want {want}",
+        &got[..4]
+    );
     // A rank without color gets no communicator.
     let none = comm.split((rank != 0).then_some(0), 0).unwrap();
     assert_eq!(none.is_none(), rank == 0);
@@ -141,7 +135,7 @@ fn child_split_and_shutdown() {
         let want = i as f64 * ranks_sum / size as f64;
         assert!(
             (v - want).abs() <= 1e-9 * want.abs().max(1.0),
-            "{i}: {v} != {want}"
+            "rank {rank}: PreMulSum average, element {i}: {v} != {want}"
         );
     }
 
@@ -150,4 +144,5 @@ fn child_split_and_shutdown() {
     half.destroy().unwrap();
     comm.finalize().unwrap();
     comm.destroy().unwrap();
+    println!("DONE rank={rank}");
 }

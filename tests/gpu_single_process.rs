@@ -1,4 +1,4 @@
-//! One process driving every visible GPU: `Comm::init_all` and `Group`.
+//! One process driving every visible GPU (N >= 2): `Comm::init_all` and `Group`.
 //!
 //! Run on a GPU host with `cargo test --test gpu_single_process -- --include-ignored`.
 
@@ -9,14 +9,12 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaSlice};
 use nccl::{Comm, Error, Group, Operation, ReduceOp};
 
+use common::procs::gpus_or_skip;
 use common::{run_all_types, Ranks};
 
-fn all_gpus(min: usize) -> Ranks {
-    let count = CudaContext::device_count().expect("CUDA driver") as usize;
-    assert!(
-        count >= min,
-        "this test needs {min} CUDA GPUs, found {count}"
-    );
+/// One communicator per visible GPU, or `None` (the test is skipped) below 2 GPUs.
+fn all_gpus(test: &str) -> Option<Ranks> {
+    let count = gpus_or_skip(test, 2)?;
     let streams: Vec<_> = (0..count)
         .map(|i| {
             CudaContext::new(i)
@@ -30,13 +28,15 @@ fn all_gpus(min: usize) -> Ranks {
         assert_eq!(comm.size(), count);
         assert_eq!(comm.device(), i);
     }
-    Ranks { comms, size: count }
+    Some(Ranks { comms, size: count })
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn every_collective_type_and_op_single_process() {
-    let ranks = all_gpus(2);
+    let Some(ranks) = all_gpus("every_collective_type_and_op_single_process") else {
+        return;
+    };
     println!(
         "NCCL {} from {}",
         ranks.comms[0].library().version(),
@@ -51,9 +51,11 @@ fn every_collective_type_and_op_single_process() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn invalid_calls_are_rejected_and_leave_the_group_usable() {
-    let ranks = all_gpus(2);
+    let Some(ranks) = all_gpus("invalid_calls_are_rejected_and_leave_the_group_usable") else {
+        return;
+    };
     let n = ranks.size;
     let s0 = ranks.stream(0).clone();
     let s1 = ranks.stream(1).clone();
@@ -121,9 +123,11 @@ fn invalid_calls_are_rejected_and_leave_the_group_usable() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn split_all_into_even_and_odd_ranks() {
-    let ranks = all_gpus(2);
+    let Some(ranks) = all_gpus("split_all_into_even_and_odd_ranks") else {
+        return;
+    };
     let n = ranks.size;
     let colors: Vec<_> = (0..n).map(|r| Some((r % 2) as u32)).collect();
     let keys: Vec<_> = (0..n).map(|r| -(r as i32)).collect(); // reversed order inside each half
@@ -175,9 +179,11 @@ fn split_all_into_even_and_odd_ranks() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn abort_then_use_is_an_error_and_drop_does_not_hang() {
-    let ranks = all_gpus(2);
+    let Some(ranks) = all_gpus("abort_then_use_is_an_error_and_drop_does_not_hang") else {
+        return;
+    };
     let mut comms = ranks.comms;
     assert!(comms[0].async_error().unwrap().is_none());
     let last = comms.pop().unwrap();
@@ -189,10 +195,12 @@ fn abort_then_use_is_an_error_and_drop_does_not_hang() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn nccl_memory_registered_all_reduce() {
     use nccl::NcclBuffer;
-    let ranks = all_gpus(2);
+    let Some(ranks) = all_gpus("nccl_memory_registered_all_reduce") else {
+        return;
+    };
     let n = ranks.size;
     let len = 1 << 16;
     let mut bufs: Vec<NcclBuffer<f32>> = ranks
