@@ -626,9 +626,9 @@ fn assert_refused<T: Elem>(ranks: &Ranks, coll: Coll) {
     let mut all_out: CudaSlice<T> = stream.alloc_zeros(n).unwrap();
     // Shapes that would be valid, with this rank as the root.
     let call = match coll {
-        Coll::AllToAll => Collective::all_to_all(&all, &mut all_out),
-        Coll::Gather => Collective::gather(&one, Some(&mut all_out), rank),
-        Coll::Scatter => Collective::scatter(Some(&all), &mut one_out, rank),
+        Coll::AllToAll => Operation::all_to_all(&all, &mut all_out),
+        Coll::Gather => Operation::gather(&one, Some(&mut all_out), rank),
+        Coll::Scatter => Operation::scatter(Some(&all), &mut one_out, rank),
         _ => panic!("{coll:?} is in every NCCL 2"),
     };
     match comm.enqueue(call) {
