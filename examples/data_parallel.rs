@@ -263,24 +263,18 @@ fn run(options: &Options) -> Result<(), Error> {
     // program once per extra GPU and makes this process rank 0.
     let gpus = nccl::library::cuda_device_count()?;
     let job = spawn_local(gpus)?;
-    let launch = job.launch().clone();
     options
-        .validate_for(launch.world_size)
+        .validate_for(job.launch().world_size)
         .map_err(Error::Usage)?;
-    // A launcher that binds one GPU per task (`srun --gpus-per-task=1`) leaves each rank a
-    // single visible device, whatever its local rank.
-    let device = if gpus == 1 {
-        0
-    } else {
-        launch.device_ordinal(gpus)?
-    };
-    let ctx = CudaContext::new(device)?;
+    // The library's rule picks the GPU (one visible: that one; one per local rank: the local
+    // rank's), so `srun --gpus-per-task=1` and one-GPU containers work as they are.
+    let ctx = CudaContext::new(job.device()?)?;
     // Compute and communication share the GPU's default stream: with no stream of its own
     // the context keeps no per-buffer events, so no synchronisation is added to any call.
     let stream = ctx.default_stream();
+    // Compiled before joining, so that a missing NVRTC fails every rank before any waits.
     let kernels = Kernels::compile(&ctx)?;
-    let id = job.exchange_id()?;
-    let comm = Comm::init_rank(stream.clone(), &id, launch.rank, launch.world_size)?;
+    let comm = job.init_comm_on(stream.clone())?;
     let rank = comm.rank();
 
     let failed = session(&comm, &stream, &kernels, options)?;
