@@ -86,6 +86,8 @@ mod elem;
 mod measure;
 #[path = "bench/ops.rs"]
 mod ops;
+#[path = "bench/plot.rs"]
+mod plot;
 #[path = "bench/rank.rs"]
 mod rank;
 #[path = "bench/report.rs"]
@@ -358,7 +360,7 @@ fn benchmark(
                 report::mode_name(mode),
                 lib.version()
             );
-            report::write_file(path, &report.svg(&title))?;
+            report::write_file(path, &plot::svg(&report, &title)?)?;
         }
     }
     Ok(report.failures() == 0)

@@ -1,4 +1,4 @@
-//! Output: nccl-tests' table, the closing lines, and the optional JSON, CSV and SVG files.
+//! Output: nccl-tests' table, the closing lines, and the optional JSON and CSV files.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -338,7 +338,8 @@ impl Report {
         }
     }
 
-    fn all(&self) -> impl Iterator<Item = (&Row, bool, &Measured)> {
+    /// Every measurement with its row and placement (in place or not).
+    pub fn all(&self) -> impl Iterator<Item = (&Row, bool, &Measured)> {
         self.rows.iter().flat_map(|row| {
             row.out_of_place
                 .iter()
@@ -493,33 +494,6 @@ impl Report {
         }
         out
     }
-
-    /// Bus bandwidth against size, one line per API, placement, type and reduction, as SVG.
-    pub fn svg(&self, title: &str) -> String {
-        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-        for (row, in_place, m) in self.all() {
-            if row.size == 0 {
-                continue;
-            }
-            let mut label = format!(
-                "{} {}",
-                m.api.name(),
-                if in_place { "in-place" } else { "out-of-place" }
-            );
-            if self.rows.iter().any(|r| r.dtype != row.dtype) {
-                let _ = write!(label, " {}", row.dtype);
-            }
-            if self.rows.iter().any(|r| r.redop != row.redop) {
-                let _ = write!(label, " {}", row.redop);
-            }
-            let point = ((row.size as f64).log2(), m.busbw);
-            match series.iter_mut().find(|(l, _)| *l == label) {
-                Some((_, points)) => points.push(point),
-                None => series.push((label, vec![point])),
-            }
-        }
-        plot(title, &series)
-    }
 }
 
 /// The mode's name in the files.
@@ -541,158 +515,6 @@ pub fn human_bytes(bytes: f64) -> String {
         unit += 1;
     }
     format!("{}{}", g((value * 100.0).round() / 100.0), units[unit])
-}
-
-/// Draws lines of (log2 size, GB/s) points.
-fn plot(title: &str, series: &[(String, Vec<(f64, f64)>)]) -> String {
-    const W: f64 = 900.0;
-    const H: f64 = 520.0;
-    const LEFT: f64 = 70.0;
-    const RIGHT: f64 = 210.0;
-    const TOP: f64 = 40.0;
-    const BOTTOM: f64 = 50.0;
-    const COLORS: [&str; 8] = [
-        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-    ];
-    let points = series.iter().flat_map(|(_, p)| p.iter());
-    let (mut x0, mut x1, mut y1) = (f64::MAX, f64::MIN, 0.0f64);
-    for &(x, y) in points {
-        x0 = x0.min(x);
-        x1 = x1.max(x);
-        if y.is_finite() {
-            y1 = y1.max(y);
-        }
-    }
-    if x0 > x1 {
-        (x0, x1) = (0.0, 1.0);
-    }
-    if x1 - x0 < 1.0 {
-        x1 = x0 + 1.0;
-    }
-    let y_step = nice_step(y1.max(1.0) / 6.0);
-    let y1 = (y1 / y_step).ceil().max(1.0) * y_step;
-    let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
-    let sx = |x: f64| LEFT + (x - x0) / (x1 - x0) * pw;
-    let sy = |y: f64| TOP + ph - (y / y1) * ph;
-
-    let mut svg = String::new();
-    let _ = writeln!(
-        svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(svg, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
-    let _ = writeln!(
-        svg,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        LEFT + pw / 2.0,
-        escape(title)
-    );
-    // Grid and y labels.
-    let mut y = 0.0;
-    while y <= y1 + y_step / 2.0 {
-        let py = sy(y);
-        let _ = writeln!(
-            svg,
-            r##"<line x1="{LEFT}" y1="{py:.1}" x2="{:.1}" y2="{py:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-            LEFT + pw,
-            LEFT - 6.0,
-            py + 4.0,
-            g(y)
-        );
-        y += y_step;
-    }
-    // x ticks at powers of two, every 1, 2 or 4 steps depending on the range.
-    let span = (x1 - x0).ceil() as i64;
-    let every = if span > 24 {
-        4
-    } else if span > 12 {
-        2
-    } else {
-        1
-    };
-    let mut x = x0.ceil() as i64;
-    while x as f64 <= x1 {
-        if x % every == 0 {
-            let px = sx(x as f64);
-            let _ = writeln!(
-                svg,
-                r##"<line x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}" stroke="#eee"/><text x="{px:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-                TOP + ph,
-                TOP + ph + 18.0,
-                human_bytes(2f64.powi(x as i32))
-            );
-        }
-        x += 1;
-    }
-    let _ = writeln!(
-        svg,
-        r#"<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="black"/>"#
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">size</text>"#,
-        LEFT + pw / 2.0,
-        H - 12.0
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text transform="translate(18 {:.1}) rotate(-90)" text-anchor="middle">busbw (GB/s)</text>"#,
-        TOP + ph / 2.0
-    );
-    for (i, (label, points)) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        let dash = if label.contains("in-place") {
-            r#" stroke-dasharray="6 4""#
-        } else {
-            ""
-        };
-        let path: Vec<String> = points
-            .iter()
-            .filter(|(_, y)| y.is_finite())
-            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
-            .collect();
-        let _ = writeln!(
-            svg,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
-            path.join(" ")
-        );
-        for point in &path {
-            let (cx, cy) = point.split_once(',').unwrap_or(("0", "0"));
-            let _ = writeln!(
-                svg,
-                r#"<circle cx="{cx}" cy="{cy}" r="2.5" fill="{color}"/>"#
-            );
-        }
-        let ly = TOP + 10.0 + i as f64 * 18.0;
-        let lx = LEFT + pw + 12.0;
-        let _ = writeln!(
-            svg,
-            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
-            lx + 24.0,
-            lx + 30.0,
-            ly + 4.0,
-            escape(label)
-        );
-    }
-    svg.push_str("</svg>\n");
-    svg
-}
-
-/// 1, 2 or 5 times a power of ten, at least `raw`.
-fn nice_step(raw: f64) -> f64 {
-    let power = 10f64.powf(raw.log10().floor());
-    for m in [1.0, 2.0, 5.0, 10.0] {
-        if m * power >= raw {
-            return m * power;
-        }
-    }
-    10.0 * power
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 /// Writes `text` to `path`, naming the file in the error.
