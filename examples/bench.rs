@@ -406,11 +406,7 @@ impl TypeVisitor for TypeRun<'_> {
         let mut bufs = Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?;
         measure::fill(rank, &mut bufs, &Pattern::new(n, None, 0))?;
 
-        let apis: &[Api] = match options.apis {
-            Apis::Safe => &[Api::Safe],
-            Apis::Raw => &[Api::Raw],
-            Apis::Compare => &[Api::Safe, Api::Raw],
-        };
+        let apis = options.apis.list();
         let ops: Vec<Option<ReduceOp>> = if coll.has_redop() {
             options.ops.iter().copied().map(Some).collect()
         } else {

@@ -7,6 +7,7 @@ use nccl::ReduceOp;
 
 use crate::coll::Coll;
 use crate::elem::DType;
+use crate::ops::Api;
 
 /// How the per-rank times of one measurement are combined (nccl-tests' `-a`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +31,17 @@ pub enum Apis {
     Raw,
     /// Both, side by side (`--compare`).
     Compare,
+}
+
+impl Apis {
+    /// The APIs measured, in the order of the columns.
+    pub fn list(self) -> &'static [Api] {
+        match self {
+            Apis::Safe => &[Api::Safe],
+            Apis::Raw => &[Api::Raw],
+            Apis::Compare => &[Api::Safe, Api::Raw],
+        }
+    }
 }
 
 /// How an operation is timed.

@@ -96,9 +96,55 @@ fn wrong_str(wrong: Option<u64>) -> String {
     wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string())
 }
 
+/// One column of a placement (out of place or in place): header name and unit, width.
+type Column = (&'static str, &'static str, usize);
+
+/// The columns of each table layout. "time" in a name becomes "cputime" with `-C 1`.
+const COMPARE_LATENCY: &[Column] = &[
+    ("safe p50", "(us)", 8),
+    ("raw p50", "(us)", 8),
+    ("diff", "(%)", 7),
+    ("safe p99", "(us)", 8),
+    ("raw p99", "(us)", 8),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 6),
+];
+const COMPARE: &[Column] = &[
+    ("safe time", "(us)", 8),
+    ("raw time", "(us)", 8),
+    ("diff", "(%)", 7),
+    ("busbw", "safe", 6),
+    ("busbw", "raw", 6),
+    ("#wrong", "", 6),
+];
+const LATENCY: &[Column] = &[
+    ("p50", "(us)", 7),
+    ("p99", "(us)", 7),
+    ("algbw", "(GB/s)", 6),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 5),
+];
+const TIMED: &[Column] = &[
+    ("time", "(us)", 7),
+    ("algbw", "(GB/s)", 6),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 5),
+];
+
+/// Values right-aligned in their columns, each after two spaces: nccl-tests' layout.
+fn cells<S: AsRef<str>>(columns: &[Column], values: &[S]) -> String {
+    let mut out = String::new();
+    for ((_, _, width), value) in columns.iter().zip(values) {
+        let _ = write!(out, "  {:>width$}", value.as_ref());
+    }
+    out
+}
+
 impl Report {
+    /// The time the time columns show: the host time spent issuing with `-C 1`, except in
+    /// latency mode, whose columns are the device times' percentiles.
     fn shown_time(&self, m: &Measured) -> f64 {
-        if self.cputime {
+        if self.cputime && self.mode != Mode::Latency {
             m.cpu_us
         } else {
             m.time_us
@@ -113,142 +159,48 @@ impl Report {
         }
     }
 
+    /// The columns of each placement in this report's layout.
+    fn columns(&self) -> &'static [Column] {
+        match (self.apis, self.mode) {
+            (Apis::Compare, Mode::Latency) => COMPARE_LATENCY,
+            (Apis::Compare, _) => COMPARE,
+            (_, Mode::Latency) => LATENCY,
+            _ => TIMED,
+        }
+    }
+
     /// The three header lines of the table.
     pub fn header(&self) -> String {
         let lead = |a: &str, b: &str, c: &str, d: &str, e: &str| {
             format!("# {a:>10}  {b:>12}  {c:>8}  {d:>6}  {e:>6}")
         };
-        let mut out = String::new();
-        match (self.apis, self.mode) {
-            (Apis::Compare, Mode::Latency) => {
-                let cell = |a: &str, b: &str, c: &str, d: &str, e: &str, f: &str, g: &str| {
-                    format!("  {a:>8}  {b:>8}  {c:>7}  {d:>8}  {e:>8}  {f:>6}  {g:>6}")
-                };
-                let _ = writeln!(
-                    out,
-                    "{}  {:^66}  {:^66}",
-                    lead("", "", "", "", ""),
-                    "out-of-place",
-                    "in-place"
-                );
-                let names = cell(
-                    "safe p50", "raw p50", "diff", "safe p99", "raw p99", "busbw", "#wrong",
-                );
-                let units = cell("(us)", "(us)", "(%)", "(us)", "(us)", "(GB/s)", "");
-                let _ = writeln!(
-                    out,
-                    "{}{names}{names}",
-                    lead("size", "count", "type", "redop", "root")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}{units}{units}",
-                    lead("(B)", "(elements)", "", "", "")
-                );
-            }
+        let columns = self.columns();
+        let title = match (self.apis, self.mode) {
             (Apis::Compare, _) => {
-                let cell = |a: &str, b: &str, c: &str, d: &str, e: &str, f: &str| {
-                    format!("  {a:>8}  {b:>8}  {c:>7}  {d:>6}  {e:>6}  {f:>6}")
-                };
-                let t = self.time_label();
-                let _ = writeln!(
-                    out,
-                    "{}  {:^52}  {:^52}",
-                    lead("", "", "", "", ""),
-                    "out-of-place",
-                    "in-place"
-                );
-                let names = cell(
-                    &format!("safe {t}"),
-                    &format!("raw {t}"),
-                    "diff",
-                    "busbw",
-                    "busbw",
-                    "#wrong",
-                );
-                let units = cell("(us)", "(us)", "(%)", "safe", "raw", "");
-                let _ = writeln!(
-                    out,
-                    "{}{names}{names}",
-                    lead("size", "count", "type", "redop", "root")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}{units}{units}",
-                    lead("(B)", "(elements)", "", "", "")
-                );
+                let width: usize = columns.iter().map(|(_, _, width)| width + 2).sum();
+                format!("{:^width$}{:^width$}", "out-of-place", "in-place")
             }
+            // nccl-tests' lines, as it prints them.
             (_, Mode::Latency) => {
-                let _ = writeln!(
-                    out,
-                    "{}             out-of-place                                in-place",
-                    lead("", "", "", "", "")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {:>7}  {:>7}  {:>6}  {:>6} {:>6}  {:>7}  {:>7}  {:>6}  {:>6} {:>6}",
-                    lead("size", "count", "type", "redop", "root"),
-                    "p50",
-                    "p99",
-                    "algbw",
-                    "busbw",
-                    "#wrong",
-                    "p50",
-                    "p99",
-                    "algbw",
-                    "busbw",
-                    "#wrong"
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}",
-                    lead("(B)", "(elements)", "", "", ""),
-                    "(us)",
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    "",
-                    "(us)",
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    ""
-                );
+                "             out-of-place                                in-place".to_string()
             }
-            _ => {
-                let t = self.time_label();
-                let _ = writeln!(
-                    out,
-                    "{}           out-of-place                       in-place          ",
-                    lead("", "", "", "", "")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {t:>7}  {:>6}  {:>6} {:>6}  {t:>7}  {:>6}  {:>6} {:>6}",
-                    lead("size", "count", "type", "redop", "root"),
-                    "algbw",
-                    "busbw",
-                    "#wrong",
-                    "algbw",
-                    "busbw",
-                    "#wrong"
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}",
-                    lead("(B)", "(elements)", "", "", ""),
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    "",
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    ""
-                );
-            }
+            _ => "           out-of-place                       in-place          ".to_string(),
+        };
+        // Names right-aligned with their two spaces of separation, of which a name one wider
+        // than its column takes one, as nccl-tests' `#wrong` does.
+        let mut names = String::new();
+        for (name, _, width) in columns {
+            let name = name.replace("time", self.time_label());
+            let _ = write!(names, " {name:>0$}", width + 1);
         }
-        out
+        let units: Vec<&str> = columns.iter().map(|(_, unit, _)| *unit).collect();
+        let units = cells(columns, &units);
+        format!(
+            "{}{title}\n{}{names}{names}\n{}{units}{units}\n",
+            lead("", "", "", "", ""),
+            lead("size", "count", "type", "redop", "root"),
+            lead("(B)", "(elements)", "", "", "")
+        )
     }
 
     /// One table line.
@@ -263,79 +215,54 @@ impl Report {
         out
     }
 
+    /// One placement's columns of a table line; N/A where nothing was measured.
     fn cell(&self, cell: &[Measured]) -> String {
+        let columns = self.columns();
         let find = |api| cell.iter().find(|m| m.api == api);
-        let wrong = || {
-            let checked: Vec<u64> = cell.iter().filter_map(|m| m.wrong).collect();
-            if checked.is_empty() {
-                "N/A".to_string()
-            } else {
-                checked.iter().sum::<u64>().to_string()
-            }
-        };
-        match (self.apis, self.mode) {
-            (Apis::Compare, mode) => {
-                let (Some(safe), Some(raw)) = (find(Api::Safe), find(Api::Raw)) else {
-                    return if mode == Mode::Latency {
-                        format!(
-                            "  {:>8}  {:>8}  {:>7}  {:>8}  {:>8}  {:>6}  {:>6}",
-                            "N/A", "N/A", "", "N/A", "N/A", "N/A", "N/A"
-                        )
-                    } else {
-                        format!(
-                            "  {:>8}  {:>8}  {:>7}  {:>6}  {:>6}  {:>6}",
-                            "N/A", "N/A", "", "N/A", "N/A", "N/A"
-                        )
-                    };
-                };
+        let latency = self.mode == Mode::Latency;
+        let p99 = |m: &Measured| time_str(m.p99_us.unwrap_or(f64::NAN));
+        let values: Vec<String> = match (self.apis, find(Api::Safe), find(Api::Raw)) {
+            (Apis::Compare, Some(safe), Some(raw)) => {
                 let (ts, tr) = (self.shown_time(safe), self.shown_time(raw));
-                let diff = format!("{:+.1}", (ts / tr - 1.0) * 100.0);
-                if mode == Mode::Latency {
-                    format!(
-                        "  {:>8}  {:>8}  {diff:>7}  {:>8}  {:>8}  {:>6.2}  {:>6}",
-                        time_str(ts),
-                        time_str(tr),
-                        time_str(safe.p99_us.unwrap_or(f64::NAN)),
-                        time_str(raw.p99_us.unwrap_or(f64::NAN)),
-                        safe.busbw,
-                        wrong()
-                    )
+                let mut values = vec![
+                    time_str(ts),
+                    time_str(tr),
+                    format!("{:+.1}", (ts / tr - 1.0) * 100.0),
+                ];
+                if latency {
+                    values.extend([p99(safe), p99(raw), format!("{:.2}", safe.busbw)]);
                 } else {
-                    format!(
-                        "  {:>8}  {:>8}  {diff:>7}  {:>6.2}  {:>6.2}  {:>6}",
-                        time_str(ts),
-                        time_str(tr),
-                        safe.busbw,
-                        raw.busbw,
-                        wrong()
-                    )
+                    values.extend([format!("{:.2}", safe.busbw), format!("{:.2}", raw.busbw)]);
                 }
+                let checked: Vec<u64> = cell.iter().filter_map(|m| m.wrong).collect();
+                values.push(if checked.is_empty() {
+                    "N/A".to_string()
+                } else {
+                    checked.iter().sum::<u64>().to_string()
+                });
+                values
             }
-            (_, Mode::Latency) => match cell.first() {
-                Some(m) => format!(
-                    "  {}  {}  {:6.2}  {:6.2}  {:>5}",
-                    time_str(m.time_us),
-                    time_str(m.p99_us.unwrap_or(f64::NAN)),
-                    m.algbw,
-                    m.busbw,
-                    wrong_str(m.wrong)
-                ),
-                None => format!(
-                    "  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}",
-                    "N/A", "N/A", "N/A", "N/A", "N/A"
-                ),
-            },
+            // The difference column stays empty.
+            (Apis::Compare, ..) => (0..columns.len())
+                .map(|i| if i == 2 { "" } else { "N/A" }.to_string())
+                .collect(),
             _ => match cell.first() {
-                Some(m) => format!(
-                    "  {}  {:6.2}  {:6.2}  {:>5}",
-                    time_str(self.shown_time(m)),
-                    m.algbw,
-                    m.busbw,
-                    wrong_str(m.wrong)
-                ),
-                None => format!("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A"),
+                Some(m) => {
+                    let mut values = vec![time_str(self.shown_time(m))];
+                    if latency {
+                        values.push(p99(m));
+                    }
+                    values.extend([
+                        format!("{:.2}", m.algbw),
+                        format!("{:.2}", m.busbw),
+                        wrong_str(m.wrong),
+                    ]);
+                    values
+                }
+                None => vec!["N/A".to_string(); columns.len()],
             },
-        }
+        };
+        cells(columns, &values)
     }
 
     /// Every measurement with its row and placement (in place or not).
@@ -372,14 +299,11 @@ impl Report {
                 .collect();
             values.iter().sum::<f64>() / values.len().max(1) as f64
         };
-        match self.apis {
-            Apis::Safe => {
-                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(Api::Safe)));
+        match *self.apis.list() {
+            [api] => {
+                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(api)));
             }
-            Apis::Raw => {
-                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(Api::Raw)));
-            }
-            Apis::Compare => {
+            _ => {
                 let (safe, raw) = (avg(Api::Safe), avg(Api::Raw));
                 let _ = writeln!(
                     out,
