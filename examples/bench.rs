@@ -104,7 +104,7 @@ use nccl::ReduceOp;
 use args::{Alloc, Apis, Average, Mode, Options, Parsed};
 use coll::Pattern;
 use elem::{dispatch, DType, Elem, TypeVisitor};
-use measure::Timing;
+use measure::{Op, Timing};
 use ops::{Api, Buffers, Issuer};
 use rank::Rank;
 use report::{Measured, Report, Row};
@@ -426,7 +426,14 @@ impl TypeVisitor for TypeRun<'_> {
                 );
                 issuer.control = options.control;
                 for &api in apis {
-                    measure::warm_up(rank, &issuer, api, &mut bufs, options.warmup)?;
+                    let mut op = Op {
+                        rank: &mut *rank,
+                        issuer: &issuer,
+                        api,
+                        bufs: &mut bufs,
+                        in_place: false,
+                    };
+                    op.warm_up(options.warmup)?;
                 }
             }
             let pattern = (options.check > 0).then(|| Pattern::new(n, op, 0x5eed));
@@ -498,21 +505,17 @@ impl Cell<'_> {
                 order.reverse();
             }
             for i in order {
-                let api = apis[i];
+                let mut op = Op {
+                    rank: &mut *rank,
+                    issuer,
+                    api: apis[i],
+                    bufs: &mut *bufs,
+                    in_place,
+                };
                 let local = match options.mode() {
-                    Mode::Host => measure::host(rank, issuer, api, bufs, in_place, options.iters)?,
-                    Mode::Graph => measure::graph(
-                        rank,
-                        issuer,
-                        api,
-                        bufs,
-                        in_place,
-                        options.iters,
-                        options.graph_launches,
-                    )?,
-                    Mode::Latency => {
-                        measure::latency(rank, issuer, api, bufs, in_place, options.iters)?
-                    }
+                    Mode::Host => op.host(options.iters)?,
+                    Mode::Graph => op.graph(options.iters, options.graph_launches)?,
+                    Mode::Latency => op.latency(options.iters)?,
                 };
                 let p99_us = match local.p99_us {
                     Some(p99) => Some(rank.combine(p99, average)?),
@@ -550,7 +553,14 @@ impl Cell<'_> {
                 Some(pattern) => {
                     let mut wrong = 0;
                     for _ in 0..options.check {
-                        let local = measure::check(rank, issuer, api, bufs, in_place, pattern)?;
+                        let mut op = Op {
+                            rank: &mut *rank,
+                            issuer,
+                            api,
+                            bufs: &mut *bufs,
+                            in_place,
+                        };
+                        let local = op.check(pattern)?;
                         wrong = rank.sum(local as f64)?.round() as u64;
                         if wrong > 0 {
                             break;
