@@ -99,11 +99,11 @@ use std::sync::OnceLock;
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::CudaContext;
 use nccl::bootstrap::{spawn_local, BootstrapError};
-use nccl::ReduceOp;
+use nccl::{DataType, ReduceOp};
 
 use args::{Alloc, Apis, Average, Mode, Options, Parsed};
 use coll::Pattern;
-use elem::{dispatch, DType, Elem, TypeVisitor};
+use elem::{dispatch, Elem, TypeVisitor};
 use measure::{Op, Timing};
 use ops::{Api, Buffers, Issuer};
 use rank::Rank;
@@ -320,7 +320,8 @@ fn benchmark(
                 alloc,
                 dtype,
             },
-        )?;
+        )
+        .ok_or_else(|| format!("no element type for {dtype:?}"))??;
     }
 
     if me == 0 {
@@ -373,7 +374,7 @@ struct TypeRun<'a> {
     report: &'a mut Report,
     max_bytes: usize,
     alloc: Alloc,
-    dtype: DType,
+    dtype: DataType,
 }
 
 impl TypeVisitor for TypeRun<'_> {
@@ -444,7 +445,7 @@ impl TypeVisitor for TypeRun<'_> {
                 let mut row = Row {
                     size: layout.total * elem_size,
                     count: layout.count,
-                    dtype: dtype.name(),
+                    dtype: elem::name(dtype),
                     redop: op.map_or("none", ReduceOp::name),
                     root: if coll.has_root() { root as i64 } else { -1 },
                     out_of_place: Vec::new(),
