@@ -112,3 +112,30 @@ pub fn dispatch<V: TypeVisitor>(dtype: DataType, visitor: V) -> Option<V::Output
     first_match!(float8::F8E4M3, float8::F8E5M2);
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Size;
+
+    impl TypeVisitor for Size {
+        type Output = (DataType, usize);
+        fn visit<T: Elem>(self) -> (DataType, usize) {
+            (T::DATA_TYPE, std::mem::size_of::<T>())
+        }
+    }
+
+    #[test]
+    fn every_named_type_runs_as_its_rust_type() {
+        for (dtype, name, aliases) in TYPES {
+            assert_eq!(dispatch(dtype, Size), Some((dtype, dtype.size())), "{name}");
+            assert_eq!(super::name(dtype), name);
+            for text in aliases.iter().chain([&name]) {
+                assert_eq!(parse(text), Some(dtype), "{text}");
+                assert_eq!(parse(&text.to_ascii_uppercase()), Some(dtype), "{text}");
+            }
+        }
+        assert_eq!(parse("nope"), None);
+    }
+}

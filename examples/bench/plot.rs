@@ -123,3 +123,36 @@ fn draw(title: &str, series: &[Series]) -> BenchResult<String> {
     }
     Ok(svg)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{Apis, Mode};
+    use crate::report::tests::sample;
+
+    #[test]
+    fn one_labelled_line_per_api_and_placement() {
+        let report = sample(Apis::Compare, Mode::Host, false);
+        let svg = svg(&report, "all_reduce <8 ranks> & more").unwrap_or_default();
+        assert!(svg.starts_with("<svg"), "{svg}");
+        assert!(
+            svg.contains("all_reduce &lt;8 ranks&gt; &amp; more"),
+            "{svg}"
+        );
+        for label in [
+            "safe out-of-place",
+            "raw out-of-place",
+            "safe in-place",
+            "raw in-place",
+        ] {
+            assert!(svg.contains(label), "no {label:?} in\n{svg}");
+        }
+        // Powers of two on the size axis, named as sizes.
+        for tick in ["8B", "2MiB", "1GiB"] {
+            assert!(
+                svg.contains(&format!(">\n{tick}\n<")),
+                "no tick {tick} in\n{svg}"
+            );
+        }
+    }
+}

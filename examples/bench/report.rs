@@ -445,3 +445,84 @@ pub fn human_bytes(bytes: f64) -> String {
 pub fn write_file(path: &Path, text: &str) -> BenchResult<()> {
     std::fs::write(path, text).map_err(|e| format!("writing {}: {e}", path.display()).into())
 }
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    /// A report of every layout's kind: four sizes, the third unchecked, the last without an
+    /// in-place column.
+    pub fn sample(apis: Apis, mode: Mode, cputime: bool) -> Report {
+        let rows = [8usize, 4096, 1 << 20, 1 << 30]
+            .into_iter()
+            .enumerate()
+            .map(|(k, size)| {
+                let cell = |scale: f64| -> Vec<Measured> {
+                    apis.list()
+                        .iter()
+                        .map(|&api| Measured {
+                            api,
+                            time_us: 3.7 * scale * (size as f64).sqrt(),
+                            p99_us: (mode == Mode::Latency).then_some(5.1 * scale),
+                            cpu_us: 1.3 * scale,
+                            algbw: scale * size as f64 / 1e7,
+                            busbw: 1.75 * scale * size as f64 / 1e7,
+                            wrong: (k != 2).then_some(k as u64),
+                        })
+                        .collect()
+                };
+                Row {
+                    size,
+                    count: size / 4,
+                    dtype: "float",
+                    redop: "sum",
+                    root: -1,
+                    out_of_place: cell(1.0),
+                    in_place: if k == 3 { Vec::new() } else { cell(1.1) },
+                }
+            })
+            .collect();
+        Report {
+            coll: Coll::AllReduce,
+            mode,
+            apis,
+            ranks: 8,
+            cputime,
+            rows,
+        }
+    }
+
+    #[test]
+    fn the_header_is_nccl_tests_own() {
+        let header = sample(Apis::Safe, Mode::Host, false).header();
+        let expected = [
+            "#                                                              out-of-place                       in-place          ",
+            "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong",
+            "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       ",
+        ];
+        assert_eq!(header.lines().collect::<Vec<_>>(), expected);
+    }
+
+    #[test]
+    fn every_layout_lines_up() {
+        for apis in [Apis::Safe, Apis::Raw, Apis::Compare] {
+            for mode in [Mode::Host, Mode::Graph, Mode::Latency] {
+                for cputime in [false, true] {
+                    let report = sample(apis, mode, cputime);
+                    let header = report.header();
+                    let lines: Vec<&str> = header.lines().collect();
+                    let width = lines[2].len();
+                    let case = format!("{apis:?} {mode:?} cputime {cputime}");
+                    if !cputime {
+                        // "safe cputime" is wider than its column; every other name fits.
+                        assert_eq!(lines[1].len(), width, "{case}: names\n{header}");
+                    }
+                    for row in &report.rows {
+                        let line = report.line(row);
+                        assert_eq!(line.len(), width, "{case}:\n{header}{line}");
+                    }
+                }
+            }
+        }
+    }
+}
