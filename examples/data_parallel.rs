@@ -43,6 +43,14 @@
 //! The model is tiny (8449 parameters at the default width), so a step costs a few kernel
 //! launches and one small all-reduce, and the time per epoch mostly measures latency, not
 //! arithmetic: raise `--hidden` and `--batch` to see the compute part shrink with more GPUs.
+//!
+//! # Where things are
+//!
+//! This file joins the job, runs the session and sets the exit status; `data_parallel/` holds
+//! `options` (the flags), `data` (the RNG, the teacher network, the dataset), `model` (the
+//! parameter layout, the float64 host gradient, a replica on one GPU), `kernels` (the CUDA
+//! source and its NVRTC compilation), `train` (a step, the loss, the epoch loop) and `checks`
+//! (the PASS/FAIL lines).
 
 #[path = "data_parallel/checks.rs"]
 mod checks;
