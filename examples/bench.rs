@@ -86,6 +86,8 @@ mod elem;
 mod measure;
 #[path = "bench/ops.rs"]
 mod ops;
+#[path = "bench/plot.rs"]
+mod plot;
 #[path = "bench/rank.rs"]
 mod rank;
 #[path = "bench/report.rs"]
@@ -97,12 +99,12 @@ use std::sync::OnceLock;
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::CudaContext;
 use nccl::bootstrap::{spawn_local, BootstrapError};
-use nccl::ReduceOp;
+use nccl::{DataType, ReduceOp};
 
 use args::{Alloc, Apis, Average, Mode, Options, Parsed};
 use coll::Pattern;
-use elem::{dispatch, DType, Elem, TypeVisitor};
-use measure::Timing;
+use elem::{dispatch, Elem, TypeVisitor};
+use measure::{Op, Timing};
 use ops::{Api, Buffers, Issuer};
 use rank::Rank;
 use report::{Measured, Report, Row};
@@ -318,7 +320,8 @@ fn benchmark(
                 alloc,
                 dtype,
             },
-        )?;
+        )
+        .ok_or_else(|| format!("no element type for {dtype:?}"))??;
     }
 
     if me == 0 {
@@ -358,7 +361,7 @@ fn benchmark(
                 report::mode_name(mode),
                 lib.version()
             );
-            report::write_file(path, &report.svg(&title))?;
+            report::write_file(path, &plot::svg(&report, &title)?)?;
         }
     }
     Ok(report.failures() == 0)
@@ -371,7 +374,7 @@ struct TypeRun<'a> {
     report: &'a mut Report,
     max_bytes: usize,
     alloc: Alloc,
-    dtype: DType,
+    dtype: DataType,
 }
 
 impl TypeVisitor for TypeRun<'_> {
@@ -404,11 +407,7 @@ impl TypeVisitor for TypeRun<'_> {
         let mut bufs = Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?;
         measure::fill(rank, &mut bufs, &Pattern::new(n, None, 0))?;
 
-        let apis: &[Api] = match options.apis {
-            Apis::Safe => &[Api::Safe],
-            Apis::Raw => &[Api::Raw],
-            Apis::Compare => &[Api::Safe, Api::Raw],
-        };
+        let apis = options.apis.list();
         let ops: Vec<Option<ReduceOp>> = if coll.has_redop() {
             options.ops.iter().copied().map(Some).collect()
         } else {
@@ -428,7 +427,14 @@ impl TypeVisitor for TypeRun<'_> {
                 );
                 issuer.control = options.control;
                 for &api in apis {
-                    measure::warm_up(rank, &issuer, api, &mut bufs, options.warmup)?;
+                    let mut op = Op {
+                        rank: &mut *rank,
+                        issuer: &issuer,
+                        api,
+                        bufs: &mut bufs,
+                        in_place: false,
+                    };
+                    op.warm_up(options.warmup)?;
                 }
             }
             let pattern = (options.check > 0).then(|| Pattern::new(n, op, 0x5eed));
@@ -439,7 +445,7 @@ impl TypeVisitor for TypeRun<'_> {
                 let mut row = Row {
                     size: layout.total * elem_size,
                     count: layout.count,
-                    dtype: dtype.name(),
+                    dtype: elem::name(dtype),
                     redop: op.map_or("none", ReduceOp::name),
                     root: if coll.has_root() { root as i64 } else { -1 },
                     out_of_place: Vec::new(),
@@ -500,21 +506,17 @@ impl Cell<'_> {
                 order.reverse();
             }
             for i in order {
-                let api = apis[i];
+                let mut op = Op {
+                    rank: &mut *rank,
+                    issuer,
+                    api: apis[i],
+                    bufs: &mut *bufs,
+                    in_place,
+                };
                 let local = match options.mode() {
-                    Mode::Host => measure::host(rank, issuer, api, bufs, in_place, options.iters)?,
-                    Mode::Graph => measure::graph(
-                        rank,
-                        issuer,
-                        api,
-                        bufs,
-                        in_place,
-                        options.iters,
-                        options.graph_launches,
-                    )?,
-                    Mode::Latency => {
-                        measure::latency(rank, issuer, api, bufs, in_place, options.iters)?
-                    }
+                    Mode::Host => op.host(options.iters)?,
+                    Mode::Graph => op.graph(options.iters, options.graph_launches)?,
+                    Mode::Latency => op.latency(options.iters)?,
                 };
                 let p99_us = match local.p99_us {
                     Some(p99) => Some(rank.combine(p99, average)?),
@@ -552,7 +554,14 @@ impl Cell<'_> {
                 Some(pattern) => {
                     let mut wrong = 0;
                     for _ in 0..options.check {
-                        let local = measure::check(rank, issuer, api, bufs, in_place, pattern)?;
+                        let mut op = Op {
+                            rank: &mut *rank,
+                            issuer,
+                            api,
+                            bufs: &mut *bufs,
+                            in_place,
+                        };
+                        let local = op.check(pattern)?;
                         wrong = rank.sum(local as f64)?.round() as u64;
                         if wrong > 0 {
                             break;

@@ -3,10 +3,11 @@
 
 use std::path::PathBuf;
 
-use nccl::ReduceOp;
+use nccl::{DataType, ReduceOp};
 
 use crate::coll::Coll;
-use crate::elem::DType;
+use crate::elem;
+use crate::ops::Api;
 
 /// How the per-rank times of one measurement are combined (nccl-tests' `-a`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +31,17 @@ pub enum Apis {
     Raw,
     /// Both, side by side (`--compare`).
     Compare,
+}
+
+impl Apis {
+    /// The APIs measured, in the order of the columns.
+    pub fn list(self) -> &'static [Api] {
+        match self {
+            Apis::Safe => &[Api::Safe],
+            Apis::Raw => &[Api::Raw],
+            Apis::Compare => &[Api::Safe, Api::Raw],
+        }
+    }
 }
 
 /// How an operation is timed.
@@ -74,7 +86,7 @@ pub struct Options {
     /// Reductions to run (`-o`).
     pub ops: Vec<ReduceOp>,
     /// Element types to run (`-d`).
-    pub dtypes: Vec<DType>,
+    pub dtypes: Vec<DataType>,
     /// Root of broadcast and reduce (`-r`).
     pub root: usize,
     /// Graph replays (`-G`); more than 0 selects graph mode.
@@ -120,7 +132,7 @@ impl Default for Options {
             warmup: 5,
             check: 1,
             ops: vec![ReduceOp::Sum],
-            dtypes: vec![DType::Float],
+            dtypes: vec![DataType::Float32],
             root: 0,
             graph_launches: 0,
             latency: false,
@@ -185,7 +197,7 @@ pub enum Parsed {
 /// The help text.
 pub fn usage() -> String {
     let colls: Vec<&str> = Coll::ALL.iter().map(|c| c.name()).collect();
-    let types: Vec<&str> = DType::ALL.iter().map(|t| t.name()).collect();
+    let types: Vec<&str> = elem::TYPES.iter().map(|(_, name, _)| *name).collect();
     format!(
         "\
 usage: bench [COLLECTIVE] [options]
@@ -322,9 +334,9 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "-d" | "--datatype" => {
                 let text = value()?;
                 options.dtypes = if text.eq_ignore_ascii_case("all") {
-                    DType::ALL.to_vec()
+                    elem::TYPES.iter().map(|(dtype, ..)| *dtype).collect()
                 } else {
-                    vec![DType::parse(&text).ok_or_else(|| {
+                    vec![elem::parse(&text).ok_or_else(|| {
                         format!("{name}: unknown data type {text:?} (try --help)")
                     })?]
                 };

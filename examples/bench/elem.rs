@@ -2,7 +2,7 @@
 //! run generic code for a type chosen at run time.
 
 use cudarc::driver::ValidAsZeroBits;
-use nccl::NcclType;
+use nccl::{DataType, NcclType};
 
 /// An element type the benchmark can fill, reduce on the host and compare.
 pub trait Elem: NcclType + ValidAsZeroBits + Default + std::fmt::Debug {
@@ -56,111 +56,38 @@ float_elem! {
     float8::F8E5M2: 1.0 / 4.0, float8::F8E5M2::from_f64, |v| float8::F8E5M2::to_f64(&v);
 }
 
-/// The element types, named as nccl-tests names them (`-d`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DType {
-    /// `int8`
-    Int8,
-    /// `uint8`
-    Uint8,
-    /// `int32`
-    Int32,
-    /// `uint32`
-    Uint32,
-    /// `int64`
-    Int64,
-    /// `uint64`
-    Uint64,
-    /// `half` (IEEE fp16)
-    Half,
-    /// `float`
-    Float,
-    /// `double`
-    Double,
-    /// `bfloat16`
-    Bfloat16,
-    /// `f8e4m3`
-    F8E4M3,
-    /// `f8e5m2`
-    F8E5M2,
+/// The element types the benchmark runs, in `ncclDataType_t` order (what `-d all` runs),
+/// each with nccl-tests' name (`-d`) and the aliases accepted for it.
+pub const TYPES: [(DataType, &str, &[&str]); 12] = [
+    (DataType::Int8, "int8", &["char", "i8"]),
+    (DataType::Uint8, "uint8", &["u8"]),
+    (DataType::Int32, "int32", &["int", "i32"]),
+    (DataType::Uint32, "uint32", &["u32"]),
+    (DataType::Int64, "int64", &["i64"]),
+    (DataType::Uint64, "uint64", &["u64"]),
+    (DataType::Float16, "half", &["float16", "fp16", "f16"]),
+    (DataType::Float32, "float", &["float32", "fp32", "f32"]),
+    (DataType::Float64, "double", &["float64", "fp64", "f64"]),
+    (DataType::Bfloat16, "bfloat16", &["bf16"]),
+    (DataType::Float8E4M3, "f8e4m3", &["fp8e4m3", "float8e4m3"]),
+    (DataType::Float8E5M2, "f8e5m2", &["fp8e5m2", "float8e5m2"]),
+];
+
+/// nccl-tests' name of `dtype` (NCCL's own for a type the benchmark does not run).
+pub fn name(dtype: DataType) -> &'static str {
+    TYPES
+        .iter()
+        .find(|(t, ..)| *t == dtype)
+        .map_or(dtype.name(), |(_, name, _)| name)
 }
 
-impl DType {
-    /// Every type, in `ncclDataType_t` order (what `-d all` runs).
-    pub const ALL: [DType; 12] = [
-        DType::Int8,
-        DType::Uint8,
-        DType::Int32,
-        DType::Uint32,
-        DType::Int64,
-        DType::Uint64,
-        DType::Half,
-        DType::Float,
-        DType::Double,
-        DType::Bfloat16,
-        DType::F8E4M3,
-        DType::F8E5M2,
-    ];
-
-    /// nccl-tests' name.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::Int8 => "int8",
-            DType::Uint8 => "uint8",
-            DType::Int32 => "int32",
-            DType::Uint32 => "uint32",
-            DType::Int64 => "int64",
-            DType::Uint64 => "uint64",
-            DType::Half => "half",
-            DType::Float => "float",
-            DType::Double => "double",
-            DType::Bfloat16 => "bfloat16",
-            DType::F8E4M3 => "f8e4m3",
-            DType::F8E5M2 => "f8e5m2",
-        }
-    }
-
-    /// Parses nccl-tests' names and a few common aliases.
-    pub fn parse(text: &str) -> Option<DType> {
-        Some(match text.to_ascii_lowercase().as_str() {
-            "int8" | "char" | "i8" => DType::Int8,
-            "uint8" | "u8" => DType::Uint8,
-            "int32" | "int" | "i32" => DType::Int32,
-            "uint32" | "u32" => DType::Uint32,
-            "int64" | "i64" => DType::Int64,
-            "uint64" | "u64" => DType::Uint64,
-            "half" | "float16" | "fp16" | "f16" => DType::Half,
-            "float" | "float32" | "fp32" | "f32" => DType::Float,
-            "double" | "float64" | "fp64" | "f64" => DType::Double,
-            "bfloat16" | "bf16" => DType::Bfloat16,
-            "f8e4m3" | "fp8e4m3" | "float8e4m3" => DType::F8E4M3,
-            "f8e5m2" | "fp8e5m2" | "float8e5m2" => DType::F8E5M2,
-            _ => return None,
-        })
-    }
-
-    /// Size of one element in bytes.
-    pub fn size(self) -> usize {
-        self.nccl().size()
-    }
-
-    /// The crate's data type.
-    pub fn nccl(self) -> nccl::DataType {
-        match self {
-            DType::Int8 => nccl::DataType::Int8,
-            DType::Uint8 => nccl::DataType::Uint8,
-            DType::Int32 => nccl::DataType::Int32,
-            DType::Uint32 => nccl::DataType::Uint32,
-            DType::Int64 => nccl::DataType::Int64,
-            DType::Uint64 => nccl::DataType::Uint64,
-            DType::Half => nccl::DataType::Float16,
-            DType::Float => nccl::DataType::Float32,
-            DType::Double => nccl::DataType::Float64,
-            DType::Bfloat16 => nccl::DataType::Bfloat16,
-            DType::F8E4M3 => nccl::DataType::Float8E4M3,
-            DType::F8E5M2 => nccl::DataType::Float8E5M2,
-        }
-    }
+/// Parses nccl-tests' names and a few common aliases.
+pub fn parse(text: &str) -> Option<DataType> {
+    let text = text.to_ascii_lowercase();
+    TYPES
+        .iter()
+        .find(|(_, name, aliases)| *name == text || aliases.contains(&text.as_str()))
+        .map(|(dtype, ..)| *dtype)
 }
 
 /// Generic code to run for the element type chosen at run time; see [`dispatch`].
@@ -171,20 +98,44 @@ pub trait TypeVisitor {
     fn visit<T: Elem>(self) -> Self::Output;
 }
 
-/// Runs `visitor` for the Rust type of `dtype`.
-pub fn dispatch<V: TypeVisitor>(dtype: DType, visitor: V) -> V::Output {
-    match dtype {
-        DType::Int8 => visitor.visit::<i8>(),
-        DType::Uint8 => visitor.visit::<u8>(),
-        DType::Int32 => visitor.visit::<i32>(),
-        DType::Uint32 => visitor.visit::<u32>(),
-        DType::Int64 => visitor.visit::<i64>(),
-        DType::Uint64 => visitor.visit::<u64>(),
-        DType::Half => visitor.visit::<half::f16>(),
-        DType::Float => visitor.visit::<f32>(),
-        DType::Double => visitor.visit::<f64>(),
-        DType::Bfloat16 => visitor.visit::<half::bf16>(),
-        DType::F8E4M3 => visitor.visit::<float8::F8E4M3>(),
-        DType::F8E5M2 => visitor.visit::<float8::F8E5M2>(),
+/// Runs `visitor` for the Rust type whose [`NcclType::DATA_TYPE`] is `dtype`; `None` for a
+/// type without an [`Elem`] here.
+pub fn dispatch<V: TypeVisitor>(dtype: DataType, visitor: V) -> Option<V::Output> {
+    macro_rules! first_match {
+        ($($t:ty),*) => {$(
+            if dtype == <$t as NcclType>::DATA_TYPE {
+                return Some(visitor.visit::<$t>());
+            }
+        )*};
+    }
+    first_match!(i8, u8, i32, u32, i64, u64, half::f16, f32, f64, half::bf16);
+    first_match!(float8::F8E4M3, float8::F8E5M2);
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Size;
+
+    impl TypeVisitor for Size {
+        type Output = (DataType, usize);
+        fn visit<T: Elem>(self) -> (DataType, usize) {
+            (T::DATA_TYPE, std::mem::size_of::<T>())
+        }
+    }
+
+    #[test]
+    fn every_named_type_runs_as_its_rust_type() {
+        for (dtype, name, aliases) in TYPES {
+            assert_eq!(dispatch(dtype, Size), Some((dtype, dtype.size())), "{name}");
+            assert_eq!(super::name(dtype), name);
+            for text in aliases.iter().chain([&name]) {
+                assert_eq!(parse(text), Some(dtype), "{text}");
+                assert_eq!(parse(&text.to_ascii_uppercase()), Some(dtype), "{text}");
+            }
+        }
+        assert_eq!(parse("nope"), None);
     }
 }

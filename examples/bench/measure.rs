@@ -1,7 +1,7 @@
 //! Timing one operation at one size (host-timed, CUDA graph, per-call latency) and checking
 //! its result.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, DriverError};
@@ -33,135 +33,193 @@ fn shift(buffer_len: usize, total: usize, iter: usize) -> usize {
     total * (iter % steps)
 }
 
-/// Issues `count` operations back to back (warm-up), then waits.
-pub fn warm_up<T: Elem>(
-    rank: &Rank,
-    issuer: &Issuer,
-    api: Api,
-    bufs: &mut Buffers<T>,
-    count: usize,
-) -> BenchResult<()> {
-    let len = bufs.len();
-    for iter in 0..count {
-        let offset = shift(len, issuer.layout.total, iter);
-        issuer.issue(api, &rank.comm, bufs, false, offset)?;
-    }
-    rank.wait()
+/// One API issuing one placement (out of place or in place) of one operation on `bufs`:
+/// what the timing methods and the check run.
+pub struct Op<'a, T: Elem> {
+    /// This rank.
+    pub rank: &'a mut Rank,
+    /// The operation at one size.
+    pub issuer: &'a Issuer,
+    /// The API that issues it.
+    pub api: Api,
+    /// The buffers it runs on.
+    pub bufs: &'a mut Buffers<T>,
+    /// In place or out of place.
+    pub in_place: bool,
 }
 
-/// nccl-tests' default method: one operation and a wait, a barrier, then `iters`
-/// operations issued back to back and timed on the host until the stream is idle.
-pub fn host<T: Elem>(
-    rank: &mut Rank,
-    issuer: &Issuer,
-    api: Api,
-    bufs: &mut Buffers<T>,
-    in_place: bool,
-    iters: usize,
-) -> BenchResult<Timing> {
-    let len = bufs.len();
-    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
-    rank.wait()?;
-    rank.barrier()?;
-    let start = Instant::now();
-    for iter in 0..iters {
-        let offset = shift(len, issuer.layout.total, iter);
-        issuer.issue(api, &rank.comm, bufs, in_place, offset)?;
+impl<T: Elem> Op<'_, T> {
+    /// Issues one operation on the buffers' elements from `offset`.
+    fn issue(&mut self, offset: usize) -> BenchResult<()> {
+        let Op {
+            rank,
+            issuer,
+            api,
+            bufs,
+            in_place,
+        } = self;
+        issuer.issue(*api, &rank.comm, bufs, *in_place, offset)
     }
-    let issued = start.elapsed();
-    rank.wait()?;
-    let done = start.elapsed();
-    Ok(Timing {
-        time_us: done.as_secs_f64() * 1e6 / iters as f64,
-        p99_us: None,
-        cpu_us: issued.as_secs_f64() * 1e6 / iters as f64,
-    })
-}
 
-/// Graph mode: `iters` operations captured into a CUDA graph (thread-local capture, as
-/// nccl-tests does), instantiated and uploaded, then replayed `launches` times back to back
-/// and timed on the host until the stream is idle.
-pub fn graph<T: Elem>(
-    rank: &mut Rank,
-    issuer: &Issuer,
-    api: Api,
-    bufs: &mut Buffers<T>,
-    in_place: bool,
-    iters: usize,
-    launches: usize,
-) -> BenchResult<Timing> {
-    let len = bufs.len();
-    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
-    rank.wait()?;
-    rank.stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    let issued = (0..iters).try_for_each(|iter| {
-        let offset = shift(len, issuer.layout.total, iter);
-        issuer.issue(api, &rank.comm, bufs, in_place, offset)
-    });
-    // The capture must end even when an issue failed.
-    let captured = rank.stream.end_capture(CUgraphInstantiate_flags(0));
-    issued?;
-    let graph = captured?.ok_or("stream capture produced no graph")?;
-    graph.upload()?;
-    rank.wait()?;
-    rank.barrier()?;
-    let start = Instant::now();
-    for _ in 0..launches {
-        graph.launch()?;
+    /// Issues `count` operations back to back, on buffers shifted as nccl-tests shifts them.
+    fn issue_shifted(&mut self, count: usize) -> BenchResult<()> {
+        let (len, total) = (self.bufs.len(), self.issuer.layout.total);
+        (0..count).try_for_each(|iter| self.issue(shift(len, total, iter)))
     }
-    let issued = start.elapsed();
-    rank.wait()?;
-    let done = start.elapsed();
-    drop(graph);
-    let ops = (iters * launches) as f64;
-    Ok(Timing {
-        time_us: done.as_secs_f64() * 1e6 / ops,
-        p99_us: None,
-        cpu_us: issued.as_secs_f64() * 1e6 / ops,
-    })
-}
 
-/// Latency mode: `iters` operations back to back, each between two CUDA events; reports
-/// the median and the 99th percentile of the per-call device times.
-pub fn latency<T: Elem>(
-    rank: &mut Rank,
-    issuer: &Issuer,
-    api: Api,
-    bufs: &mut Buffers<T>,
-    in_place: bool,
-    iters: usize,
-) -> BenchResult<Timing> {
-    let len = bufs.len();
-    let ctx = rank.context().clone();
-    let events = (0..iters)
-        .map(|_| {
-            let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-            Ok((ctx.new_event(flags)?, ctx.new_event(flags)?))
+    /// One operation and a wait: what precedes every measurement.
+    fn settle(&mut self) -> BenchResult<()> {
+        self.issue(0)?;
+        self.rank.wait()
+    }
+
+    /// After a barrier, times `issue`, which enqueues `ops` operations, on the host until the
+    /// stream is idle. Returns µs per operation: to completion, and spent issuing.
+    fn timed(
+        &mut self,
+        ops: usize,
+        issue: impl FnOnce(&mut Self) -> BenchResult<()>,
+    ) -> BenchResult<(f64, f64)> {
+        self.rank.barrier()?;
+        let start = Instant::now();
+        issue(self)?;
+        let issued = start.elapsed();
+        self.rank.wait()?;
+        let done = start.elapsed();
+        let per_op = |elapsed: Duration| elapsed.as_secs_f64() * 1e6 / ops as f64;
+        Ok((per_op(done), per_op(issued)))
+    }
+
+    /// Issues `count` operations back to back (warm-up), then waits.
+    pub fn warm_up(&mut self, count: usize) -> BenchResult<()> {
+        self.issue_shifted(count)?;
+        self.rank.wait()
+    }
+
+    /// nccl-tests' default method: one operation and a wait, a barrier, then `iters`
+    /// operations issued back to back and timed on the host until the stream is idle.
+    pub fn host(&mut self, iters: usize) -> BenchResult<Timing> {
+        self.settle()?;
+        let (time_us, cpu_us) = self.timed(iters, |op| op.issue_shifted(iters))?;
+        Ok(Timing {
+            time_us,
+            p99_us: None,
+            cpu_us,
         })
-        .collect::<Result<Vec<(CudaEvent, CudaEvent)>, DriverError>>()?;
-    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
-    rank.wait()?;
-    rank.barrier()?;
-    let start = Instant::now();
-    for (iter, (before, after)) in events.iter().enumerate() {
-        let offset = shift(len, issuer.layout.total, iter);
-        before.record(&rank.stream)?;
-        issuer.issue(api, &rank.comm, bufs, in_place, offset)?;
-        after.record(&rank.stream)?;
     }
-    let issued = start.elapsed();
-    rank.wait()?;
-    let mut times = events
-        .iter()
-        .map(|(before, after)| Ok(f64::from(before.elapsed_ms(after)?) * 1e3))
-        .collect::<Result<Vec<f64>, DriverError>>()?;
-    times.sort_by(f64::total_cmp);
-    Ok(Timing {
-        time_us: median(&times),
-        p99_us: Some(percentile(&times, 0.99)),
-        cpu_us: issued.as_secs_f64() * 1e6 / iters as f64,
-    })
+
+    /// Graph mode: `iters` operations captured into a CUDA graph (thread-local capture, as
+    /// nccl-tests does), instantiated and uploaded, then replayed `launches` times back to
+    /// back and timed on the host until the stream is idle.
+    pub fn graph(&mut self, iters: usize, launches: usize) -> BenchResult<Timing> {
+        self.settle()?;
+        let stream = self.rank.stream.clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let issued = self.issue_shifted(iters);
+        // The capture must end even when an issue failed.
+        let captured = stream.end_capture(CUgraphInstantiate_flags(0));
+        issued?;
+        let graph = captured?.ok_or("stream capture produced no graph")?;
+        graph.upload()?;
+        self.rank.wait()?;
+        let (time_us, cpu_us) = self.timed(iters * launches, |_| {
+            (0..launches).try_for_each(|_| graph.launch().map_err(Into::into))
+        })?;
+        drop(graph);
+        Ok(Timing {
+            time_us,
+            p99_us: None,
+            cpu_us,
+        })
+    }
+
+    /// Latency mode: `iters` operations back to back, each between two CUDA events; reports
+    /// the median and the 99th percentile of the per-call device times.
+    pub fn latency(&mut self, iters: usize) -> BenchResult<Timing> {
+        let ctx = self.rank.context().clone();
+        let events = (0..iters)
+            .map(|_| {
+                let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+                Ok((ctx.new_event(flags)?, ctx.new_event(flags)?))
+            })
+            .collect::<Result<Vec<(CudaEvent, CudaEvent)>, DriverError>>()?;
+        self.settle()?;
+        let (len, total) = (self.bufs.len(), self.issuer.layout.total);
+        let (_, cpu_us) = self.timed(iters, |op| {
+            for (iter, (before, after)) in events.iter().enumerate() {
+                before.record(&op.rank.stream)?;
+                op.issue(shift(len, total, iter))?;
+                after.record(&op.rank.stream)?;
+            }
+            Ok(())
+        })?;
+        let mut times = events
+            .iter()
+            .map(|(before, after)| Ok(f64::from(before.elapsed_ms(after)?) * 1e3))
+            .collect::<Result<Vec<f64>, DriverError>>()?;
+        times.sort_by(f64::total_cmp);
+        Ok(Timing {
+            time_us: median(&times),
+            p99_us: Some(percentile(&times, 0.99)),
+            cpu_us,
+        })
+    }
+
+    /// Runs the operation once on known inputs and counts the wrong elements of this rank's
+    /// output (0 for a rank whose output is not defined, off the root of a reduce).
+    pub fn check(&mut self, pattern: &Pattern) -> BenchResult<u64> {
+        let (issuer, in_place) = (self.issuer, self.in_place);
+        let layout = issuer.layout;
+        let (me, n, count) = (issuer.rank, issuer.n, layout.count);
+        let stream = self.rank.stream.clone();
+        let bufs = &mut *self.bufs;
+        // Inputs where the operation reads them; zeros where it writes, so that an output it
+        // never wrote cannot pass (no input or result value is 0).
+        if in_place {
+            match issuer.coll {
+                Coll::AllGather => {
+                    stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+                    let input = pattern.host_input::<T>(me, count);
+                    stream.memcpy_htod(&input, &mut bufs.recv.part_mut(me * count, count)?)?;
+                }
+                Coll::ReduceScatter => {
+                    let input = pattern.host_input::<T>(me, layout.send_len);
+                    stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, layout.send_len)?)?;
+                }
+                _ => {
+                    let input = pattern.host_input::<T>(me, count);
+                    stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, count)?)?;
+                }
+            }
+        } else {
+            let input = pattern.host_input::<T>(me, layout.send_len);
+            stream.memcpy_htod(&input, &mut bufs.send.part_mut(0, layout.send_len)?)?;
+            stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+        }
+        self.rank.wait()?;
+        self.settle()?;
+
+        if issuer.coll == Coll::Reduce && me != issuer.root {
+            return Ok(0);
+        }
+        let (offset, len) = match (issuer.coll, in_place) {
+            (Coll::ReduceScatter, true) => (me * count, count),
+            (Coll::AllGather, true) => (0, layout.recv_len),
+            (_, true) => (0, count),
+            (_, false) => (0, layout.recv_len),
+        };
+        let got = stream.clone_dtoh(&self.bufs.recv.part(offset, len)?)?;
+        let expect = Expect {
+            pattern,
+            coll: issuer.coll,
+            op: issuer.op,
+            root: issuer.root,
+            rank: me,
+            n,
+            layout,
+        };
+        Ok(expect.count_wrong(&got))
+    }
 }
 
 /// The median of sorted values.
@@ -180,68 +238,6 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
     let rank = (p * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-/// Runs the operation once on known inputs and counts the wrong elements of this rank's
-/// output (0 for a rank whose output is not defined, off the root of a reduce).
-pub fn check<T: Elem>(
-    rank: &Rank,
-    issuer: &Issuer,
-    api: Api,
-    bufs: &mut Buffers<T>,
-    in_place: bool,
-    pattern: &Pattern,
-) -> BenchResult<u64> {
-    let layout = issuer.layout;
-    let (me, n, count) = (issuer.rank, issuer.n, layout.count);
-    let stream = &rank.stream;
-    // Inputs where the operation reads them; zeros where it writes, so that an output it
-    // never wrote cannot pass (no input or result value is 0).
-    if in_place {
-        match issuer.coll {
-            Coll::AllGather => {
-                stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
-                let input = pattern.host_input::<T>(me, count);
-                stream.memcpy_htod(&input, &mut bufs.recv.part_mut(me * count, count)?)?;
-            }
-            Coll::ReduceScatter => {
-                let input = pattern.host_input::<T>(me, layout.send_len);
-                stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, layout.send_len)?)?;
-            }
-            _ => {
-                let input = pattern.host_input::<T>(me, count);
-                stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, count)?)?;
-            }
-        }
-    } else {
-        let input = pattern.host_input::<T>(me, layout.send_len);
-        stream.memcpy_htod(&input, &mut bufs.send.part_mut(0, layout.send_len)?)?;
-        stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
-    }
-    rank.wait()?;
-    issuer.issue(api, &rank.comm, bufs, in_place, 0)?;
-    rank.wait()?;
-
-    if issuer.coll == Coll::Reduce && me != issuer.root {
-        return Ok(0);
-    }
-    let (offset, len) = match (issuer.coll, in_place) {
-        (Coll::ReduceScatter, true) => (me * count, count),
-        (Coll::AllGather, true) => (0, layout.recv_len),
-        (_, true) => (0, count),
-        (_, false) => (0, layout.recv_len),
-    };
-    let got = stream.clone_dtoh(&bufs.recv.part(offset, len)?)?;
-    let expect = Expect {
-        pattern,
-        coll: issuer.coll,
-        op: issuer.op,
-        root: issuer.root,
-        rank: me,
-        n,
-        layout,
-    };
-    Ok(expect.count_wrong(&got))
 }
 
 /// Fills both buffers with plausible data (the sum pattern) for the timed runs, in chunks so

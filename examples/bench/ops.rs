@@ -137,37 +137,27 @@ fn offset_bytes<T>(elements: usize) -> CUdeviceptr {
     (elements * std::mem::size_of::<T>()) as CUdeviceptr
 }
 
-impl<T: Elem> DeviceSlice<T> for Part<'_, T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.buf.stream()
-    }
-}
+/// The read side of both views: the range's length, stream and address.
+macro_rules! view {
+    ($($view:ident),*) => {$(
+        impl<T: Elem> DeviceSlice<T> for $view<'_, T> {
+            fn len(&self) -> usize {
+                self.len
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                self.buf.stream()
+            }
+        }
 
-impl<T: Elem> DevicePtr<T> for Part<'_, T> {
-    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        let (ptr, guard) = self.buf.device_ptr(stream);
-        (ptr + offset_bytes::<T>(self.offset), guard)
-    }
+        impl<T: Elem> DevicePtr<T> for $view<'_, T> {
+            fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+                let (ptr, guard) = self.buf.device_ptr(stream);
+                (ptr + offset_bytes::<T>(self.offset), guard)
+            }
+        }
+    )*};
 }
-
-impl<T: Elem> DeviceSlice<T> for PartMut<'_, T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.buf.stream()
-    }
-}
-
-impl<T: Elem> DevicePtr<T> for PartMut<'_, T> {
-    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        let (ptr, guard) = self.buf.device_ptr(stream);
-        (ptr + offset_bytes::<T>(self.offset), guard)
-    }
-}
+view!(Part, PartMut);
 
 impl<T: Elem> DevicePtrMut<T> for PartMut<'_, T> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {

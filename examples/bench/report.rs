@@ -1,4 +1,4 @@
-//! Output: nccl-tests' table, the closing lines, and the optional JSON, CSV and SVG files.
+//! Output: nccl-tests' table, the closing lines, and the optional JSON and CSV files.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -96,9 +96,55 @@ fn wrong_str(wrong: Option<u64>) -> String {
     wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string())
 }
 
+/// One column of a placement (out of place or in place): header name and unit, width.
+type Column = (&'static str, &'static str, usize);
+
+/// The columns of each table layout. "time" in a name becomes "cputime" with `-C 1`.
+const COMPARE_LATENCY: &[Column] = &[
+    ("safe p50", "(us)", 8),
+    ("raw p50", "(us)", 8),
+    ("diff", "(%)", 7),
+    ("safe p99", "(us)", 8),
+    ("raw p99", "(us)", 8),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 6),
+];
+const COMPARE: &[Column] = &[
+    ("safe time", "(us)", 8),
+    ("raw time", "(us)", 8),
+    ("diff", "(%)", 7),
+    ("busbw", "safe", 6),
+    ("busbw", "raw", 6),
+    ("#wrong", "", 6),
+];
+const LATENCY: &[Column] = &[
+    ("p50", "(us)", 7),
+    ("p99", "(us)", 7),
+    ("algbw", "(GB/s)", 6),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 5),
+];
+const TIMED: &[Column] = &[
+    ("time", "(us)", 7),
+    ("algbw", "(GB/s)", 6),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 5),
+];
+
+/// Values right-aligned in their columns, each after two spaces: nccl-tests' layout.
+fn cells<S: AsRef<str>>(columns: &[Column], values: &[S]) -> String {
+    let mut out = String::new();
+    for ((_, _, width), value) in columns.iter().zip(values) {
+        let _ = write!(out, "  {:>width$}", value.as_ref());
+    }
+    out
+}
+
 impl Report {
+    /// The time the time columns show: the host time spent issuing with `-C 1`, except in
+    /// latency mode, whose columns are the device times' percentiles.
     fn shown_time(&self, m: &Measured) -> f64 {
-        if self.cputime {
+        if self.cputime && self.mode != Mode::Latency {
             m.cpu_us
         } else {
             m.time_us
@@ -113,142 +159,48 @@ impl Report {
         }
     }
 
+    /// The columns of each placement in this report's layout.
+    fn columns(&self) -> &'static [Column] {
+        match (self.apis, self.mode) {
+            (Apis::Compare, Mode::Latency) => COMPARE_LATENCY,
+            (Apis::Compare, _) => COMPARE,
+            (_, Mode::Latency) => LATENCY,
+            _ => TIMED,
+        }
+    }
+
     /// The three header lines of the table.
     pub fn header(&self) -> String {
         let lead = |a: &str, b: &str, c: &str, d: &str, e: &str| {
             format!("# {a:>10}  {b:>12}  {c:>8}  {d:>6}  {e:>6}")
         };
-        let mut out = String::new();
-        match (self.apis, self.mode) {
-            (Apis::Compare, Mode::Latency) => {
-                let cell = |a: &str, b: &str, c: &str, d: &str, e: &str, f: &str, g: &str| {
-                    format!("  {a:>8}  {b:>8}  {c:>7}  {d:>8}  {e:>8}  {f:>6}  {g:>6}")
-                };
-                let _ = writeln!(
-                    out,
-                    "{}  {:^66}  {:^66}",
-                    lead("", "", "", "", ""),
-                    "out-of-place",
-                    "in-place"
-                );
-                let names = cell(
-                    "safe p50", "raw p50", "diff", "safe p99", "raw p99", "busbw", "#wrong",
-                );
-                let units = cell("(us)", "(us)", "(%)", "(us)", "(us)", "(GB/s)", "");
-                let _ = writeln!(
-                    out,
-                    "{}{names}{names}",
-                    lead("size", "count", "type", "redop", "root")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}{units}{units}",
-                    lead("(B)", "(elements)", "", "", "")
-                );
-            }
+        let columns = self.columns();
+        let title = match (self.apis, self.mode) {
             (Apis::Compare, _) => {
-                let cell = |a: &str, b: &str, c: &str, d: &str, e: &str, f: &str| {
-                    format!("  {a:>8}  {b:>8}  {c:>7}  {d:>6}  {e:>6}  {f:>6}")
-                };
-                let t = self.time_label();
-                let _ = writeln!(
-                    out,
-                    "{}  {:^52}  {:^52}",
-                    lead("", "", "", "", ""),
-                    "out-of-place",
-                    "in-place"
-                );
-                let names = cell(
-                    &format!("safe {t}"),
-                    &format!("raw {t}"),
-                    "diff",
-                    "busbw",
-                    "busbw",
-                    "#wrong",
-                );
-                let units = cell("(us)", "(us)", "(%)", "safe", "raw", "");
-                let _ = writeln!(
-                    out,
-                    "{}{names}{names}",
-                    lead("size", "count", "type", "redop", "root")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}{units}{units}",
-                    lead("(B)", "(elements)", "", "", "")
-                );
+                let width: usize = columns.iter().map(|(_, _, width)| width + 2).sum();
+                format!("{:^width$}{:^width$}", "out-of-place", "in-place")
             }
+            // nccl-tests' lines, as it prints them.
             (_, Mode::Latency) => {
-                let _ = writeln!(
-                    out,
-                    "{}             out-of-place                                in-place",
-                    lead("", "", "", "", "")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {:>7}  {:>7}  {:>6}  {:>6} {:>6}  {:>7}  {:>7}  {:>6}  {:>6} {:>6}",
-                    lead("size", "count", "type", "redop", "root"),
-                    "p50",
-                    "p99",
-                    "algbw",
-                    "busbw",
-                    "#wrong",
-                    "p50",
-                    "p99",
-                    "algbw",
-                    "busbw",
-                    "#wrong"
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}",
-                    lead("(B)", "(elements)", "", "", ""),
-                    "(us)",
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    "",
-                    "(us)",
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    ""
-                );
+                "             out-of-place                                in-place".to_string()
             }
-            _ => {
-                let t = self.time_label();
-                let _ = writeln!(
-                    out,
-                    "{}           out-of-place                       in-place          ",
-                    lead("", "", "", "", "")
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {t:>7}  {:>6}  {:>6} {:>6}  {t:>7}  {:>6}  {:>6} {:>6}",
-                    lead("size", "count", "type", "redop", "root"),
-                    "algbw",
-                    "busbw",
-                    "#wrong",
-                    "algbw",
-                    "busbw",
-                    "#wrong"
-                );
-                let _ = writeln!(
-                    out,
-                    "{}  {:>7}  {:>6}  {:>6}  {:>5}  {:>7}  {:>6}  {:>6}  {:>5}",
-                    lead("(B)", "(elements)", "", "", ""),
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    "",
-                    "(us)",
-                    "(GB/s)",
-                    "(GB/s)",
-                    ""
-                );
-            }
+            _ => "           out-of-place                       in-place          ".to_string(),
+        };
+        // Names right-aligned with their two spaces of separation, of which a name one wider
+        // than its column takes one, as nccl-tests' `#wrong` does.
+        let mut names = String::new();
+        for (name, _, width) in columns {
+            let name = name.replace("time", self.time_label());
+            let _ = write!(names, " {name:>0$}", width + 1);
         }
-        out
+        let units: Vec<&str> = columns.iter().map(|(_, unit, _)| *unit).collect();
+        let units = cells(columns, &units);
+        format!(
+            "{}{title}\n{}{names}{names}\n{}{units}{units}\n",
+            lead("", "", "", "", ""),
+            lead("size", "count", "type", "redop", "root"),
+            lead("(B)", "(elements)", "", "", "")
+        )
     }
 
     /// One table line.
@@ -263,82 +215,58 @@ impl Report {
         out
     }
 
+    /// One placement's columns of a table line; N/A where nothing was measured.
     fn cell(&self, cell: &[Measured]) -> String {
+        let columns = self.columns();
         let find = |api| cell.iter().find(|m| m.api == api);
-        let wrong = || {
-            let checked: Vec<u64> = cell.iter().filter_map(|m| m.wrong).collect();
-            if checked.is_empty() {
-                "N/A".to_string()
-            } else {
-                checked.iter().sum::<u64>().to_string()
-            }
-        };
-        match (self.apis, self.mode) {
-            (Apis::Compare, mode) => {
-                let (Some(safe), Some(raw)) = (find(Api::Safe), find(Api::Raw)) else {
-                    return if mode == Mode::Latency {
-                        format!(
-                            "  {:>8}  {:>8}  {:>7}  {:>8}  {:>8}  {:>6}  {:>6}",
-                            "N/A", "N/A", "", "N/A", "N/A", "N/A", "N/A"
-                        )
-                    } else {
-                        format!(
-                            "  {:>8}  {:>8}  {:>7}  {:>6}  {:>6}  {:>6}",
-                            "N/A", "N/A", "", "N/A", "N/A", "N/A"
-                        )
-                    };
-                };
+        let latency = self.mode == Mode::Latency;
+        let p99 = |m: &Measured| time_str(m.p99_us.unwrap_or(f64::NAN));
+        let values: Vec<String> = match (self.apis, find(Api::Safe), find(Api::Raw)) {
+            (Apis::Compare, Some(safe), Some(raw)) => {
                 let (ts, tr) = (self.shown_time(safe), self.shown_time(raw));
-                let diff = format!("{:+.1}", (ts / tr - 1.0) * 100.0);
-                if mode == Mode::Latency {
-                    format!(
-                        "  {:>8}  {:>8}  {diff:>7}  {:>8}  {:>8}  {:>6.2}  {:>6}",
-                        time_str(ts),
-                        time_str(tr),
-                        time_str(safe.p99_us.unwrap_or(f64::NAN)),
-                        time_str(raw.p99_us.unwrap_or(f64::NAN)),
-                        safe.busbw,
-                        wrong()
-                    )
+                let mut values = vec![
+                    time_str(ts),
+                    time_str(tr),
+                    format!("{:+.1}", (ts / tr - 1.0) * 100.0),
+                ];
+                if latency {
+                    values.extend([p99(safe), p99(raw), format!("{:.2}", safe.busbw)]);
                 } else {
-                    format!(
-                        "  {:>8}  {:>8}  {diff:>7}  {:>6.2}  {:>6.2}  {:>6}",
-                        time_str(ts),
-                        time_str(tr),
-                        safe.busbw,
-                        raw.busbw,
-                        wrong()
-                    )
+                    values.extend([format!("{:.2}", safe.busbw), format!("{:.2}", raw.busbw)]);
                 }
+                let checked: Vec<u64> = cell.iter().filter_map(|m| m.wrong).collect();
+                values.push(if checked.is_empty() {
+                    "N/A".to_string()
+                } else {
+                    checked.iter().sum::<u64>().to_string()
+                });
+                values
             }
-            (_, Mode::Latency) => match cell.first() {
-                Some(m) => format!(
-                    "  {}  {}  {:6.2}  {:6.2}  {:>5}",
-                    time_str(m.time_us),
-                    time_str(m.p99_us.unwrap_or(f64::NAN)),
-                    m.algbw,
-                    m.busbw,
-                    wrong_str(m.wrong)
-                ),
-                None => format!(
-                    "  {:>7}  {:>7}  {:>6}  {:>6}  {:>5}",
-                    "N/A", "N/A", "N/A", "N/A", "N/A"
-                ),
-            },
+            // The difference column stays empty.
+            (Apis::Compare, ..) => (0..columns.len())
+                .map(|i| if i == 2 { "" } else { "N/A" }.to_string())
+                .collect(),
             _ => match cell.first() {
-                Some(m) => format!(
-                    "  {}  {:6.2}  {:6.2}  {:>5}",
-                    time_str(self.shown_time(m)),
-                    m.algbw,
-                    m.busbw,
-                    wrong_str(m.wrong)
-                ),
-                None => format!("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A"),
+                Some(m) => {
+                    let mut values = vec![time_str(self.shown_time(m))];
+                    if latency {
+                        values.push(p99(m));
+                    }
+                    values.extend([
+                        format!("{:.2}", m.algbw),
+                        format!("{:.2}", m.busbw),
+                        wrong_str(m.wrong),
+                    ]);
+                    values
+                }
+                None => vec!["N/A".to_string(); columns.len()],
             },
-        }
+        };
+        cells(columns, &values)
     }
 
-    fn all(&self) -> impl Iterator<Item = (&Row, bool, &Measured)> {
+    /// Every measurement with its row and placement (in place or not).
+    pub fn all(&self) -> impl Iterator<Item = (&Row, bool, &Measured)> {
         self.rows.iter().flat_map(|row| {
             row.out_of_place
                 .iter()
@@ -371,14 +299,11 @@ impl Report {
                 .collect();
             values.iter().sum::<f64>() / values.len().max(1) as f64
         };
-        match self.apis {
-            Apis::Safe => {
-                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(Api::Safe)));
+        match *self.apis.list() {
+            [api] => {
+                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(api)));
             }
-            Apis::Raw => {
-                let _ = writeln!(out, "# Avg bus bandwidth    : {} ", g(avg(Api::Raw)));
-            }
-            Apis::Compare => {
+            _ => {
                 let (safe, raw) = (avg(Api::Safe), avg(Api::Raw));
                 let _ = writeln!(
                     out,
@@ -493,33 +418,6 @@ impl Report {
         }
         out
     }
-
-    /// Bus bandwidth against size, one line per API, placement, type and reduction, as SVG.
-    pub fn svg(&self, title: &str) -> String {
-        let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-        for (row, in_place, m) in self.all() {
-            if row.size == 0 {
-                continue;
-            }
-            let mut label = format!(
-                "{} {}",
-                m.api.name(),
-                if in_place { "in-place" } else { "out-of-place" }
-            );
-            if self.rows.iter().any(|r| r.dtype != row.dtype) {
-                let _ = write!(label, " {}", row.dtype);
-            }
-            if self.rows.iter().any(|r| r.redop != row.redop) {
-                let _ = write!(label, " {}", row.redop);
-            }
-            let point = ((row.size as f64).log2(), m.busbw);
-            match series.iter_mut().find(|(l, _)| *l == label) {
-                Some((_, points)) => points.push(point),
-                None => series.push((label, vec![point])),
-            }
-        }
-        plot(title, &series)
-    }
 }
 
 /// The mode's name in the files.
@@ -543,159 +441,88 @@ pub fn human_bytes(bytes: f64) -> String {
     format!("{}{}", g((value * 100.0).round() / 100.0), units[unit])
 }
 
-/// Draws lines of (log2 size, GB/s) points.
-fn plot(title: &str, series: &[(String, Vec<(f64, f64)>)]) -> String {
-    const W: f64 = 900.0;
-    const H: f64 = 520.0;
-    const LEFT: f64 = 70.0;
-    const RIGHT: f64 = 210.0;
-    const TOP: f64 = 40.0;
-    const BOTTOM: f64 = 50.0;
-    const COLORS: [&str; 8] = [
-        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-    ];
-    let points = series.iter().flat_map(|(_, p)| p.iter());
-    let (mut x0, mut x1, mut y1) = (f64::MAX, f64::MIN, 0.0f64);
-    for &(x, y) in points {
-        x0 = x0.min(x);
-        x1 = x1.max(x);
-        if y.is_finite() {
-            y1 = y1.max(y);
-        }
-    }
-    if x0 > x1 {
-        (x0, x1) = (0.0, 1.0);
-    }
-    if x1 - x0 < 1.0 {
-        x1 = x0 + 1.0;
-    }
-    let y_step = nice_step(y1.max(1.0) / 6.0);
-    let y1 = (y1 / y_step).ceil().max(1.0) * y_step;
-    let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
-    let sx = |x: f64| LEFT + (x - x0) / (x1 - x0) * pw;
-    let sy = |y: f64| TOP + ph - (y / y1) * ph;
-
-    let mut svg = String::new();
-    let _ = writeln!(
-        svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(svg, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
-    let _ = writeln!(
-        svg,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        LEFT + pw / 2.0,
-        escape(title)
-    );
-    // Grid and y labels.
-    let mut y = 0.0;
-    while y <= y1 + y_step / 2.0 {
-        let py = sy(y);
-        let _ = writeln!(
-            svg,
-            r##"<line x1="{LEFT}" y1="{py:.1}" x2="{:.1}" y2="{py:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-            LEFT + pw,
-            LEFT - 6.0,
-            py + 4.0,
-            g(y)
-        );
-        y += y_step;
-    }
-    // x ticks at powers of two, every 1, 2 or 4 steps depending on the range.
-    let span = (x1 - x0).ceil() as i64;
-    let every = if span > 24 {
-        4
-    } else if span > 12 {
-        2
-    } else {
-        1
-    };
-    let mut x = x0.ceil() as i64;
-    while x as f64 <= x1 {
-        if x % every == 0 {
-            let px = sx(x as f64);
-            let _ = writeln!(
-                svg,
-                r##"<line x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}" stroke="#eee"/><text x="{px:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
-                TOP + ph,
-                TOP + ph + 18.0,
-                human_bytes(2f64.powi(x as i32))
-            );
-        }
-        x += 1;
-    }
-    let _ = writeln!(
-        svg,
-        r#"<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="black"/>"#
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">size</text>"#,
-        LEFT + pw / 2.0,
-        H - 12.0
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text transform="translate(18 {:.1}) rotate(-90)" text-anchor="middle">busbw (GB/s)</text>"#,
-        TOP + ph / 2.0
-    );
-    for (i, (label, points)) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        let dash = if label.contains("in-place") {
-            r#" stroke-dasharray="6 4""#
-        } else {
-            ""
-        };
-        let path: Vec<String> = points
-            .iter()
-            .filter(|(_, y)| y.is_finite())
-            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
-            .collect();
-        let _ = writeln!(
-            svg,
-            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
-            path.join(" ")
-        );
-        for point in &path {
-            let (cx, cy) = point.split_once(',').unwrap_or(("0", "0"));
-            let _ = writeln!(
-                svg,
-                r#"<circle cx="{cx}" cy="{cy}" r="2.5" fill="{color}"/>"#
-            );
-        }
-        let ly = TOP + 10.0 + i as f64 * 18.0;
-        let lx = LEFT + pw + 12.0;
-        let _ = writeln!(
-            svg,
-            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/><text x="{}" y="{}">{}</text>"#,
-            lx + 24.0,
-            lx + 30.0,
-            ly + 4.0,
-            escape(label)
-        );
-    }
-    svg.push_str("</svg>\n");
-    svg
-}
-
-/// 1, 2 or 5 times a power of ten, at least `raw`.
-fn nice_step(raw: f64) -> f64 {
-    let power = 10f64.powf(raw.log10().floor());
-    for m in [1.0, 2.0, 5.0, 10.0] {
-        if m * power >= raw {
-            return m * power;
-        }
-    }
-    10.0 * power
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
 /// Writes `text` to `path`, naming the file in the error.
 pub fn write_file(path: &Path, text: &str) -> BenchResult<()> {
     std::fs::write(path, text).map_err(|e| format!("writing {}: {e}", path.display()).into())
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    /// A report of every layout's kind: four sizes, the third unchecked, the last without an
+    /// in-place column.
+    pub fn sample(apis: Apis, mode: Mode, cputime: bool) -> Report {
+        let rows = [8usize, 4096, 1 << 20, 1 << 30]
+            .into_iter()
+            .enumerate()
+            .map(|(k, size)| {
+                let cell = |scale: f64| -> Vec<Measured> {
+                    apis.list()
+                        .iter()
+                        .map(|&api| Measured {
+                            api,
+                            time_us: 3.7 * scale * (size as f64).sqrt(),
+                            p99_us: (mode == Mode::Latency).then_some(5.1 * scale),
+                            cpu_us: 1.3 * scale,
+                            algbw: scale * size as f64 / 1e7,
+                            busbw: 1.75 * scale * size as f64 / 1e7,
+                            wrong: (k != 2).then_some(k as u64),
+                        })
+                        .collect()
+                };
+                Row {
+                    size,
+                    count: size / 4,
+                    dtype: "float",
+                    redop: "sum",
+                    root: -1,
+                    out_of_place: cell(1.0),
+                    in_place: if k == 3 { Vec::new() } else { cell(1.1) },
+                }
+            })
+            .collect();
+        Report {
+            coll: Coll::AllReduce,
+            mode,
+            apis,
+            ranks: 8,
+            cputime,
+            rows,
+        }
+    }
+
+    #[test]
+    fn the_header_is_nccl_tests_own() {
+        let header = sample(Apis::Safe, Mode::Host, false).header();
+        let expected = [
+            "#                                                              out-of-place                       in-place          ",
+            "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong",
+            "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       ",
+        ];
+        assert_eq!(header.lines().collect::<Vec<_>>(), expected);
+    }
+
+    #[test]
+    fn every_layout_lines_up() {
+        for apis in [Apis::Safe, Apis::Raw, Apis::Compare] {
+            for mode in [Mode::Host, Mode::Graph, Mode::Latency] {
+                for cputime in [false, true] {
+                    let report = sample(apis, mode, cputime);
+                    let header = report.header();
+                    let lines: Vec<&str> = header.lines().collect();
+                    let width = lines[2].len();
+                    let case = format!("{apis:?} {mode:?} cputime {cputime}");
+                    if !cputime {
+                        // "safe cputime" is wider than its column; every other name fits.
+                        assert_eq!(lines[1].len(), width, "{case}: names\n{header}");
+                    }
+                    for row in &report.rows {
+                        let line = report.line(row);
+                        assert_eq!(line.len(), width, "{case}:\n{header}{line}");
+                    }
+                }
+            }
+        }
+    }
 }
