@@ -517,6 +517,7 @@ impl Cell<'_> {
                     Mode::Host => op.host(options.iters)?,
                     Mode::Graph => op.graph(options.iters, options.graph_launches)?,
                     Mode::Latency => op.latency(options.iters)?,
+                    Mode::Cold => op.cold(options.iters, options.cold_bytes)?,
                 };
                 let p99_us = match local.p99_us {
                     Some(p99) => Some(rank.combine(p99, average)?),

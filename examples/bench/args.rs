@@ -53,6 +53,9 @@ pub enum Mode {
     Graph,
     /// Every call timed with CUDA events: median and 99th percentile.
     Latency,
+    /// Every call follows other host work (`--cold`): the call path as a program meets it,
+    /// with the binding's code and data evicted from the caches.
+    Cold,
 }
 
 /// Where device memory comes from.
@@ -93,6 +96,8 @@ pub struct Options {
     pub graph_launches: usize,
     /// Per-call latency mode (`--latency`).
     pub latency: bool,
+    /// Bytes of host memory traffic before every call (`--cold`); 0 is off.
+    pub cold_bytes: usize,
     /// With `--compare`, issue raw calls in both columns (`--control`).
     pub control: bool,
     /// How per-rank times are combined (`-a`).
@@ -136,6 +141,7 @@ impl Default for Options {
             root: 0,
             graph_launches: 0,
             latency: false,
+            cold_bytes: 0,
             control: false,
             average: Average::Mean,
             cputime: false,
@@ -157,6 +163,8 @@ impl Options {
     pub fn mode(&self) -> Mode {
         if self.latency {
             Mode::Latency
+        } else if self.cold_bytes > 0 {
+            Mode::Cold
         } else if self.graph_launches > 0 {
             Mode::Graph
         } else {
@@ -226,6 +234,9 @@ this benchmark's own:
       --control                with --compare: both columns issue raw calls, which shows how
                                far apart the comparison puts two identical paths
       --latency                time every call with CUDA events: median and p99
+      --cold <size>            write and read <size> of other host memory before every call
+                               (the calls run cache-cold, as after a program's own work);
+                               -C 1 then shows the host time inside the calls alone
       --ranks <n>              processes to start without a launcher (default: every GPU)
       --stream <default|own>   the GPU's default stream (default) or a stream of its own
                                (graph mode always uses its own)
@@ -309,6 +320,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "-c" | "--check" => options.check = number(&name, &value()?)?,
             "-r" | "--root" => options.root = number(&name, &value()?)?,
             "-G" | "--cudagraph" => options.graph_launches = number(&name, &value()?)?,
+            "--cold" => options.cold_bytes = size(&name, &value()?)?,
             "-C" | "--report_cputime" => options.cputime = flag(&name, &value()?)?,
             "-a" | "--average" => {
                 options.average = match number(&name, &value()?)? {
@@ -401,6 +413,9 @@ fn validate(options: &Options) -> Result<(), String> {
     }
     if options.latency && options.graph_launches > 0 {
         return Err("--latency and -G (graph mode) cannot be combined".into());
+    }
+    if options.cold_bytes > 0 && (options.latency || options.graph_launches > 0) {
+        return Err("--cold times host calls; it cannot be combined with --latency or -G".into());
     }
     if options.ranks == Some(0) {
         return Err("--ranks must be at least 1".into());

@@ -165,6 +165,32 @@ impl<T: Elem> Op<'_, T> {
         })
     }
 
+    /// Cold mode: before each of `iters` operations, `traffic_bytes` of unrelated host memory
+    /// are written and read (the work a program does between calls, which evicts the
+    /// binding's code and data from the caches); only the calls themselves are timed.
+    /// `cpu_us` is the host time per call, `time_us` the time per operation to completion,
+    /// the traffic included.
+    pub fn cold(&mut self, iters: usize, traffic_bytes: usize) -> BenchResult<Timing> {
+        let mut scratch = vec![0u64; traffic_bytes.div_ceil(8).max(1)];
+        self.settle()?;
+        let (len, total) = (self.bufs.len(), self.issuer.layout.total);
+        let mut in_calls = Duration::ZERO;
+        let (time_us, _) = self.timed(iters, |op| {
+            for iter in 0..iters {
+                other_work(&mut scratch);
+                let start = Instant::now();
+                op.issue(shift(len, total, iter))?;
+                in_calls += start.elapsed();
+            }
+            Ok(())
+        })?;
+        Ok(Timing {
+            time_us,
+            p99_us: None,
+            cpu_us: in_calls.as_secs_f64() * 1e6 / iters.max(1) as f64,
+        })
+    }
+
     /// Runs the operation once on known inputs and counts the wrong elements of this rank's
     /// output (0 for a rank whose output is not defined, off the root of a reduce).
     pub fn check(&mut self, pattern: &Pattern) -> BenchResult<u64> {
@@ -220,6 +246,19 @@ impl<T: Elem> Op<'_, T> {
         };
         Ok(expect.count_wrong(&got))
     }
+}
+
+/// A program's own work between two calls, as far as the caches see it: every word of
+/// `scratch` read and written.
+fn other_work(scratch: &mut [u64]) {
+    let mut carry = 0u64;
+    for word in scratch.iter_mut() {
+        carry = carry
+            .wrapping_mul(0x5851_F42D_4C95_7F2D)
+            .wrapping_add(*word | 1);
+        *word = carry;
+    }
+    std::hint::black_box(scratch);
 }
 
 /// The median of sorted values.

@@ -426,6 +426,7 @@ pub fn mode_name(mode: Mode) -> &'static str {
         Mode::Host => "host",
         Mode::Graph => "graph",
         Mode::Latency => "latency",
+        Mode::Cold => "cold",
     }
 }
 
