@@ -286,19 +286,61 @@ fn play(role: &str) -> Result<i32, String> {
             Ok(0)
         }
         // Rank 2 dies while the others are busy (rank 0 in the exchange waiting for it, rank 1
-        // in what stands for a collective that waits for rank 2): the supervisor must kill rank
-        // 1 and end rank 0 with rank 2's exit code.
+        // in what stands for a collective that waits for rank 2): the supervisor must stop rank
+        // 1, and rank 0's exchange must fail with the failure instead of waiting, leaving rank
+        // 0 to decide what to do (here: exit with rank 2's code).
         "spawn-fail-while-busy" => {
             let job = spawn_local(3).map_err(|e| e.to_string())?;
             if job.launch().rank == 2 {
                 return Ok(7);
             }
             let result = job.exchange_id_with(|| Ok(sample_id(1)));
+            if job.launch().rank == 0 {
+                let Err(nccl::Error::Bootstrap(BootstrapError::ChildFailed { rank: 2, .. })) =
+                    result
+                else {
+                    return Err(format!("rank 0's exchange returned {result:?}"));
+                };
+                eprintln!("rank 0 handles: {}", result.unwrap_err());
+                return match job.wait() {
+                    Err(BootstrapError::ChildFailed { exit_code, .. }) => Ok(exit_code),
+                    other => Err(format!("wait returned {other:?}")),
+                };
+            }
             thread::sleep(Duration::from_secs(60));
             Err(format!(
                 "rank {} was not stopped after rank 2 died (exchange: {result:?})",
                 job.launch().rank
             ))
+        }
+        // Rank 2 dies after the exchange while rank 0 works: rank 0 notices through the hook
+        // and `failure`, and `wait` reports it; rank 0 stays alive throughout.
+        "spawn-fail-while-working" => {
+            let job = spawn_local(3).map_err(|e| e.to_string())?;
+            job.exchange_id_with(|| Ok(sample_id(2)))
+                .map_err(|e| e.to_string())?;
+            match job.launch().rank {
+                0 => rank0_notices_the_failure(job),
+                1 => {
+                    thread::sleep(Duration::from_secs(60));
+                    Err("rank 1 was not stopped after rank 2 died".to_owned())
+                }
+                _ => Ok(7),
+            }
+        }
+        // Rank 0 drops the job while the others run: they are stopped and reaped at once.
+        "spawn-drop" => {
+            let job = spawn_local(3).map_err(|e| e.to_string())?;
+            job.exchange_id_with(|| Ok(sample_id(3)))
+                .map_err(|e| e.to_string())?;
+            if job.launch().rank != 0 {
+                thread::sleep(Duration::from_secs(60));
+                return Err("a spawned rank was not stopped by the drop".to_owned());
+            }
+            let started = Instant::now();
+            drop(job);
+            println!("dropped in {:?}", started.elapsed());
+            Ok(0)
         }
         // Rank 2 fails while rank 0 sits in `wait`: `wait` reports it.
         "spawn-fail-in-wait" => {
@@ -318,6 +360,62 @@ fn play(role: &str) -> Result<i32, String> {
             }
         }
         other => Err(format!("unknown role {other}")),
+    }
+}
+
+/// Rank 0 of "spawn-fail-while-working": waits (at most 20 s) for the failure of rank 2 to
+/// show through a hook and `failure`, then checks what `wait` says.
+fn rank0_notices_the_failure(job: nccl::bootstrap::LocalJob) -> Result<i32, String> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let hooked = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&hooked);
+    job.on_failure(move |error| {
+        eprintln!("hook: {error}");
+        flag.store(true, Ordering::SeqCst);
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let failure = loop {
+        if let Some(failure) = job.failure() {
+            break failure;
+        }
+        if Instant::now() > deadline {
+            return Err("no failure seen within 20 s".to_owned());
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    if !matches!(
+        failure,
+        BootstrapError::ChildFailed {
+            rank: 2,
+            exit_code: 7,
+            ..
+        }
+    ) {
+        return Err(format!("failure() returned {failure:?}"));
+    }
+    // The hook runs before or right after `failure` shows it (same thread, same record).
+    thread::sleep(Duration::from_millis(200));
+    if !hooked.load(Ordering::SeqCst) {
+        return Err("the failure hook did not run".to_owned());
+    }
+    let late = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&late);
+    job.on_failure(move |_| flag.store(true, Ordering::SeqCst));
+    if !late.load(Ordering::SeqCst) {
+        return Err("a hook added after the failure did not run at once".to_owned());
+    }
+    match job.wait() {
+        Err(BootstrapError::ChildFailed {
+            rank: 2,
+            exit_code: 7,
+            also_failed,
+            ..
+        }) if also_failed.is_empty() => {
+            eprintln!("rank 0 handled the failure and lives on");
+            Ok(0)
+        }
+        other => Err(format!("wait returned {other:?}")),
     }
 }
 
@@ -688,23 +786,86 @@ fn conflicting_launchers_are_errors() {
     assert_eq!(none, Launch::single_process());
 }
 
+/// A launch of local rank `local_rank` with `local_ranks` ranks on the node (when known).
+fn local(local_rank: usize, local_ranks: Option<usize>) -> Launch {
+    Launch {
+        rank: local_rank,
+        world_size: 16,
+        local_rank,
+        local_world_size: local_ranks,
+        launcher: Launcher::Torchrun,
+    }
+}
+
 #[test]
-fn device_ordinal_is_the_local_rank() {
+fn one_visible_gpu_is_every_rank_s_device() {
+    // srun --gpus-per-task=1, one-GPU containers, CUDA_VISIBLE_DEVICES set per rank.
+    for (local_rank, local_ranks) in [(0, Some(1)), (1, Some(2)), (7, Some(8)), (3, None)] {
+        assert_eq!(local(local_rank, local_ranks).device_ordinal(1).unwrap(), 0);
+    }
+    let found = launch(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")]).unwrap();
+    assert_eq!(found.device_ordinal(1).unwrap(), 0);
+}
+
+#[test]
+fn shared_gpus_go_by_local_rank() {
+    // As many GPUs as local ranks.
+    assert_eq!(local(1, Some(2)).device_ordinal(2).unwrap(), 1);
+    assert_eq!(local(7, Some(8)).device_ordinal(8).unwrap(), 7);
+    // More GPUs than local ranks: the local rank still, the extra GPUs stay idle.
+    assert_eq!(local(1, Some(2)).device_ordinal(8).unwrap(), 1);
+    // The launcher does not say how many ranks share the node: the local rank if it exists.
+    assert_eq!(local(1, None).device_ordinal(2).unwrap(), 1);
+    assert_eq!(local(0, None).device_ordinal(4).unwrap(), 0);
     let found = launch(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")]).unwrap();
     assert_eq!(found.device_ordinal(2).unwrap(), 1);
-    let err = found.device_ordinal(1).unwrap_err();
+}
+
+#[test]
+fn fewer_gpus_than_local_ranks_is_an_error_naming_both_counts_and_the_fix() {
+    // Several GPUs, but fewer than the ranks on the node: every rank fails, rank 0 too.
+    for local_rank in [0, 3] {
+        let err = local(local_rank, Some(4)).device_ordinal(2).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BootstrapError::NoDevice { local_rank: r, local_ranks: Some(4), visible: 2 }
+                    if r == local_rank
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        for needle in [
+            "sees 2 GPUs",
+            "4 ranks run on this node",
+            "CUDA_VISIBLE_DEVICES",
+            "--gpus-per-task=1",
+            "one rank per",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing in {text}");
+        }
+    }
+    // Local size unknown and the local rank past the GPUs.
+    let err = local(2, None).device_ordinal(2).unwrap_err();
     assert!(
         matches!(
             err,
             BootstrapError::NoDevice {
-                local_rank: 1,
-                visible: 1
+                local_rank: 2,
+                local_ranks: None,
+                visible: 2
             }
         ),
-        "{err}"
+        "{err:?}"
     );
-    assert!(err.to_string().contains("CUDA_VISIBLE_DEVICES"));
-    assert!(Launch::single_process().device_ordinal(0).is_err());
+    assert!(err.to_string().contains("does not say"), "{err}");
+    // No GPU at all.
+    let err = Launch::single_process().device_ordinal(0).unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::NoDevice { visible: 0, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("sees no GPU"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1443,9 +1604,58 @@ fn spawn_local_failure_while_busy_stops_the_job() {
         Duration::from_secs(30),
     );
     assert_eq!(done.status.code(), Some(7), "stderr:\n{}", done.stderr);
-    assert!(done.stderr.contains("local rank 2"), "{}", done.stderr);
+    // Rank 0 was told, through its exchange, and chose the exit code itself.
+    assert!(
+        done.stderr.contains("rank 0 handles: local rank 2"),
+        "{}",
+        done.stderr
+    );
     assert!(!done.stderr.contains("was not stopped"), "{}", done.stderr);
     assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn spawn_local_failure_while_working_is_reported_not_fatal() {
+    let started = Instant::now();
+    let done = finish(
+        role_command("spawn-fail-while-working")
+            .spawn()
+            .expect("spawn"),
+        Duration::from_secs(40),
+    );
+    assert!(
+        done.status.success(),
+        "status {:?}; stderr:\n{}",
+        done.status,
+        done.stderr
+    );
+    assert!(
+        done.stderr.contains("hook: local rank 2"),
+        "{}",
+        done.stderr
+    );
+    assert!(
+        done.stderr
+            .contains("rank 0 handled the failure and lives on"),
+        "{}",
+        done.stderr
+    );
+    // Rank 1 was stopped, not left to sleep: the pipes it shared closed well before 60 s.
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn spawn_local_drop_stops_and_reaps_the_ranks() {
+    let started = Instant::now();
+    let done = finish(
+        role_command("spawn-drop").spawn().expect("spawn"),
+        Duration::from_secs(30),
+    );
+    assert!(done.status.success(), "{}", done.stderr);
+    assert!(done.stdout.contains("dropped in"), "{}", done.stdout);
+    assert!(!done.stderr.contains("not stopped"), "{}", done.stderr);
+    // `finish` read the output to its end: no spawned rank outlived rank 0 holding it open.
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

@@ -73,7 +73,8 @@ pub struct Launch {
     pub rank: usize,
     /// The number of ranks in the job.
     pub world_size: usize,
-    /// This process's rank among the ranks on its node; selects its GPU.
+    /// This process's rank among the ranks on its node; selects its GPU when the node's GPUs
+    /// are shared out among its ranks (see [`Launch::device_ordinal`]).
     pub local_rank: usize,
     /// The number of ranks on this node, when the launcher says.
     pub local_world_size: Option<usize>,
@@ -555,23 +556,40 @@ impl Launch {
         self.world_size == 1 || self.local_world_size == Some(self.world_size)
     }
 
-    /// The CUDA device ordinal this rank should use: its local rank.
+    /// The CUDA device ordinal this rank should use, given what this process sees.
     ///
     /// `visible_gpus` is the device count CUDA reports (e.g. `CudaContext::device_count()`).
     /// CUDA applies `CUDA_VISIBLE_DEVICES` before numbering devices, so the ordinal counts
     /// visible devices only: with `CUDA_VISIBLE_DEVICES=2,3`, ordinal 0 is physical GPU 2.
     ///
-    /// Fails when the local rank has no device of its own. When a launcher binds one GPU per
-    /// task (e.g. `srun --gpus-per-task=1`), every rank sees a single device and should use
-    /// ordinal 0 instead of calling this.
+    /// * Exactly one GPU visible: ordinal 0, whatever the local rank. This is the shape of
+    ///   `srun --gpus-per-task=1`, a one-GPU container, or a wrapper that sets
+    ///   `CUDA_VISIBLE_DEVICES` per rank.
+    /// * At least as many GPUs visible as ranks on this node ([`Launch::local_world_size`], or
+    ///   when the launcher does not say, more GPUs than the local rank): the local rank, so
+    ///   that the ranks of a node share its GPUs out one each.
+    /// * Otherwise (no GPU, or several GPUs but fewer than the ranks on this node) a
+    ///   [`BootstrapError::NoDevice`] naming both counts and the fix. Every rank of such a
+    ///   node fails alike, rather than some ranks running and the others not.
+    ///
+    /// Two ranks given the same GPU (say, two ranks in a one-GPU container each) are refused
+    /// by NCCL itself when they join ("duplicate GPU").
     pub fn device_ordinal(&self, visible_gpus: usize) -> Result<usize> {
-        if self.local_rank >= visible_gpus {
-            return Err(BootstrapError::NoDevice {
+        let fits = match (visible_gpus, self.local_world_size) {
+            (0, _) => false,
+            (1, _) => return Ok(0),
+            (visible, Some(local_ranks)) => local_ranks <= visible && self.local_rank < visible,
+            (visible, None) => self.local_rank < visible,
+        };
+        if fits {
+            Ok(self.local_rank)
+        } else {
+            Err(BootstrapError::NoDevice {
                 local_rank: self.local_rank,
+                local_ranks: self.local_world_size,
                 visible: visible_gpus,
-            });
+            })
         }
-        Ok(self.local_rank)
     }
 }
 

@@ -20,7 +20,8 @@
 //! # fn main() -> nccl::Result<()> {
 //! let launch = Launch::from_env()?;
 //! let id = exchange_id(&launch, Exchange::Auto)?;
-//! // Pick the GPU with `launch.device_ordinal(device_count)?`, then
+//! // Pick the GPU with `launch.device_ordinal(device_count)?` (one visible GPU: that one;
+//! // otherwise the local rank), then
 //! // `Comm::init_rank(id, launch.rank, launch.world_size)`.
 //! # let _ = id;
 //! # Ok(())
@@ -264,21 +265,24 @@ pub enum BootstrapError {
         world_size: usize,
     },
 
-    /// This rank's local rank has no GPU of its own.
-    #[error(
-        "local rank {local_rank} needs GPU ordinal {local_rank}, but only {visible} GPUs are \
-         visible (CUDA_VISIBLE_DEVICES is already applied); start fewer ranks per node, or use \
-         ordinal 0 if the launcher binds one GPU per rank"
-    )]
+    /// This rank has no GPU of its own: no GPU is visible, or several are but fewer than the
+    /// ranks on this node (see [`Launch::device_ordinal`]).
+    #[error("{}", no_device_message(*local_rank, *local_ranks, *visible))]
     NoDevice {
         /// The local rank.
         local_rank: usize,
-        /// The number of visible GPUs.
+        /// The number of ranks on this node, when the launcher says.
+        local_ranks: Option<usize>,
+        /// The number of GPUs visible to this process (`CUDA_VISIBLE_DEVICES` applied).
         visible: usize,
     },
 
-    /// A rank started by [`spawn_local`] exited unsuccessfully.
-    #[error("local rank {rank} (pid {pid}) failed: {status}")]
+    /// A rank started by [`spawn_local`] ended unsuccessfully; the spawning process stopped
+    /// the others. The fields describe the first failure seen.
+    #[error(
+        "local rank {rank} (pid {pid}) failed: {status}{}",
+        also_failed_message(also_failed)
+    )]
     ChildFailed {
         /// The failed rank.
         rank: usize,
@@ -288,6 +292,9 @@ pub enum BootstrapError {
         status: ExitStatus,
         /// The exit code to propagate: its own, or 128 + signal number when it was killed.
         exit_code: i32,
+        /// Other ranks that failed on their own before they could be stopped, in the order
+        /// they were seen to end (ranks stopped by the spawning process are not listed).
+        also_failed: Vec<ChildExit>,
     },
 
     /// An I/O operation failed.
@@ -299,6 +306,55 @@ pub enum BootstrapError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// How a rank started by [`spawn_local`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChildExit {
+    /// Its rank.
+    pub rank: usize,
+    /// Its process id.
+    pub pid: u32,
+    /// How it ended.
+    pub status: ExitStatus,
+}
+
+/// The tail of [`BootstrapError::ChildFailed`]'s message naming the other failed ranks.
+fn also_failed_message(also_failed: &[ChildExit]) -> String {
+    let list: Vec<String> = also_failed
+        .iter()
+        .map(|exit| {
+            format!(
+                "local rank {} (pid {}): {}",
+                exit.rank, exit.pid, exit.status
+            )
+        })
+        .collect();
+    if list.is_empty() {
+        return String::new();
+    }
+    format!("; failed too: {}", list.join(", "))
+}
+
+/// The message of [`BootstrapError::NoDevice`]: both counts, and how to fix the launch.
+fn no_device_message(local_rank: usize, local_ranks: Option<usize>, visible: usize) -> String {
+    let ranks = match local_ranks {
+        Some(n) => format!("{n} ranks run on this node"),
+        None => "the launcher does not say how many ranks run on this node".to_owned(),
+    };
+    if visible == 0 {
+        return format!(
+            "local rank {local_rank} sees no GPU ({ranks}); check CUDA_VISIBLE_DEVICES and the \
+             launcher's GPU binding"
+        );
+    }
+    format!(
+        "local rank {local_rank} has no GPU of its own: this process sees {visible} GPUs \
+         (CUDA_VISIBLE_DEVICES applied) and {ranks}; give each rank one GPU \
+         (CUDA_VISIBLE_DEVICES per rank, or srun --gpus-per-task=1), or start one rank per \
+         visible GPU"
+    )
 }
 
 /// Variables read by the rendezvous methods.

@@ -9,7 +9,8 @@
 //! let world = universe.world();
 //! let launch = launch_from_mpi(&world);
 //! let id = exchange_id_mpi(&world)?;
-//! // Comm::init_rank(id, launch.rank, launch.world_size) on GPU launch.local_rank.
+//! // Comm::init_rank(id, launch.rank, launch.world_size) on GPU
+//! // launch.device_ordinal(visible GPUs)?.
 //! # let _ = (launch, id);
 //! # Ok(())
 //! # }

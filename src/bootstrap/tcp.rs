@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::util::{
     deadline_after, io_error, job_key_hash, process_var, read_full, time_left, write_full,
-    ReadShort,
+    Interrupt, ReadShort,
 };
 use super::{
     address_from, check_rank, job_key_from, timeout_from, BootstrapError, Launch, Result,
@@ -184,6 +184,8 @@ pub struct TcpRendezvous {
     /// A listener rank 0 bound ahead of time ([`spawn_local`](super::spawn_local) binds before
     /// telling the children the port, so no other process can take it in between).
     prebound: Option<Arc<TcpListener>>,
+    /// Ends rank 0's serving early (a [`spawn_local`](super::spawn_local) rank died).
+    interrupt: Option<Interrupt>,
 }
 
 impl TcpRendezvous {
@@ -198,6 +200,7 @@ impl TcpRendezvous {
             timeout: DEFAULT_TIMEOUT,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
             prebound: None,
+            interrupt: None,
         }
     }
 
@@ -245,6 +248,11 @@ impl TcpRendezvous {
 
     pub(crate) fn with_prebound(mut self, listener: TcpListener) -> Self {
         self.prebound = Some(Arc::new(listener));
+        self
+    }
+
+    pub(crate) fn with_interrupt(mut self, interrupt: Interrupt) -> Self {
+        self.interrupt = Some(interrupt);
         self
     }
 
@@ -340,6 +348,7 @@ impl TcpRendezvous {
             job_hash: job_key_hash(&self.job_key),
             timeout: self.timeout,
             connection_timeout: self.connection_timeout,
+            interrupt: self.interrupt.clone(),
         })
     }
 
@@ -638,6 +647,7 @@ pub struct TcpServer {
     job_hash: u64,
     timeout: Duration,
     connection_timeout: Duration,
+    interrupt: Option<Interrupt>,
 }
 
 /// A peer rank 0 turned away while serving.
@@ -792,8 +802,11 @@ impl TcpServer {
             if shared.lock().done == others {
                 break Ok(());
             }
+            if let Some(error) = self.interrupt.as_ref().and_then(Interrupt::reason) {
+                break Err(Some(error));
+            }
             if time_left(shared.serve_deadline).is_none() {
-                break Err(());
+                break Err(None);
             }
             match self.listener.accept() {
                 Ok((stream, peer)) => {
@@ -822,7 +835,8 @@ impl TcpServer {
                 elapsed: started.elapsed(),
                 rejected,
             }),
-            Err(()) => {
+            Err(Some(interrupted)) => Err(interrupted),
+            Err(None) => {
                 let missing: Vec<usize> = state
                     .slots
                     .iter()

@@ -2,10 +2,12 @@
 //! and environment lookups.
 
 use std::collections::hash_map::RandomState;
+use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::BootstrapError;
@@ -134,6 +136,29 @@ pub(crate) fn write_full(stream: &TcpStream, bytes: &[u8], deadline: Instant) ->
         }
     }
     Ok(())
+}
+
+/// Ends a wait early once it has become pointless, e.g. rank 0 serving the id to ranks of a
+/// [`spawn_local`](super::spawn_local) job of which one has died: the closure returns the
+/// error to end the wait with, `None` while the wait may go on.
+#[derive(Clone)]
+pub(crate) struct Interrupt(Arc<dyn Fn() -> Option<BootstrapError> + Send + Sync>);
+
+impl Interrupt {
+    pub(crate) fn new(reason: impl Fn() -> Option<BootstrapError> + Send + Sync + 'static) -> Self {
+        Interrupt(Arc::new(reason))
+    }
+
+    /// The error to end the wait with, if it must end.
+    pub(crate) fn reason(&self) -> Option<BootstrapError> {
+        (self.0)()
+    }
+}
+
+impl fmt::Debug for Interrupt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Interrupt")
+    }
 }
 
 /// Wraps an I/O error with what was being done.
