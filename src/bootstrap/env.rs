@@ -116,15 +116,16 @@ fn master_address(vars: Vars<'_>, host: &str, port_text: &str) -> Result<String>
     // listen there, so every rank uses the next port instead.
     let agent_holds_port = lookup(vars, TORCHELASTIC_AGENT_STORE)
         .is_some_and(|v| matches!(v.trim(), "True" | "true" | "1"));
-    let port = match agent_holds_port {
-        false => port,
-        true => port.checked_add(1).ok_or_else(|| {
+    let port = if agent_holds_port {
+        port.checked_add(1).ok_or_else(|| {
             invalid(format!(
                 "{TORCHELASTIC_AGENT_STORE} is set, so the rendezvous would use the next port, \
                  but there is none; set {} instead",
                 vars::ADDR
             ))
-        })?,
+        })?
+    } else {
+        port
     };
     let host = host.trim();
     // A bare IPv6 literal needs brackets before a port can follow it.
