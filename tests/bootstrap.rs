@@ -14,7 +14,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use nccl::bootstrap::{
-    exchange_id_with, spawn_local, BootstrapError, Exchange, FileRendezvous, Launch, Launcher,
+    exchange_id_with, spawn_local, BootstrapError, Exchange, FileRendezvous, Launcher, Placement,
     TcpRendezvous,
 };
 use nccl::UniqueId;
@@ -30,8 +30,8 @@ fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> 
     move |name| map.get(name).map(|value| (*value).to_owned())
 }
 
-fn launch(pairs: &[(&str, &str)]) -> Result<Launch, BootstrapError> {
-    Launch::from_vars(vars(pairs))
+fn placement(pairs: &[(&str, &str)]) -> Result<Placement, BootstrapError> {
+    Placement::from_vars(vars(pairs))
 }
 
 fn sample_id(seed: u8) -> UniqueId {
@@ -269,16 +269,16 @@ fn play(role: &str) -> Result<i32, String> {
         // A spawn_local job whose every rank prints itself and the exchanged id.
         "spawn-ok" => {
             let job = spawn_local(env_usize("TEST_WORLD")?).map_err(|e| e.to_string())?;
-            let launch = job.launch().clone();
+            let placement = job.placement().clone();
             let id = job
                 .exchange_id_with(|| Ok(sample_id(42)))
                 .map_err(|e| e.to_string())?;
             println!(
                 "rank={} world={} local={} launcher={:?} spawned={} id={:016x}",
-                launch.rank,
-                launch.world_size,
-                launch.local_rank,
-                launch.launcher,
+                placement.rank,
+                placement.world_size,
+                placement.local_rank,
+                placement.launcher,
                 job.spawned(),
                 id.fingerprint()
             );
@@ -286,24 +286,66 @@ fn play(role: &str) -> Result<i32, String> {
             Ok(0)
         }
         // Rank 2 dies while the others are busy (rank 0 in the exchange waiting for it, rank 1
-        // in what stands for a collective that waits for rank 2): the supervisor must kill rank
-        // 1 and end rank 0 with rank 2's exit code.
+        // in what stands for a collective that waits for rank 2): the supervisor must stop rank
+        // 1, and rank 0's exchange must fail with the failure instead of waiting, leaving rank
+        // 0 to decide what to do (here: exit with rank 2's code).
         "spawn-fail-while-busy" => {
             let job = spawn_local(3).map_err(|e| e.to_string())?;
-            if job.launch().rank == 2 {
+            if job.placement().rank == 2 {
                 return Ok(7);
             }
             let result = job.exchange_id_with(|| Ok(sample_id(1)));
+            if job.placement().rank == 0 {
+                let Err(nccl::Error::Bootstrap(BootstrapError::ChildFailed { rank: 2, .. })) =
+                    result
+                else {
+                    return Err(format!("rank 0's exchange returned {result:?}"));
+                };
+                eprintln!("rank 0 handles: {}", result.unwrap_err());
+                return match job.wait() {
+                    Err(BootstrapError::ChildFailed { exit_code, .. }) => Ok(exit_code),
+                    other => Err(format!("wait returned {other:?}")),
+                };
+            }
             thread::sleep(Duration::from_secs(60));
             Err(format!(
                 "rank {} was not stopped after rank 2 died (exchange: {result:?})",
-                job.launch().rank
+                job.placement().rank
             ))
+        }
+        // Rank 2 dies after the exchange while rank 0 works: rank 0 notices through the hook
+        // and `failure`, and `wait` reports it; rank 0 stays alive throughout.
+        "spawn-fail-while-working" => {
+            let job = spawn_local(3).map_err(|e| e.to_string())?;
+            job.exchange_id_with(|| Ok(sample_id(2)))
+                .map_err(|e| e.to_string())?;
+            match job.placement().rank {
+                0 => rank0_notices_the_failure(job),
+                1 => {
+                    thread::sleep(Duration::from_secs(60));
+                    Err("rank 1 was not stopped after rank 2 died".to_owned())
+                }
+                _ => Ok(7),
+            }
+        }
+        // Rank 0 drops the job while the others run: they are stopped and reaped at once.
+        "spawn-drop" => {
+            let job = spawn_local(3).map_err(|e| e.to_string())?;
+            job.exchange_id_with(|| Ok(sample_id(3)))
+                .map_err(|e| e.to_string())?;
+            if job.placement().rank != 0 {
+                thread::sleep(Duration::from_secs(60));
+                return Err("a spawned rank was not stopped by the drop".to_owned());
+            }
+            let started = Instant::now();
+            drop(job);
+            println!("dropped in {:?}", started.elapsed());
+            Ok(0)
         }
         // Rank 2 fails while rank 0 sits in `wait`: `wait` reports it.
         "spawn-fail-in-wait" => {
             let job = spawn_local(3).map_err(|e| e.to_string())?;
-            match job.launch().rank {
+            match job.placement().rank {
                 0 => match job.wait() {
                     Err(BootstrapError::ChildFailed {
                         rank, exit_code, ..
@@ -321,25 +363,81 @@ fn play(role: &str) -> Result<i32, String> {
     }
 }
 
+/// Rank 0 of "spawn-fail-while-working": waits (at most 20 s) for the failure of rank 2 to
+/// show through a hook and `failure`, then checks what `wait` says.
+fn rank0_notices_the_failure(job: nccl::bootstrap::LocalJob) -> Result<i32, String> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let hooked = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&hooked);
+    job.on_failure(move |error| {
+        eprintln!("hook: {error}");
+        flag.store(true, Ordering::SeqCst);
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let failure = loop {
+        if let Some(failure) = job.failure() {
+            break failure;
+        }
+        if Instant::now() > deadline {
+            return Err("no failure seen within 20 s".to_owned());
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    if !matches!(
+        failure,
+        BootstrapError::ChildFailed {
+            rank: 2,
+            exit_code: 7,
+            ..
+        }
+    ) {
+        return Err(format!("failure() returned {failure:?}"));
+    }
+    // The hook runs before or right after `failure` shows it (same thread, same record).
+    thread::sleep(Duration::from_millis(200));
+    if !hooked.load(Ordering::SeqCst) {
+        return Err("the failure hook did not run".to_owned());
+    }
+    let late = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&late);
+    job.on_failure(move |_| flag.store(true, Ordering::SeqCst));
+    if !late.load(Ordering::SeqCst) {
+        return Err("a hook added after the failure did not run at once".to_owned());
+    }
+    match job.wait() {
+        Err(BootstrapError::ChildFailed {
+            rank: 2,
+            exit_code: 7,
+            also_failed,
+            ..
+        }) if also_failed.is_empty() => {
+            eprintln!("rank 0 handled the failure and lives on");
+            Ok(0)
+        }
+        other => Err(format!("wait returned {other:?}")),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launcher detection
 
 #[test]
 fn no_launcher_is_a_single_process() {
-    let found = launch(&[]).unwrap();
-    assert_eq!(found, Launch::single_process());
+    let found = placement(&[]).unwrap();
+    assert_eq!(found, Placement::single_process());
     assert_eq!(found.launcher, Launcher::None);
     assert_eq!((found.rank, found.world_size, found.local_rank), (0, 1, 0));
     // Empty values count as unset.
     assert_eq!(
-        launch(&[("RANK", ""), ("WORLD_SIZE", " ")]).unwrap(),
-        Launch::single_process()
+        placement(&[("RANK", ""), ("WORLD_SIZE", " ")]).unwrap(),
+        Placement::single_process()
     );
 }
 
 #[test]
 fn each_launcher_is_detected() {
-    let ompi = launch(&[
+    let ompi = placement(&[
         ("OMPI_COMM_WORLD_RANK", "5"),
         ("OMPI_COMM_WORLD_SIZE", "8"),
         ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
@@ -348,7 +446,7 @@ fn each_launcher_is_detected() {
     .unwrap();
     assert_eq!(
         ompi,
-        Launch {
+        Placement {
             rank: 5,
             world_size: 8,
             local_rank: 1,
@@ -357,7 +455,7 @@ fn each_launcher_is_detected() {
         }
     );
 
-    let hydra = launch(&[
+    let hydra = placement(&[
         ("PMI_RANK", "3"),
         ("PMI_SIZE", "4"),
         ("MPI_LOCALRANKID", "3"),
@@ -368,7 +466,7 @@ fn each_launcher_is_detected() {
     assert_eq!((hydra.rank, hydra.world_size, hydra.local_rank), (3, 4, 3));
     assert!(hydra.is_single_node());
 
-    let pmix = launch(&[
+    let pmix = placement(&[
         ("PMIX_RANK", "2"),
         ("PMI_SIZE", "4"),
         ("MPI_LOCALRANKID", "2"),
@@ -377,7 +475,7 @@ fn each_launcher_is_detected() {
     assert_eq!(pmix.launcher, Launcher::Pmix);
     assert_eq!((pmix.rank, pmix.world_size), (2, 4));
 
-    let slurm = launch(&[
+    let slurm = placement(&[
         ("SLURM_PROCID", "6"),
         ("SLURM_STEP_ID", "0"),
         ("SLURM_STEP_NUM_TASKS", "8"),
@@ -388,7 +486,7 @@ fn each_launcher_is_detected() {
     .unwrap();
     assert_eq!(
         slurm,
-        Launch {
+        Placement {
             rank: 6,
             world_size: 8,
             local_rank: 2,
@@ -397,7 +495,7 @@ fn each_launcher_is_detected() {
         }
     );
 
-    let torchrun = launch(&[
+    let torchrun = placement(&[
         ("RANK", "1"),
         ("WORLD_SIZE", "2"),
         ("LOCAL_RANK", "1"),
@@ -414,7 +512,7 @@ fn each_launcher_is_detected() {
 #[test]
 fn pmix_borrows_size_and_local_rank_from_its_companions() {
     // Open MPI 5 exports PMIx and OMPI variables; srun --mpi=pmix exports PMIx and Slurm ones.
-    let ompi = launch(&[
+    let ompi = placement(&[
         ("PMIX_RANK", "1"),
         ("OMPI_COMM_WORLD_RANK", "1"),
         ("OMPI_COMM_WORLD_SIZE", "2"),
@@ -426,7 +524,7 @@ fn pmix_borrows_size_and_local_rank_from_its_companions() {
         (Launcher::OpenMpi, 2, 1)
     );
 
-    let slurm = launch(&[
+    let slurm = placement(&[
         ("PMIX_RANK", "3"),
         ("SLURM_PROCID", "3"),
         ("SLURM_STEP_NUM_TASKS", "4"),
@@ -437,7 +535,7 @@ fn pmix_borrows_size_and_local_rank_from_its_companions() {
     .unwrap();
     assert_eq!(
         slurm,
-        Launch {
+        Placement {
             rank: 3,
             world_size: 4,
             local_rank: 1,
@@ -446,7 +544,7 @@ fn pmix_borrows_size_and_local_rank_from_its_companions() {
         }
     );
 
-    let err = launch(&[("PMIX_RANK", "0")]).unwrap_err();
+    let err = placement(&[("PMIX_RANK", "0")]).unwrap_err();
     assert!(
         matches!(
             err,
@@ -468,17 +566,17 @@ fn slurm_outside_a_step_is_not_a_launch() {
         ("SLURM_LOCALID", "0"),
         ("SLURM_JOB_ID", "99"),
     ];
-    assert_eq!(launch(&batch).unwrap(), Launch::single_process());
+    assert_eq!(placement(&batch).unwrap(), Placement::single_process());
     // Unless asked for explicitly.
     let mut forced = batch.to_vec();
     forced.push(("NCCL_RS_LAUNCHER", "slurm"));
-    let found = launch(&forced).unwrap();
+    let found = placement(&forced).unwrap();
     assert_eq!(
         (found.launcher, found.rank, found.world_size),
         (Launcher::Slurm, 0, 8)
     );
     // The step's own layout gives this node's rank count, even when uneven.
-    let uneven = launch(&[
+    let uneven = placement(&[
         ("SLURM_PROCID", "8"),
         ("SLURM_STEP_NUM_TASKS", "9"),
         ("SLURM_LOCALID", "0"),
@@ -527,14 +625,14 @@ fn malformed_values_name_the_variable() {
         (&[("NCCL_RS_LAUNCHER", "slurm")], "NCCL_RS_LAUNCHER"),
     ];
     for (pairs, var) in cases {
-        match launch(pairs) {
+        match placement(pairs) {
             Err(BootstrapError::Env { var: found, .. }) => {
                 assert_eq!(found, *var, "{pairs:?}");
             }
             other => panic!("{pairs:?}: expected an Env error for {var}, got {other:?}"),
         }
     }
-    let text = launch(&[("RANK", "3"), ("WORLD_SIZE", "2")])
+    let text = placement(&[("RANK", "3"), ("WORLD_SIZE", "2")])
         .unwrap_err()
         .to_string();
     assert!(
@@ -567,7 +665,7 @@ fn partial_sets_say_what_is_missing() {
         ),
     ];
     for (pairs, present, missing) in cases {
-        match launch(pairs) {
+        match placement(pairs) {
             Err(BootstrapError::Incomplete {
                 present: p,
                 missing: m,
@@ -584,7 +682,7 @@ fn partial_sets_say_what_is_missing() {
 #[test]
 fn agreeing_launchers_are_fine_and_fill_each_other_in() {
     // srun --mpi=pmi2: PMI variables and the Slurm step agree; the local rank comes from Slurm.
-    let found = launch(&[
+    let found = placement(&[
         ("PMI_RANK", "3"),
         ("PMI_SIZE", "4"),
         ("SLURM_PROCID", "3"),
@@ -595,7 +693,7 @@ fn agreeing_launchers_are_fine_and_fill_each_other_in() {
     .unwrap();
     assert_eq!(
         found,
-        Launch {
+        Placement {
             rank: 3,
             world_size: 4,
             local_rank: 1,
@@ -608,7 +706,7 @@ fn agreeing_launchers_are_fine_and_fill_each_other_in() {
 #[test]
 fn nested_launchers_believe_the_innermost() {
     // srun starts one torchrun agent per node (2 tasks), each starting 4 ranks.
-    let found = launch(&[
+    let found = placement(&[
         ("SLURM_PROCID", "1"),
         ("SLURM_STEP_NUM_TASKS", "2"),
         ("SLURM_LOCALID", "0"),
@@ -660,7 +758,7 @@ fn conflicting_launchers_are_errors() {
         ],
     ];
     for pairs in cases {
-        match launch(pairs) {
+        match placement(pairs) {
             Err(err @ BootstrapError::Conflict { .. }) => {
                 let text = err.to_string();
                 assert!(text.contains("NCCL_RS_LAUNCHER"), "{text}");
@@ -668,7 +766,7 @@ fn conflicting_launchers_are_errors() {
             other => panic!("{pairs:?}: expected Conflict, got {other:?}"),
         }
     }
-    let text = launch(cases[0]).unwrap_err().to_string();
+    let text = placement(cases[0]).unwrap_err().to_string();
     assert!(
         text.contains("OMPI_COMM_WORLD_RANK=1") && text.contains("SLURM_PROCID=2"),
         "{text}"
@@ -677,34 +775,97 @@ fn conflicting_launchers_are_errors() {
     // NCCL_RS_LAUNCHER settles a conflict.
     let mut settled = cases[0].to_vec();
     settled.push(("NCCL_RS_LAUNCHER", "openmpi"));
-    assert_eq!(launch(&settled).unwrap().rank, 1);
+    assert_eq!(placement(&settled).unwrap().rank, 1);
     settled.push(("NCCL_RS_LAUNCHER", "none"));
-    let none = launch(&[
+    let none = placement(&[
         ("NCCL_RS_LAUNCHER", "none"),
         ("RANK", "1"),
         ("WORLD_SIZE", "2"),
     ])
     .unwrap();
-    assert_eq!(none, Launch::single_process());
+    assert_eq!(none, Placement::single_process());
+}
+
+/// A placement of local rank `local_rank` with `local_ranks` ranks on the node (when known).
+fn local(local_rank: usize, local_ranks: Option<usize>) -> Placement {
+    Placement {
+        rank: local_rank,
+        world_size: 16,
+        local_rank,
+        local_world_size: local_ranks,
+        launcher: Launcher::Torchrun,
+    }
 }
 
 #[test]
-fn device_ordinal_is_the_local_rank() {
-    let found = launch(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")]).unwrap();
+fn one_visible_gpu_is_every_rank_s_device() {
+    // srun --gpus-per-task=1, one-GPU containers, CUDA_VISIBLE_DEVICES set per rank.
+    for (local_rank, local_ranks) in [(0, Some(1)), (1, Some(2)), (7, Some(8)), (3, None)] {
+        assert_eq!(local(local_rank, local_ranks).device_ordinal(1).unwrap(), 0);
+    }
+    let found = placement(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")]).unwrap();
+    assert_eq!(found.device_ordinal(1).unwrap(), 0);
+}
+
+#[test]
+fn shared_gpus_go_by_local_rank() {
+    // As many GPUs as local ranks.
+    assert_eq!(local(1, Some(2)).device_ordinal(2).unwrap(), 1);
+    assert_eq!(local(7, Some(8)).device_ordinal(8).unwrap(), 7);
+    // More GPUs than local ranks: the local rank still, the extra GPUs stay idle.
+    assert_eq!(local(1, Some(2)).device_ordinal(8).unwrap(), 1);
+    // The launcher does not say how many ranks share the node: the local rank if it exists.
+    assert_eq!(local(1, None).device_ordinal(2).unwrap(), 1);
+    assert_eq!(local(0, None).device_ordinal(4).unwrap(), 0);
+    let found = placement(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")]).unwrap();
     assert_eq!(found.device_ordinal(2).unwrap(), 1);
-    let err = found.device_ordinal(1).unwrap_err();
+}
+
+#[test]
+fn fewer_gpus_than_local_ranks_is_an_error_naming_both_counts_and_the_fix() {
+    // Several GPUs, but fewer than the ranks on the node: every rank fails, rank 0 too.
+    for local_rank in [0, 3] {
+        let err = local(local_rank, Some(4)).device_ordinal(2).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BootstrapError::NoDevice { local_rank: r, local_ranks: Some(4), visible: 2 }
+                    if r == local_rank
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        for needle in [
+            "sees 2 GPUs",
+            "4 ranks run on this node",
+            "CUDA_VISIBLE_DEVICES",
+            "--gpus-per-task=1",
+            "one rank per",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing in {text}");
+        }
+    }
+    // Local size unknown and the local rank past the GPUs.
+    let err = local(2, None).device_ordinal(2).unwrap_err();
     assert!(
         matches!(
             err,
             BootstrapError::NoDevice {
-                local_rank: 1,
-                visible: 1
+                local_rank: 2,
+                local_ranks: None,
+                visible: 2
             }
         ),
-        "{err}"
+        "{err:?}"
     );
-    assert!(err.to_string().contains("CUDA_VISIBLE_DEVICES"));
-    assert!(Launch::single_process().device_ordinal(0).is_err());
+    assert!(err.to_string().contains("does not say"), "{err}");
+    // No GPU at all.
+    let err = Placement::single_process().device_ordinal(0).unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::NoDevice { visible: 0, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("sees no GPU"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -712,7 +873,7 @@ fn device_ordinal_is_the_local_rank() {
 
 #[test]
 fn exchange_is_chosen_from_the_environment() {
-    let rank1 = launch(&[
+    let rank1 = placement(&[
         ("RANK", "1"),
         ("WORLD_SIZE", "2"),
         ("LOCAL_RANK", "1"),
@@ -775,7 +936,7 @@ fn exchange_is_chosen_from_the_environment() {
     }
 
     // Several nodes and no address: nothing can work, say so.
-    let multi_node = launch(&[
+    let multi_node = placement(&[
         ("OMPI_COMM_WORLD_RANK", "1"),
         ("OMPI_COMM_WORLD_SIZE", "16"),
         ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
@@ -837,7 +998,7 @@ fn tcp_exchange_id_with_through_the_public_entry_point() {
         .map(|rank| {
             let addr = addr.clone();
             thread::spawn(move || {
-                let launch = Launch {
+                let placement = Placement {
                     rank,
                     world_size: world,
                     local_rank: rank,
@@ -845,7 +1006,7 @@ fn tcp_exchange_id_with_through_the_public_entry_point() {
                     launcher: Launcher::Torchrun,
                 };
                 let method = Exchange::Tcp(tcp(&addr, rank, world, "entry"));
-                exchange_id_with(&launch, method, || Ok(sample_id(77)))
+                exchange_id_with(&placement, method, || Ok(sample_id(77)))
             })
         })
         .collect();
@@ -854,21 +1015,21 @@ fn tcp_exchange_id_with_through_the_public_entry_point() {
     }
 
     // A single rank needs no rendezvous at all.
-    let id = exchange_id_with(&Launch::single_process(), Exchange::Auto, || {
+    let id = exchange_id_with(&Placement::single_process(), Exchange::Auto, || {
         Ok(sample_id(5))
     })
     .expect("single");
     assert_eq!(id, sample_id(5));
 
-    // A rendezvous set up for another rank than the launch is refused.
-    let launch = Launch {
+    // A rendezvous set up for another rank than the placement is refused.
+    let placement = Placement {
         rank: 1,
         world_size: 2,
         local_rank: 1,
         local_world_size: Some(2),
         launcher: Launcher::Torchrun,
     };
-    let err = exchange_id_with(&launch, Exchange::Tcp(tcp(&addr, 0, 2, "x")), || {
+    let err = exchange_id_with(&placement, Exchange::Tcp(tcp(&addr, 0, 2, "x")), || {
         Ok(sample_id(1))
     })
     .unwrap_err();
@@ -1231,7 +1392,7 @@ fn file_exchange_through_the_public_entry_point() {
         .map(|rank| {
             let dir = dir.path().to_owned();
             thread::spawn(move || {
-                let launch = Launch {
+                let placement = Placement {
                     rank,
                     world_size: world,
                     local_rank: rank,
@@ -1239,7 +1400,7 @@ fn file_exchange_through_the_public_entry_point() {
                     launcher: Launcher::OpenMpi,
                 };
                 let method = Exchange::File(file(&dir, rank, world, "entry"));
-                exchange_id_with(&launch, method, || Ok(sample_id(8)))
+                exchange_id_with(&placement, method, || Ok(sample_id(8)))
             })
         })
         .collect();
@@ -1443,9 +1604,58 @@ fn spawn_local_failure_while_busy_stops_the_job() {
         Duration::from_secs(30),
     );
     assert_eq!(done.status.code(), Some(7), "stderr:\n{}", done.stderr);
-    assert!(done.stderr.contains("local rank 2"), "{}", done.stderr);
+    // Rank 0 was told, through its exchange, and chose the exit code itself.
+    assert!(
+        done.stderr.contains("rank 0 handles: local rank 2"),
+        "{}",
+        done.stderr
+    );
     assert!(!done.stderr.contains("was not stopped"), "{}", done.stderr);
     assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn spawn_local_failure_while_working_is_reported_not_fatal() {
+    let started = Instant::now();
+    let done = finish(
+        role_command("spawn-fail-while-working")
+            .spawn()
+            .expect("spawn"),
+        Duration::from_secs(40),
+    );
+    assert!(
+        done.status.success(),
+        "status {:?}; stderr:\n{}",
+        done.status,
+        done.stderr
+    );
+    assert!(
+        done.stderr.contains("hook: local rank 2"),
+        "{}",
+        done.stderr
+    );
+    assert!(
+        done.stderr
+            .contains("rank 0 handled the failure and lives on"),
+        "{}",
+        done.stderr
+    );
+    // Rank 1 was stopped, not left to sleep: the pipes it shared closed well before 60 s.
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn spawn_local_drop_stops_and_reaps_the_ranks() {
+    let started = Instant::now();
+    let done = finish(
+        role_command("spawn-drop").spawn().expect("spawn"),
+        Duration::from_secs(30),
+    );
+    assert!(done.status.success(), "{}", done.stderr);
+    assert!(done.stdout.contains("dropped in"), "{}", done.stdout);
+    assert!(!done.stderr.contains("not stopped"), "{}", done.stderr);
+    // `finish` read the output to its end: no spawned rank outlived rank 0 holding it open.
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! [`UniqueId::new`]; every other rank must receive those 128 bytes before calling
 //! `Comm::init_rank`. This module answers them without MPI:
 //!
-//! 1. [`Launch::from_env`] reads the rank, world size and local rank exported by the launcher
+//! 1. [`Placement::from_env`] reads the rank, world size and local rank exported by the launcher
 //!    (Open MPI, MPICH/Hydra/PMI, PMIx, Slurm's `srun`, `torchrun`, or none at all).
 //! 2. [`exchange_id`] hands rank 0's id to every rank over TCP ([`TcpRendezvous`]) or, when all
 //!    ranks share one machine, through a file ([`FileRendezvous`]).
@@ -15,13 +15,14 @@
 //! communicator instead.
 //!
 //! ```no_run
-//! use nccl::bootstrap::{exchange_id, Exchange, Launch};
+//! use nccl::bootstrap::{exchange_id, Exchange, Placement};
 //!
 //! # fn main() -> nccl::Result<()> {
-//! let launch = Launch::from_env()?;
-//! let id = exchange_id(&launch, Exchange::Auto)?;
-//! // Pick the GPU with `launch.device_ordinal(device_count)?`, then
-//! // `Comm::init_rank(id, launch.rank, launch.world_size)`.
+//! let placement = Placement::from_env()?;
+//! let id = exchange_id(&placement, Exchange::Auto)?;
+//! // Pick the GPU with `placement.device_ordinal(device_count)?` (one visible GPU: that one;
+//! // otherwise the local rank), then
+//! // `Comm::init_rank(stream, &id, placement.rank, placement.world_size)`.
 //! # let _ = id;
 //! # Ok(())
 //! # }
@@ -44,7 +45,7 @@
 //!
 //! # Environment variables
 //!
-//! Launch detection ([`Launch::from_vars`]):
+//! Placement detection ([`Placement::from_vars`]):
 //!
 //! | variable | meaning |
 //! | --- | --- |
@@ -99,341 +100,51 @@
 //! — same size but another rank, or more processes — is a [`BootstrapError::Conflict`];
 //! `NCCL_RS_LAUNCHER` settles it.
 //!
-//! # TCP protocol, version 1
 //!
-//! Rank 0 listens on the port of the rendezvous address: on that exact address when it is a
-//! loopback address (`127.0.0.1`, `::1`, `localhost`), else on every interface (the name other
-//! nodes use for rank 0 may resolve differently on rank 0 itself). Each other rank connects,
-//! retrying refused connections until its deadline since rank 0 may start later. All integers
-//! are big-endian.
+//! # Wire protocols
 //!
-//! | message | bytes |
-//! | --- | --- |
-//! | request (rank → rank 0), 32 bytes | magic `NRSB`, version `u16`, kind `u16` = 1, job-key hash `u64`, world size `u32`, rank `u32`, round `u32`, reserved `u32` |
-//! | reply (rank 0 → rank), 16 bytes | magic `NRSB`, version `u16`, kind `u16` = 2, status `u16`, reserved `u16`, detail `u32`; then the 128-byte id when status is 0 |
-//! | ack (rank → rank 0), 24 bytes | magic `NRSB`, version `u16`, kind `u16` = 3, rank `u32`, reserved `u32`, id fingerprint `u64` |
+//! Both rendezvous methods speak a small versioned protocol: [`TcpTransport`] and
+//! [`FileTransport`] describe them byte by byte.
 //!
-//! Status codes: 0 ok, 1 bad magic, 2 unsupported version (detail: rank 0's version), 3
-//! malformed request, 4 wrong job key, 5 world-size mismatch (detail: rank 0's size), 6 rank
-//! out of range (detail: world size), 7 rank already taken (detail 1: another connection is
-//! still fetching it, retry; 2: it has acked), 8 timed out (retry), 9 busy (retry), 10 early
-//! (rank 0 still serves an earlier round, retry; detail: rank 0's round), 11 late (rank 0
-//! already serves a later round). The round counts the exchanges this process made under the
-//! job key before, from 0, on every rank alike. Later
-//! versions keep the first 16 bytes of a reply as they are, so a peer of any version can read
-//! why it was turned away.
+//! # Rooms
 //!
-//! Rank 0 serves connections concurrently, each under its own deadline, so a peer that sends
-//! garbage, stops half-way or never speaks gets its error code and is closed without holding
-//! up the others. A rank counts as served once its ack arrives; rank 0 returns when every rank
-//! has acked, so it *knows* all ranks hold the id, and fails with [`BootstrapError::Timeout`]
-//! naming the missing ranks when the deadline passes first.
+//! `launch` reads the launchers' variables into a [`Placement`] and picks the GPU;
+//! `env` reads the rendezvous settings; [`Rendezvous`] is what TCP and the file method share
+//! (rank, world size, job key, deadline, the exchange); `tcp` and `file` are the two
+//! [`Transport`]s, each with its wire format in a `wire` room; `history` remembers past
+//! exchanges so that repeated ones stay apart; `spawn` is [`spawn_local`] and its supervisor;
+//! `join` is the glue to the rest of the crate ([`Comm::from_env`](crate::Comm::from_env),
+//! [`LocalJob::init_comm`]); `mpi` (feature `mpi`) broadcasts the id over MPI.
 //!
-//! # File protocol, version 1
-//!
-//! Rank 0 writes `nccl-rs-<uid>-<job-key hash>.id` in the rendezvous directory: a 192-byte
-//! record (magic `NRSF`, version, job-key hash, world size, a random nonce, rank 0's pid, its
-//! start time and pid namespace, the id, and a checksum), written to a unique temporary name,
-//! synced and renamed into place so readers never see a partial file. Each rank validates the
-//! record, writes `<name>.ack.<rank>` the same way (naming the nonce it read), and returns;
-//! rank 0 removes the id file and the acks once all ranks acked, or at its deadline.
-//!
-//! A file left by a job that crashed is recognised as stale when its writer process is gone
-//! (or its pid now belongs to a newer process), and ignored; the new rank 0 replaces it. Ack
-//! files carry the nonce, so leftovers of an old job are never counted. Files are created
-//! readable by their owner only, and a file owned by another user is never trusted. A rank that
-//! exchanges twice under one key skips the publication it already used.
+//! `bootstrap` uses only [`UniqueId`], [`Comm::init_rank`](crate::Comm::init_rank),
+//! [`library::cuda_device_count`](crate::library::cuda_device_count) and [`crate::Error`] from
+//! the rest of the crate; nothing else in the crate depends on it but [`crate::Error`]'s
+//! `Bootstrap` variant.
 
+mod bytes;
+mod env;
+mod error;
 mod file;
+mod history;
+mod join;
 mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod rendezvous;
 mod spawn;
 mod tcp;
 mod util;
 
-use std::process::ExitStatus;
-use std::time::Duration;
-
-pub use file::FileRendezvous;
-pub use launch::{Launch, Launcher};
+pub use env::{DEFAULT_JOB_KEY, DEFAULT_TIMEOUT};
+pub use error::{BootstrapError, ChildExit, Result};
+pub use file::{FileRendezvous, FileTransport};
+pub use launch::{Launcher, Placement};
+pub use rendezvous::{Rendezvous, Transport};
 pub use spawn::{spawn_local, LocalJob};
-pub use tcp::{RejectedPeer, ServeReport, TcpRendezvous, TcpServer};
+pub use tcp::{RejectedPeer, ServeReport, TcpRendezvous, TcpServer, TcpTransport};
 
 use crate::UniqueId;
-use util::{lookup, process_var};
-
-/// Result alias of this module.
-pub type Result<T, E = BootstrapError> = std::result::Result<T, E>;
-
-/// Everything that can go wrong while detecting the launch or exchanging the unique id.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BootstrapError {
-    /// An environment variable holds a value that cannot be used.
-    #[error("environment variable {var}={value:?} cannot be used: {reason}")]
-    Env {
-        /// The variable.
-        var: String,
-        /// Its value.
-        value: String,
-        /// What is wrong with it.
-        reason: String,
-    },
-
-    /// A launcher's variables are only partly set (e.g. a rank without a world size).
-    #[error("{launcher} variables are incomplete: {present} is set but {missing} is not")]
-    Incomplete {
-        /// The launcher whose variables were found.
-        launcher: Launcher,
-        /// The variable that is set.
-        present: String,
-        /// The variable (or variables) that should accompany it.
-        missing: String,
-    },
-
-    /// Two launchers' variables disagree about this process.
-    #[error(
-        "launchers disagree: {first}, but {second}; set NCCL_RS_LAUNCHER to the launcher that \
-         started this process"
-    )]
-    Conflict {
-        /// What the believed launcher says.
-        first: String,
-        /// What the other launcher says.
-        second: String,
-    },
-
-    /// The settings do not allow a rendezvous (e.g. ranks on several nodes and no address), or
-    /// a rendezvous was used in a way that cannot work.
-    #[error("bootstrap configuration: {0}")]
-    Config(String),
-
-    /// A wait ran past its deadline.
-    #[error("timed out after {after:?} {stage}")]
-    Timeout {
-        /// What was being waited for.
-        stage: String,
-        /// How long the wait lasted.
-        after: Duration,
-        /// Ranks that never completed the exchange (empty when not applicable).
-        missing_ranks: Vec<usize>,
-    },
-
-    /// A message or file was garbled, truncated or of another protocol.
-    #[error("bootstrap protocol error: {0}")]
-    Protocol(String),
-
-    /// The two sides speak different protocol versions.
-    #[error(
-        "bootstrap protocol version mismatch: this side speaks version {local}, the peer {peer}"
-    )]
-    VersionMismatch {
-        /// The version this side speaks.
-        local: u16,
-        /// The version the peer announced.
-        peer: u16,
-    },
-
-    /// The peer or file belongs to another job (its job key differs).
-    #[error("the rendezvous belongs to another job: {detail}; check NCCL_RS_JOB_KEY")]
-    WrongJob {
-        /// Which keys or files were involved.
-        detail: String,
-    },
-
-    /// Rank 0 and a joining rank were started with different world sizes.
-    #[error("world size mismatch: rank 0 has {expected} ranks, the joining rank {got}")]
-    WorldSizeMismatch {
-        /// Rank 0's world size.
-        expected: usize,
-        /// The joining rank's world size.
-        got: usize,
-    },
-
-    /// A second process claimed a rank that another process already holds.
-    #[error("rank {0} joined twice: another process already claimed it")]
-    DuplicateRank(usize),
-
-    /// A rank is not below the world size.
-    #[error("rank {rank} is out of range for a world of {world_size} ranks")]
-    RankOutOfRange {
-        /// The rank.
-        rank: usize,
-        /// The world size.
-        world_size: usize,
-    },
-
-    /// This rank's local rank has no GPU of its own.
-    #[error(
-        "local rank {local_rank} needs GPU ordinal {local_rank}, but only {visible} GPUs are \
-         visible (CUDA_VISIBLE_DEVICES is already applied); start fewer ranks per node, or use \
-         ordinal 0 if the launcher binds one GPU per rank"
-    )]
-    NoDevice {
-        /// The local rank.
-        local_rank: usize,
-        /// The number of visible GPUs.
-        visible: usize,
-    },
-
-    /// A rank started by [`spawn_local`] exited unsuccessfully.
-    #[error("local rank {rank} (pid {pid}) failed: {status}")]
-    ChildFailed {
-        /// The failed rank.
-        rank: usize,
-        /// Its process id.
-        pid: u32,
-        /// How it ended.
-        status: ExitStatus,
-        /// The exit code to propagate: its own, or 128 + signal number when it was killed.
-        exit_code: i32,
-    },
-
-    /// An I/O operation failed.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: String,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// Variables read by the rendezvous methods.
-pub(crate) mod vars {
-    pub const ADDR: &str = "NCCL_RS_ADDR";
-    pub const MASTER_ADDR: &str = "MASTER_ADDR";
-    pub const MASTER_PORT: &str = "MASTER_PORT";
-    pub const JOB_KEY: &str = "NCCL_RS_JOB_KEY";
-    pub const RENDEZVOUS_DIR: &str = "NCCL_RS_RENDEZVOUS_DIR";
-    pub const TIMEOUT: &str = "NCCL_RS_BOOTSTRAP_TIMEOUT";
-    pub const LOCAL_RANKS: &str = "NCCL_RS_LOCAL_RANKS";
-}
-
-/// The rank-wide deadline used when `NCCL_RS_BOOTSTRAP_TIMEOUT` is unset. Generous, because
-/// ranks of a large job can start minutes apart.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The job key used when neither `NCCL_RS_JOB_KEY` nor a launcher's job id is set.
-pub const DEFAULT_JOB_KEY: &str = "nccl-rs-default";
-
-type Vars<'a> = &'a dyn Fn(&str) -> Option<String>;
-
-/// The job key: `NCCL_RS_JOB_KEY`, else a launcher's job id, else [`DEFAULT_JOB_KEY`].
-fn job_key_from(vars: Vars<'_>) -> String {
-    if let Some(key) = lookup(vars, vars::JOB_KEY) {
-        return key;
-    }
-    if let Some(job) = lookup(vars, "SLURM_JOB_ID") {
-        return match lookup(vars, "SLURM_STEP_ID") {
-            Some(step) => format!("slurm-{}.{}", job.trim(), step.trim()),
-            None => format!("slurm-{}", job.trim()),
-        };
-    }
-    for (var, prefix) in [
-        ("OMPI_MCA_ess_base_jobid", "ompi"),
-        ("PMIX_NAMESPACE", "pmix"),
-        ("TORCHELASTIC_RUN_ID", "torchelastic"),
-    ] {
-        if let Some(id) = lookup(vars, var) {
-            return format!("{prefix}-{}", id.trim());
-        }
-    }
-    DEFAULT_JOB_KEY.to_owned()
-}
-
-/// The rank-wide timeout: `NCCL_RS_BOOTSTRAP_TIMEOUT` seconds, else [`DEFAULT_TIMEOUT`].
-fn timeout_from(vars: Vars<'_>) -> Result<Duration> {
-    match lookup(vars, vars::TIMEOUT) {
-        Some(text) => util::parse_seconds(vars::TIMEOUT, &text),
-        None => Ok(DEFAULT_TIMEOUT),
-    }
-}
-
-/// Checks a `host:port` value from variable `var`.
-fn parse_address(var: &str, value: &str) -> Result<String> {
-    let value = value.trim();
-    let invalid = |reason: &str| BootstrapError::Env {
-        var: var.to_owned(),
-        value: value.to_owned(),
-        reason: reason.to_owned(),
-    };
-    let (host, port) = value
-        .rsplit_once(':')
-        .ok_or_else(|| invalid("expected host:port, e.g. node0:29500 or [::1]:29500"))?;
-    if host.is_empty() || host == "[]" {
-        return Err(invalid("the host is empty"));
-    }
-    match port.parse::<u16>() {
-        Ok(0) => Err(invalid("port 0 cannot be shared with the other ranks")),
-        Ok(_) => Ok(value.to_owned()),
-        Err(_) => Err(invalid("the port is not a number from 1 to 65535")),
-    }
-}
-
-/// The TCP rendezvous address from `NCCL_RS_ADDR`, else `MASTER_ADDR` and `MASTER_PORT`.
-fn address_from(vars: Vars<'_>) -> Result<Option<String>> {
-    if let Some(addr) = lookup(vars, vars::ADDR) {
-        return parse_address(vars::ADDR, &addr).map(Some);
-    }
-    let host = lookup(vars, vars::MASTER_ADDR);
-    let port = lookup(vars, vars::MASTER_PORT);
-    match (host, port) {
-        (None, None) => Ok(None),
-        (Some(_), None) => Err(BootstrapError::Config(format!(
-            "{} is set but {} is not",
-            vars::MASTER_ADDR,
-            vars::MASTER_PORT
-        ))),
-        (None, Some(_)) => Err(BootstrapError::Config(format!(
-            "{} is set but {} is not",
-            vars::MASTER_PORT,
-            vars::MASTER_ADDR
-        ))),
-        (Some(host), Some(port_text)) => {
-            let port = match port_text.trim().parse::<u16>() {
-                Ok(port) if port > 0 => port,
-                _ => {
-                    return Err(BootstrapError::Env {
-                        var: vars::MASTER_PORT.to_owned(),
-                        value: port_text,
-                        reason: "expected a port number from 1 to 65535".to_owned(),
-                    })
-                }
-            };
-            // torchrun's agent hosts its own store on MASTER_PORT when it says so: rank 0
-            // cannot listen there, so every rank uses the next port instead.
-            let agent_holds_port = lookup(vars, TORCHELASTIC_AGENT_STORE)
-                .is_some_and(|v| matches!(v.trim(), "True" | "true" | "1"));
-            let port = if agent_holds_port {
-                port.checked_add(1).ok_or_else(|| BootstrapError::Env {
-                    var: vars::MASTER_PORT.to_owned(),
-                    value: port_text.clone(),
-                    reason: format!(
-                        "{TORCHELASTIC_AGENT_STORE} is set, so the rendezvous would use the \
-                         next port, but there is none; set {} instead",
-                        vars::ADDR
-                    ),
-                })?
-            } else {
-                port
-            };
-            let host = host.trim();
-            // A bare IPv6 literal needs brackets before a port can follow it.
-            let joined = if host.contains(':') && !host.starts_with('[') {
-                format!("[{host}]:{port}")
-            } else {
-                format!("{host}:{port}")
-            };
-            parse_address(vars::MASTER_ADDR, &joined).map(Some)
-        }
-    }
-}
-
-/// Set by torchrun in its workers' environment when its agent hosts the store on MASTER_PORT.
-const TORCHELASTIC_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
+use env::{address_from, process_var, vars, Vars};
 
 /// How the ranks exchange the unique id.
 #[derive(Debug, Clone)]
@@ -449,28 +160,31 @@ pub enum Exchange {
 
 impl Exchange {
     /// Resolves [`Exchange::Auto`] from this process's environment.
-    pub fn from_env(launch: &Launch) -> Result<Exchange> {
-        Self::from_vars(launch, process_var)
+    pub fn from_env(placement: &Placement) -> Result<Exchange> {
+        Self::from_vars(placement, process_var)
     }
 
     /// Resolves [`Exchange::Auto`] from the variables `vars` returns: TCP when `NCCL_RS_ADDR`
     /// or `MASTER_ADDR`/`MASTER_PORT` is set; else the file rendezvous when every rank is on
-    /// this node ([`Launch::is_single_node`], or no launcher); else an error asking for an
+    /// this node ([`Placement::is_single_node`], or no launcher); else an error asking for an
     /// address.
-    pub fn from_vars(launch: &Launch, vars: impl Fn(&str) -> Option<String>) -> Result<Exchange> {
+    pub fn from_vars(
+        placement: &Placement,
+        vars: impl Fn(&str) -> Option<String>,
+    ) -> Result<Exchange> {
         let vars: Vars<'_> = &vars;
         if address_from(vars)?.is_some() {
-            return TcpRendezvous::from_vars(launch, vars).map(Exchange::Tcp);
+            return TcpRendezvous::from_vars(placement, vars).map(Exchange::Tcp);
         }
-        if launch.is_single_node() || launch.launcher == Launcher::None {
-            return FileRendezvous::from_vars(launch, vars).map(Exchange::File);
+        if placement.is_single_node() || placement.launcher == Launcher::None {
+            return FileRendezvous::from_vars(placement, vars).map(Exchange::File);
         }
         Err(BootstrapError::Config(format!(
             "the {} ranks of this {} launch may span several nodes (ranks on this node: {}), \
              so the file rendezvous cannot be used; set {} to host:port of rank 0, or {} and {}",
-            launch.world_size,
-            launch.launcher,
-            launch
+            placement.world_size,
+            placement.launcher,
+            placement
                 .local_world_size
                 .map_or_else(|| "unknown".to_owned(), |n| n.to_string()),
             vars::ADDR,
@@ -483,8 +197,8 @@ impl Exchange {
 /// Gives every rank the same [`UniqueId`]; rank 0 creates it with [`UniqueId::new`].
 ///
 /// See [`exchange_id_with`].
-pub fn exchange_id(launch: &Launch, method: Exchange) -> crate::Result<UniqueId> {
-    exchange_id_with(launch, method, UniqueId::new)
+pub fn exchange_id(placement: &Placement, method: Exchange) -> crate::Result<UniqueId> {
+    exchange_id_with(placement, method, UniqueId::new)
 }
 
 /// Gives every rank the same [`UniqueId`]; rank 0 creates it by calling `make_id`, the others
@@ -492,35 +206,22 @@ pub fn exchange_id(launch: &Launch, method: Exchange) -> crate::Result<UniqueId>
 ///
 /// A job of one rank needs no exchange: `make_id` is called and its id returned. Otherwise
 /// [`Exchange::Auto`] is resolved with [`Exchange::from_env`], and an explicit rendezvous must
-/// agree with `launch` on rank and world size. Returns on rank 0 once every rank holds the id.
+/// agree with `placement` on rank and world size. Returns on rank 0 once every rank holds the id.
 pub fn exchange_id_with(
-    launch: &Launch,
+    placement: &Placement,
     method: Exchange,
     make_id: impl FnOnce() -> crate::Result<UniqueId>,
 ) -> crate::Result<UniqueId> {
-    if launch.world_size == 1 && launch.rank == 0 {
+    if placement.world_size == 1 && placement.rank == 0 {
         return make_id();
     }
     let method = match method {
-        Exchange::Auto => Exchange::from_env(launch)?,
+        Exchange::Auto => Exchange::from_env(placement)?,
         other => other,
     };
-    let (rank, world_size) = match &method {
-        Exchange::Tcp(tcp) => (tcp.rank(), tcp.world_size()),
-        Exchange::File(file) => (file.rank(), file.world_size()),
-        Exchange::Auto => (launch.rank, launch.world_size),
-    };
-    if (rank, world_size) != (launch.rank, launch.world_size) {
-        return Err(BootstrapError::Config(format!(
-            "the rendezvous is set up for rank {rank} of {world_size}, but the launch says rank \
-             {} of {}",
-            launch.rank, launch.world_size
-        ))
-        .into());
-    }
     match method {
-        Exchange::Tcp(tcp) => tcp.exchange_with(make_id),
-        Exchange::File(file) => file.exchange_with(make_id),
+        Exchange::Tcp(tcp) => exchange_over(placement, &tcp, make_id),
+        Exchange::File(file) => exchange_over(placement, &file, make_id),
         // `from_env` never returns Auto.
         Exchange::Auto => {
             Err(BootstrapError::Config("Exchange::Auto could not be resolved".to_owned()).into())
@@ -528,94 +229,20 @@ pub fn exchange_id_with(
     }
 }
 
-/// Checks rank and world size before any rendezvous starts.
-fn check_rank(rank: usize, world_size: usize) -> Result<()> {
-    if world_size == 0 {
-        return Err(BootstrapError::Config(
-            "the world size must be at least 1".to_owned(),
-        ));
+/// Runs `rendezvous`, which must agree with `placement` on rank and world size.
+fn exchange_over<T: Transport>(
+    placement: &Placement,
+    rendezvous: &Rendezvous<T>,
+    make_id: impl FnOnce() -> crate::Result<UniqueId>,
+) -> crate::Result<UniqueId> {
+    let (rank, world_size) = (rendezvous.rank(), rendezvous.world_size());
+    if (rank, world_size) != (placement.rank, placement.world_size) {
+        return Err(BootstrapError::Config(format!(
+            "the rendezvous is set up for rank {rank} of {world_size}, but the launcher says \
+             rank {} of {}",
+            placement.rank, placement.world_size
+        ))
+        .into());
     }
-    if rank >= world_size {
-        return Err(BootstrapError::RankOutOfRange { rank, world_size });
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            pairs
-                .iter()
-                .find(|(key, _)| *key == name)
-                .map(|(_, value)| (*value).to_owned())
-        }
-    }
-
-    #[test]
-    fn job_key_sources_in_order() {
-        assert_eq!(job_key_from(&vars(&[])), DEFAULT_JOB_KEY);
-        assert_eq!(
-            job_key_from(&vars(&[
-                ("SLURM_JOB_ID", "42"),
-                ("OMPI_MCA_ess_base_jobid", "7")
-            ])),
-            "slurm-42"
-        );
-        assert_eq!(
-            job_key_from(&vars(&[("SLURM_JOB_ID", "42"), ("SLURM_STEP_ID", "3")])),
-            "slurm-42.3"
-        );
-        assert_eq!(
-            job_key_from(&vars(&[("OMPI_MCA_ess_base_jobid", "7")])),
-            "ompi-7"
-        );
-        assert_eq!(
-            job_key_from(&vars(&[
-                ("NCCL_RS_JOB_KEY", "mine"),
-                ("SLURM_JOB_ID", "42")
-            ])),
-            "mine"
-        );
-    }
-
-    #[test]
-    fn addresses_parse() {
-        assert_eq!(
-            address_from(&vars(&[("NCCL_RS_ADDR", "node0:29500")])).unwrap(),
-            Some("node0:29500".to_owned())
-        );
-        assert_eq!(
-            address_from(&vars(&[("MASTER_ADDR", "::1"), ("MASTER_PORT", "29500")])).unwrap(),
-            Some("[::1]:29500".to_owned())
-        );
-        assert_eq!(address_from(&vars(&[])).unwrap(), None);
-        for bad in ["node0", "node0:", "node0:0", "node0:70000", ":29500"] {
-            let err = address_from(&vars(&[("NCCL_RS_ADDR", bad)])).unwrap_err();
-            assert!(
-                matches!(err, BootstrapError::Env { ref var, .. } if var == "NCCL_RS_ADDR"),
-                "{bad}: {err}"
-            );
-        }
-        let err = address_from(&vars(&[("MASTER_ADDR", "node0")])).unwrap_err();
-        assert!(err.to_string().contains("MASTER_PORT"), "{err}");
-        let err =
-            address_from(&vars(&[("MASTER_ADDR", "node0"), ("MASTER_PORT", "http")])).unwrap_err();
-        assert!(
-            matches!(err, BootstrapError::Env { ref var, .. } if var == "MASTER_PORT"),
-            "{err}"
-        );
-        // Under torchrun's agent store, MASTER_PORT is taken: the next port is used.
-        assert_eq!(
-            address_from(&vars(&[
-                ("MASTER_ADDR", "node0"),
-                ("MASTER_PORT", "29500"),
-                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
-            ]))
-            .unwrap(),
-            Some("node0:29501".to_owned())
-        );
-    }
+    rendezvous.exchange_with(make_id)
 }

@@ -2,15 +2,16 @@
 //!
 //! ```no_run
 //! use mpi::traits::*;
-//! use nccl::bootstrap::mpi::{exchange_id_mpi, launch_from_mpi};
+//! use nccl::bootstrap::mpi::{exchange_id_mpi, placement_from_mpi};
 //!
 //! # fn main() -> nccl::Result<()> {
 //! let universe = mpi::initialize().expect("MPI initialises once");
 //! let world = universe.world();
-//! let launch = launch_from_mpi(&world);
+//! let placement = placement_from_mpi(&world);
 //! let id = exchange_id_mpi(&world)?;
-//! // Comm::init_rank(id, launch.rank, launch.world_size) on GPU launch.local_rank.
-//! # let _ = (launch, id);
+//! // Comm::init_rank(stream, &id, placement.rank, placement.world_size) on GPU
+//! // placement.device_ordinal(visible GPUs)?.
+//! # let _ = (placement, id);
 //! # Ok(())
 //! # }
 //! ```
@@ -18,7 +19,7 @@
 use ::mpi::topology::Communicator;
 use ::mpi::traits::Root;
 
-use super::{BootstrapError, Launch, Launcher};
+use super::{BootstrapError, Launcher, Placement};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
 
@@ -66,22 +67,22 @@ pub fn exchange_id_mpi_with(
     Ok(UniqueId::from_bytes(bytes))
 }
 
-/// This process's [`Launch`] from MPI itself: rank and size of `world`, and the local rank and
+/// This process's [`Placement`] from MPI itself: rank and size of `world`, and the local rank and
 /// size from the ranks sharing this node (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`).
 /// Collective: every rank of `world` must call it.
-pub fn launch_from_mpi(world: &impl Communicator) -> Launch {
+pub fn placement_from_mpi(world: &impl Communicator) -> Placement {
     let node = world.split_shared(world.rank());
     // MPI ranks and sizes are non-negative by definition.
     let count = |value: ::mpi::Rank| usize::try_from(value).unwrap_or(0);
-    Launch {
+    Placement {
         rank: count(world.rank()),
         world_size: count(world.size()),
         local_rank: count(node.rank()),
         local_world_size: Some(count(node.size())),
         // Name the launcher that started MPI when its variables say; MPI itself is PMI-based.
-        launcher: Launch::from_env()
+        launcher: Placement::from_env()
             .ok()
-            .map(|launch| launch.launcher)
+            .map(|placement| placement.launcher)
             .filter(|launcher| *launcher != Launcher::None)
             .unwrap_or(Launcher::MpichOrPmi),
     }
