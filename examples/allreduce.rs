@@ -53,7 +53,7 @@ fn run(options: &Options) -> nccl::Result<()> {
     // program once per extra GPU and makes this process rank 0.
     let gpus = nccl::library::cuda_device_count()?;
     let job = spawn_local(gpus)?;
-    let launch = job.launch().clone();
+    let placement = job.placement().clone();
     let (comm, stream) = job.init_comm()?;
     let device = comm.device();
     let (rank, n) = (comm.rank(), comm.size());
@@ -62,7 +62,7 @@ fn run(options: &Options) -> nccl::Result<()> {
             "all-reduce of {} f32 ({} MiB) over {n} ranks ({}{}), NCCL {}",
             options.elements,
             (options.elements * 4) >> 20,
-            launch.launcher,
+            placement.launcher,
             if job.uses_mpi() { ", id over MPI" } else { "" },
             nccl::version()?
         );

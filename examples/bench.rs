@@ -11,7 +11,7 @@
 //! mpirun -np 4 target/release/examples/bench all_reduce -b 8 -e 1G -f 2
 //! ```
 //!
-//! # Launch
+//! # Placement
 //!
 //! Under a launcher (`mpirun`, `srun`, torchrun-style variables) every process is one rank;
 //! without one, the program starts one process per visible GPU itself (or `--ranks N`) with
@@ -151,7 +151,7 @@ fn run(options: &Options) -> BenchResult<bool> {
     nccl::library::get()?;
 
     let job = spawn_local(options.ranks.unwrap_or(gpus))?;
-    let _ = RANK.set(job.launch().rank);
+    let _ = RANK.set(job.placement().rank);
     // GPU of the local rank, a stream on it, the unique id through the bootstrap's
     // rendezvous, and the communicator.
     // The GPU's default stream, as `init_comm` gives every program, unless a stream of its

@@ -272,7 +272,7 @@ fn run(options: &Options) -> Result<(), Error> {
     let gpus = nccl::library::cuda_device_count()?;
     let job = spawn_local(gpus)?;
     options
-        .validate_for(job.launch().world_size)
+        .validate_for(job.placement().world_size)
         .map_err(Error::Usage)?;
     // The library's rule picks the GPU (one visible: that one; one per local rank: the local
     // rank's), so `srun --gpus-per-task=1` and one-GPU containers work as they are.

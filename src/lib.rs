@@ -66,8 +66,9 @@
 //! * **check** turns a status NCCL returned into a `Result`; **complete** finishes a call on
 //!   a communicator (check, then wait until ready); **synchronize** waits for the work queued
 //!   on a stream, watching the communicator's asynchronous error meanwhile.
-//! * **launch**: only the bootstrap's sense, how processes were started ([`bootstrap::Launch`]);
-//!   handing an operation to NCCL is **dispatch**.
+//! * **placement**: where a process sits in the job: rank, size, local rank
+//!   ([`bootstrap::Placement`], read from the launcher's variables). Handing an operation to
+//!   NCCL is **dispatch**; "launch" is left to launchers (`mpirun`, `srun`, `torchrun`).
 
 //! # Safety guarantees
 //!

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use nccl::bootstrap::{exchange_id, Exchange, FileRendezvous, Launch, TcpRendezvous};
+use nccl::bootstrap::{exchange_id, Exchange, FileRendezvous, Placement, TcpRendezvous};
 use nccl::{
     AbortOutcome, Comm, CommConfig, Error, Group, Operation, ReduceOp, ShrinkMode, UniqueId,
     Version, WatchdogAction, WatchdogOptions,
@@ -487,7 +487,7 @@ fn join(spec: &Spec, config: &CommConfig) -> (Comm, Arc<CudaStream>) {
 fn join_as_a_node(spec: &Spec, config: &CommConfig) -> (Comm, Arc<CudaStream>) {
     let rank = spec.rank;
     let launch =
-        Launch::from_env().unwrap_or_else(|e| panic!("rank {rank}: Launch::from_env: {e}"));
+        Placement::from_env().unwrap_or_else(|e| panic!("rank {rank}: Placement::from_env: {e}"));
     assert_eq!(
         (launch.rank, launch.world_size, launch.local_rank),
         (rank, spec.size, 0),

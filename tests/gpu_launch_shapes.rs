@@ -1,4 +1,4 @@
-//! Launch shapes users have, on real GPUs, with every rank joining through
+//! Placement shapes users have, on real GPUs, with every rank joining through
 //! `Comm::from_env` as a launched program does:
 //!
 //! * **Simulated nodes**: N ranks on this host (N = GPUs present, N >= 2) that NCCL must

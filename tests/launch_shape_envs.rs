@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use nccl::bootstrap::{Exchange, Launch, Launcher};
+use nccl::bootstrap::{Exchange, Launcher, Placement};
 
 use common::procs::{one_gpu_per_task_env, simulated_node_env, var, wait_children};
 
@@ -34,7 +34,7 @@ fn simulated_nodes_are_one_rank_per_machine_with_a_tcp_rendezvous() {
         let mut gpus = HashSet::new();
         for rank in 0..size {
             let env = simulated_node_env(rank, size, 29512, "run-7");
-            let launch = Launch::from_vars(lookup(&env)).unwrap();
+            let launch = Placement::from_vars(lookup(&env)).unwrap();
             assert_eq!(
                 (launch.rank, launch.world_size, launch.local_rank),
                 (rank, size, 0)
@@ -75,7 +75,7 @@ fn one_gpu_per_task_is_open_mpi_on_one_node_with_one_gpu_visible() {
     let mut gpus = HashSet::new();
     for rank in 0..size {
         let env = one_gpu_per_task_env(rank, size, "4242");
-        let launch = Launch::from_vars(lookup(&env)).unwrap();
+        let launch = Placement::from_vars(lookup(&env)).unwrap();
         // Open MPI and PMIx agree; the innermost (Open MPI) is believed.
         assert_eq!(launch.launcher, Launcher::OpenMpi);
         assert_eq!(
