@@ -46,6 +46,8 @@
 //! | groups | [`group`] | [`Group`] |
 //! | failures: timeouts, abort, revoke, shrink, grow | [`fault`] | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`] |
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
+//! | windows, one-sided RMA | [`window`] | [`Window`], [`Comm::register_window`], [`Window::put_signal`] |
+//! | communicator properties | [`properties`] | [`Comm::properties`], [`CommProperties`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
 //! # Safety guarantees
@@ -86,6 +88,8 @@ pub mod library;
 pub mod memory;
 pub mod op;
 pub mod p2p;
+pub mod properties;
+pub mod window;
 
 pub use collectives::Collective;
 pub use comm::Comm;
@@ -101,6 +105,10 @@ pub use id::UniqueId;
 pub use library::{version, Version};
 pub use memory::{NcclBuffer, Registration};
 pub use op::{PreMulSum, ReduceOp, Reduction};
+pub use properties::CommProperties;
+pub use window::{
+    RegisterError, Signal, SignalWait, Window, WindowFlags, WindowView, WindowViewMut,
+};
 
 /// The raw bindings, for NCCL functions this crate does not wrap.
 pub use nccl_sys as sys;
