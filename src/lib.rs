@@ -39,6 +39,7 @@
 //! | unique id | [`id`] | [`UniqueId`] |
 //! | communicator | [`comm`] | [`Comm`] |
 //! | configuration | [`config`] | [`CommConfig`] |
+//! | per-collective configuration | [`coll_config`] | [`CollConfig`] |
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
 //! | collectives | [`collectives`] | [`Collective`], [`Comm::all_reduce`], ... |
@@ -76,6 +77,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod bootstrap;
+pub mod coll_config;
 pub mod collectives;
 pub mod comm;
 pub mod config;
@@ -91,6 +93,7 @@ pub mod p2p;
 pub mod properties;
 pub mod window;
 
+pub use coll_config::CollConfig;
 pub use collectives::Collective;
 pub use comm::Comm;
 pub use config::CommConfig;
