@@ -1160,36 +1160,36 @@ fn simulate(
         }
     };
     let sum = |i: usize| (0..n).map(|q| send(q)[i]).sum::<i64>();
-    for r in 0..n {
+    for (r, out) in out.iter_mut().enumerate() {
         for i in 0..c {
             match op {
-                Op::AllReduce => out[r][i] = sum(i),
-                Op::Broadcast => out[r][i] = send(root)[i],
-                Op::Reduce if r == root => out[r][i] = sum(i),
+                Op::AllReduce => out[i] = sum(i),
+                Op::Broadcast => out[i] = send(root)[i],
+                Op::Reduce if r == root => out[i] = sum(i),
                 Op::Reduce => {}
                 Op::AllGather => {
                     for q in 0..n {
-                        out[r][q * c + i] = send(q)[i];
+                        out[q * c + i] = send(q)[i];
                     }
                 }
                 Op::ReduceScatter => {
                     let at = if in_place { r * c } else { 0 };
-                    out[r][at + i] = sum(r * c + i);
+                    out[at + i] = sum(r * c + i);
                 }
                 Op::AllToAll => {
                     for q in 0..n {
-                        out[r][q * c + i] = send(q)[r * c + i];
+                        out[q * c + i] = send(q)[r * c + i];
                     }
                 }
                 Op::Gather if r == root => {
                     for q in 0..n {
-                        out[r][q * c + i] = send(q)[i];
+                        out[q * c + i] = send(q)[i];
                     }
                 }
                 Op::Gather => {}
                 Op::Scatter => {
                     let at = if in_place && r == root { root * c } else { 0 };
-                    out[r][at + i] = send(root)[r * c + i];
+                    out[at + i] = send(root)[r * c + i];
                 }
             }
         }
