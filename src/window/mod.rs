@@ -56,6 +56,8 @@
 //!   since NCCL may still map it. [`Window::close`] instead returns the window with the error.
 //! * Forgetting a window (`std::mem::forget`) leaks its buffer with it, so the memory NCCL
 //!   maps is never freed behind NCCL either.
+//! * As for every cudarc buffer, a CUDA graph that captured work on a window keeps only its
+//!   address: do not launch it after the window is closed or dropped.
 //!
 //! ```compile_fail
 //! // The buffer belongs to the window: it cannot be used (or dropped) while registered.

@@ -139,6 +139,9 @@ fn check<T: NcclType>(comm: &Comm, buffer: &NcclBuffer<T>, flags: WindowFlags) -
     let lib = comm.library();
     lib.require(CALL, WINDOWS_SINCE)?;
     flags.check(lib.version())?;
+    // Checked up front as well as under the lock of the call: in a group, a communicator
+    // refused halfway would leave the registrations already queued waiting for its rank.
+    comm.check_failure(CALL)?;
     let device = buffer.stream.context().ordinal();
     if device != comm.device() {
         return Err(Error::invalid(format!(
