@@ -86,6 +86,16 @@
 //! ```
 //!
 //! ```compile_fail
+//! // Closing needs the window back from every view (and every collective using one).
+//! fn f(window: nccl::Window<'_, f32>) -> nccl::Result<()> {
+//!     let view = window.view(0..4)?;
+//!     let buffer = window.close().map_err(|(_, err)| err)?;
+//!     drop(view);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ```compile_fail
 //! // A window stays on the thread of its communicator (a `Comm` is not `Sync`).
 //! fn assert_send<T: Send>() {}
 //! assert_send::<nccl::Window<'static, f32>>();

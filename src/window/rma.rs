@@ -31,6 +31,16 @@
 //!   newer; otherwise the calls fail with [`Error::Unavailable`] before reaching NCCL.
 //! * Capturing RMA into a CUDA graph needs NCCL 2.30.3.
 //!
+//! A wait changes what the window holds, so no view of it may be alive across one:
+//!
+//! ```compile_fail
+//! fn f(window: &mut nccl::Window<'_, f32>) -> nccl::Result<()> {
+//!     let source = window.view(0..4)?;
+//!     window.wait_signal(&[nccl::SignalWait::new(1, 1)])?;
+//!     window.put_signal(&source, 1, 4, nccl::Signal::default())
+//! }
+//! ```
+//!
 //! # Mismatched counts hang the stream
 //!
 //! `wait_signal` waits on the GPU until the counts it names have arrived. If the peers send
