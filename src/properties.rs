@@ -3,9 +3,9 @@
 //!
 //! NCCL fills in the fields the version it is told about has, and refuses a version newer
 //! than itself (`ncclCommQueryProperties` in `src/dev_runtime.cc`, 2.29.7 to 2.30.7). So the
-//! query names the older of the loaded library and the 2.32.3 header, and every field the
-//! library does not report is `None` here (the table is in
-//! [`nccl_sys::device`]).
+//! query names the older of the loaded library and the 2.32.3 header, with that version's
+//! struct size, as a program built against that library's headers would; every field the
+//! library does not report is `None` here (the table is in [`nccl_sys::device`]).
 
 use nccl_sys::{ncclCommProperties_t, ncclGinConnectionType_t, ncclGinType_t};
 
@@ -140,6 +140,22 @@ fn query_version(found: Version) -> Version {
     found.min(Version::HEADER)
 }
 
+/// `sizeof(ncclCommProperties_t)` in the headers of `version` (LP64), so the struct handed
+/// over is exactly what a program built against that library's headers passes.
+fn struct_size(version: Version) -> usize {
+    use std::mem::offset_of;
+    if version < HOST_RMA_SINCE {
+        // 2.29.2/2.29.3: a one-byte `ginType` after `multimemSupport`, padded to 8.
+        40
+    } else if version < GIN_DETAILS_SINCE {
+        offset_of!(ncclCommProperties_t, commHash)
+    } else if version < CFT_SINCE {
+        offset_of!(ncclCommProperties_t, cftSupport)
+    } else {
+        std::mem::size_of::<ncclCommProperties_t>()
+    }
+}
+
 fn count(call: &'static str, value: i32) -> Result<usize> {
     usize::try_from(value).map_err(|_| Error::Nccl {
         call,
@@ -199,6 +215,7 @@ pub(crate) fn query(comm: &Comm) -> Result<CommProperties> {
         _room: [0; 256],
     };
     slot.props.version = version.code();
+    slot.props.size = struct_size(version);
     let props: *mut ncclCommProperties_t = &mut slot.props;
     let status = comm.with_raw(CALL, |raw| {
         // SAFETY: live communicator under its lock; `props` is an initialised
@@ -299,6 +316,17 @@ mod tests {
         );
         assert_eq!(query_version(Version::new(2, 32, 3)), Version::HEADER);
         assert_eq!(query_version(Version::new(2, 40, 1)), Version::HEADER);
+    }
+
+    #[test]
+    fn the_struct_size_is_the_one_of_each_header() {
+        let v = Version::new;
+        assert_eq!(struct_size(v(2, 29, 2)), 40);
+        assert_eq!(struct_size(v(2, 29, 7)), 56);
+        assert_eq!(struct_size(v(2, 30, 7)), 56);
+        assert_eq!(struct_size(v(2, 31, 2)), 144);
+        assert_eq!(struct_size(v(2, 32, 3)), 152);
+        assert_eq!(struct_size(Version::HEADER), 152);
     }
 
     #[test]
