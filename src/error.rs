@@ -136,6 +136,17 @@ pub enum Error {
         found: Version,
     },
 
+    /// The loaded library has the API, but NCCL cannot use it on this system or communicator:
+    /// for example it registered no window (NCCL 2.29.2+ reports that as success with a NULL
+    /// window), or one-sided RMA needs a newer CUDA driver. Nothing was changed.
+    #[error("{api} is not available here: {reason}")]
+    Unavailable {
+        /// The API or feature asked for.
+        api: &'static str,
+        /// Why NCCL cannot provide it, and what would.
+        reason: String,
+    },
+
     /// An argument was rejected before anything was handed to NCCL; nothing was enqueued.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -196,6 +207,12 @@ impl Error {
             Error::Nccl { code, .. } => Some(*code),
             _ => None,
         }
+    }
+
+    /// Whether the feature asked for cannot be had here: the library is too old for it
+    /// ([`Error::Unsupported`]) or it does not work on this system ([`Error::Unavailable`]).
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Error::Unsupported { .. } | Error::Unavailable { .. })
     }
 
     /// Whether the communicator involved can no longer be used and must be aborted, per
@@ -310,6 +327,17 @@ mod tests {
             assert!(fatal.is_fatal(), "{fatal}");
         }
         assert!(!Error::invalid("x").is_fatal());
+        let unavailable = Error::Unavailable {
+            api: "ncclCommWindowRegister",
+            reason: "no symmetric memory".into(),
+        };
+        assert!(!unavailable.is_fatal());
+        assert!(unavailable.is_unsupported());
+        assert_eq!(
+            unavailable.to_string(),
+            "ncclCommWindowRegister is not available here: no symmetric memory"
+        );
+        assert!(!Error::invalid("x").is_unsupported());
     }
 
     #[test]

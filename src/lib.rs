@@ -39,6 +39,7 @@
 //! | unique id | [`id`] | [`UniqueId`] |
 //! | communicator: create, split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`] |
 //! | configuration | [`config`] | [`CommConfig`] |
+//! | per-collective configuration | [`coll_config`] | [`CollConfig`] |
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
 //! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |
@@ -46,6 +47,8 @@
 //! | groups | [`group`] | [`Group`] |
 //! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
+//! | windows, one-sided RMA | [`window`] | [`Window`], [`Comm::register_window`], [`Window::put_signal`] |
+//! | communicator properties | [`properties`] | [`Comm::properties`], [`CommProperties`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
 //! # Words used here, one meaning each
@@ -96,6 +99,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod bootstrap;
+pub mod coll_config;
 pub mod collectives;
 pub mod comm;
 pub mod config;
@@ -109,8 +113,11 @@ pub mod library;
 pub mod memory;
 pub mod op;
 pub mod p2p;
+pub mod properties;
 mod thread_group;
+pub mod window;
 
+pub use coll_config::CollConfig;
 pub use collectives::Operation;
 pub use comm::Comm;
 pub use config::CommConfig;
@@ -125,6 +132,10 @@ pub use id::UniqueId;
 pub use library::{version, Version};
 pub use memory::{NcclBuffer, Registration};
 pub use op::{PreMulSum, ReduceOp, Reduction};
+pub use properties::CommProperties;
+pub use window::{
+    RegisterError, Signal, SignalWait, Window, WindowFlags, WindowView, WindowViewMut,
+};
 
 /// The raw bindings, for NCCL functions this crate does not wrap.
 pub use nccl_sys as sys;

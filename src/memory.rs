@@ -31,12 +31,13 @@ use crate::library::{self, Library, Version};
 
 /// Device memory allocated by `ncclMemAlloc`; see the [module docs](self).
 pub struct NcclBuffer<T: NcclType> {
-    ptr: u64,
-    len: usize,
-    stream: Arc<CudaStream>,
+    // Crate-visible for windows, which hand out views of the buffer (`crate::window`).
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+    pub(crate) stream: Arc<CudaStream>,
     lib: &'static Library,
-    read: Option<CudaEvent>,
-    write: Option<CudaEvent>,
+    pub(crate) read: Option<CudaEvent>,
+    pub(crate) write: Option<CudaEvent>,
     /// Set when NCCL may still map the memory (a failed deregistration): never freed then.
     leaked: bool,
     _type: PhantomData<T>,

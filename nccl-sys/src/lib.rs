@@ -16,6 +16,9 @@
 //! * The struct initializer macros as `const fn`s: [`nccl_config_initializer`],
 //!   [`nccl_coll_config_initializer`], [`nccl_sim_info_initializer`] and
 //!   [`nccl_encryption_config_initializer`] (also the structs' [`Default`]).
+//! * The host side of the device API that `nccl.h` does not declare, written by hand in the
+//!   same style ([`device`]): [`ncclCommProperties_t`], its initializer
+//!   [`nccl_comm_properties_initializer`] and [`NcclLib::ncclCommQueryProperties`].
 //! * [`NcclLib`]: every host function of `nccl.h`, resolved from one loaded library. A function
 //!   the library does not export (an older NCCL, say) is reported as [`MissingSymbol`] when
 //!   called, never as a load failure or a panic.
@@ -58,10 +61,14 @@ use std::fmt;
 )]
 mod bindings;
 mod consts;
+// Hand-written in the generated code's style, so with its C names.
+#[allow(non_camel_case_types, non_snake_case)]
+pub mod device;
 mod init;
 
 pub use bindings::*;
 pub use consts::*;
+pub use device::*;
 pub use init::*;
 
 /// The name of a function the loaded library does not export.
@@ -136,6 +143,7 @@ macro_rules! nccl_functions {
         pub struct NcclLib {
             lib: ::libloading::Library,
             path: ::std::path::PathBuf,
+            device: $crate::device::DeviceHostFunctions,
             $( $name: ::core::option::Option<unsafe extern "C" fn( $( $ty ),* ) $( -> $ret )?>, )*
         }
 
@@ -177,9 +185,16 @@ macro_rules! nccl_functions {
                         .ok()
                         .map(|symbol| *symbol),
                     )*
+                    // SAFETY: as above, with the prototypes of nccl_device/host.h.
+                    device: unsafe { $crate::device::DeviceHostFunctions::load(&lib) },
                     path: path.into(),
                     lib,
                 })
+            }
+
+            /// The device-API host functions (see [`device`](crate::device)).
+            pub(crate) fn device_host_functions(&self) -> &$crate::device::DeviceHostFunctions {
+                &self.device
             }
 
             /// The path or soname this library was opened from, as given to

@@ -150,4 +150,42 @@ fn calls_reach_c_with_the_right_abi() {
         );
         assert_eq!(rc, Ok(ncclResult_t::ncclSuccess));
     }
+    comm_properties_reach_c_with_the_header_layout(&lib);
+}
+
+/// `ncclCommQueryProperties` (a device-API host function) with the header's struct layout.
+/// Called from the test above, which built the fake library (one build per process).
+fn comm_properties_reach_c_with_the_header_layout(lib: &NcclLib) {
+    assert!(lib.has_symbol("ncclCommQueryProperties"));
+    assert_eq!(DEVICE_HOST_FUNCTION_NAMES, ["ncclCommQueryProperties"]);
+    let mut props = nccl_comm_properties_initializer();
+    // SAFETY: the fake reads the header fields and writes every field of the struct.
+    let rc = unsafe { lib.ncclCommQueryProperties(7 as ncclComm_t, &mut props) };
+    assert_eq!(rc, Ok(ncclResult_t::ncclSuccess));
+    assert_eq!(props.rank, 7);
+    assert_eq!(props.nRanks, 20);
+    assert_eq!(props.cudaDev, 24);
+    assert_eq!(props.nvmlDev, 28);
+    assert!(props.deviceApiSupport && !props.multimemSupport);
+    assert_eq!(props.ginType, ncclGinType_t::NCCL_GIN_TYPE_GDAKI);
+    assert_eq!(props.nLsaTeams, 40);
+    assert!(props.hostRmaSupport);
+    assert_eq!(props.railedGinType, ncclGinType_t::NCCL_GIN_TYPE_PROXY);
+    assert_eq!(props.commHash, 0x0123_4567_89ab_cdef);
+    assert_eq!(props.ginMinStride, 64);
+    assert_eq!(
+        props.ginConnectionType,
+        ncclGinConnectionType_t::NCCL_GIN_CONNECTION_FULL
+    );
+    let supported: Vec<usize> = (0..64).filter(|&i| props.ginSupport[i]).collect();
+    assert_eq!(supported, [2, 3]);
+    assert_eq!(props.devCommRuntimeVersionSize, 136);
+    assert!(props.cftSupport && !props.cftMulticastSupport && props.cftCountedSupport);
+
+    // A struct not made by the initializer is refused, as NCCL refuses it.
+    let mut wrong = nccl_comm_properties_initializer();
+    wrong.magic = 0;
+    // SAFETY: as above.
+    let rc = unsafe { lib.ncclCommQueryProperties(NCCL_COMM_NULL, &mut wrong) };
+    assert_eq!(rc, Ok(ncclResult_t::ncclInvalidArgument));
 }

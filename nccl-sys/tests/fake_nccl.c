@@ -109,3 +109,47 @@ ncclResult_t ncclPutSignal(const void* localbuff, size_t count, int datatype, in
            stream == (cudaStream_t)0xb0;
   return ok ? OK : INVALID_ARGUMENT;
 }
+
+/* nccl_device/host.h 2.32.3, written out as there (C enums are unsigned int-sized here). */
+typedef struct {
+  size_t size; unsigned int magic; unsigned int version;
+  int rank, nRanks, cudaDev, nvmlDev;
+  _Bool deviceApiSupport, multimemSupport;
+  unsigned int ginType;
+  int nLsaTeams;
+  _Bool hostRmaSupport;
+  unsigned int railedGinType;
+  uint64_t commHash;
+  int ginMinStride;
+  unsigned int ginConnectionType;
+  _Bool ginSupport[64];
+  size_t devCommRuntimeVersionSize;
+  _Bool cftSupport, cftMulticastSupport, cftCountedSupport;
+} ncclCommProperties_t;
+
+/* Accepts NCCL_COMM_PROPERTIES_INITIALIZER (any version up to 2.32.3) and fills every field
+ * with a value derived from its offset, so the Rust side can check each one. */
+ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t* p) {
+  if (p->size != sizeof(ncclCommProperties_t) || sizeof(ncclCommProperties_t) != 152)
+    return INVALID_ARGUMENT;
+  if (p->magic != 0xcafebeef || p->version > 23203) return INVALID_ARGUMENT;
+  p->rank = (int)(uintptr_t)comm;
+  p->nRanks = (int)offsetof(ncclCommProperties_t, nRanks);
+  p->cudaDev = (int)offsetof(ncclCommProperties_t, cudaDev);
+  p->nvmlDev = (int)offsetof(ncclCommProperties_t, nvmlDev);
+  p->deviceApiSupport = 1;
+  p->multimemSupport = 0;
+  p->ginType = 3;
+  p->nLsaTeams = (int)offsetof(ncclCommProperties_t, nLsaTeams);
+  p->hostRmaSupport = 1;
+  p->railedGinType = 2;
+  p->commHash = 0x0123456789abcdefULL;
+  p->ginMinStride = (int)offsetof(ncclCommProperties_t, ginMinStride);
+  p->ginConnectionType = 1;
+  for (int i = 0; i < 64; i++) p->ginSupport[i] = (i == 2 || i == 3);
+  p->devCommRuntimeVersionSize = offsetof(ncclCommProperties_t, devCommRuntimeVersionSize);
+  p->cftSupport = 1;
+  p->cftMulticastSupport = 0;
+  p->cftCountedSupport = 1;
+  return OK;
+}

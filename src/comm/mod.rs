@@ -65,6 +65,7 @@ pub(crate) use close::Siblings;
 pub(crate) use init::rank_and_size;
 pub(crate) use membership::Membership;
 pub(crate) use state::Shared;
+pub(crate) use wait::Backoff;
 
 use crate::error::{Error, Result};
 use crate::library::Library;

@@ -1,0 +1,433 @@
+//! Per-collective configuration (`ncclCollConfig_t`, NCCL 2.31): algorithm selection, CTA
+//! limits, CTA policy, a profiler tag and (NCCL 2.32) a launch-completion event, for one call
+//! of `ncclAllReduceConfig` ... `ncclScatterConfig`.
+//!
+//! Rules (`nccl.h` 2.32.3 and the `ncclCollConfig_t` docs of 2.32):
+//!
+//! * Every rank must pass the same configuration; NCCL checks it only locally.
+//! * Unset fields inherit the communicator's [`CommConfig`](crate::CommConfig); NCCL's
+//!   environment variables override both.
+//! * `cgaClusterSize` must be the same for every collective of one group.
+//! * With an algorithm selection, a selection NCCL cannot honour is an error unless
+//!   [`CollConfig::allow_algorithm_fallback`] is set. All-to-all, gather and scatter have no
+//!   selectable algorithms. Send and receive take no configuration at all.
+//! * The launch-completion event is recorded when the collective's kernel has launched
+//!   (before the launch on CUDA < 12.3). It must be created with timing disabled (cudarc's
+//!   `CudaContext::new_event(None)` does) on the communicator's device, not be an
+//!   interprocess event, and stay alive as long as any wait on it or any graph that captured
+//!   it: the configuration borrows it. Either every rank passes an event or none does, and a
+//!   group may carry at most one per communicator.
+//!
+//! [`CollConfig::to_raw`] checks everything that can be checked on this rank and builds the
+//! struct for the loaded library: a 2.31 library gets the 2.31 layout and version, newer ones
+//! the 2.32.3 header's, exactly as a program built against that library's header would pass.
+
+use std::ffi::CString;
+use std::marker::PhantomData;
+use std::mem::offset_of;
+use std::os::raw::c_int;
+
+use cudarc::driver::CudaEvent;
+use nccl_sys::ncclCollConfig_t;
+
+use crate::comm::Comm;
+use crate::config::CtaPolicy;
+use crate::error::{Error, Result};
+use crate::library::Version;
+
+/// First NCCL with `ncclCollConfig_t` and the `nccl*Config` collectives.
+pub const COLL_CONFIG_SINCE: Version = Version::new(2, 31, 0);
+/// First NCCL with `launchCompletionEvent`.
+pub const LAUNCH_EVENT_SINCE: Version = Version::new(2, 32, 0);
+
+/// `sizeof(ncclCollConfig_v23100)`: the 2.32 struct without `launchCompletionEvent`.
+const SIZE_2_31: usize = offset_of!(ncclCollConfig_t, launchCompletionEvent);
+
+/// Profiler tags with the most significant bit set are reserved by NCCL.
+const RESERVED_TAG_BIT: u64 = 1 << 63;
+
+/// A configuration for one collective call; see the [module docs](self). Every field
+/// starts unset (NCCL decides, or inherits the communicator's setting).
+#[derive(Clone, Default)]
+pub struct CollConfig<'e> {
+    algorithm: Option<String>,
+    allow_fallback: bool,
+    min_ctas: Option<u32>,
+    max_ctas: Option<u32>,
+    nvls_ctas: Option<u32>,
+    cga_cluster_size: Option<u32>,
+    cta_policy: Option<CtaPolicy>,
+    profiler_tag: u64,
+    launch_completion_event: Option<&'e CudaEvent>,
+}
+
+impl std::fmt::Debug for CollConfig<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CollConfig")
+            .field("algorithm", &self.algorithm)
+            .field("allow_fallback", &self.allow_fallback)
+            .field("min_ctas", &self.min_ctas)
+            .field("max_ctas", &self.max_ctas)
+            .field("nvls_ctas", &self.nvls_ctas)
+            .field("cga_cluster_size", &self.cga_cluster_size)
+            .field("cta_policy", &self.cta_policy)
+            .field("profiler_tag", &self.profiler_tag)
+            .field(
+                "launch_completion_event",
+                &self.launch_completion_event.is_some(),
+            )
+            .finish()
+    }
+}
+
+impl<'e> CollConfig<'e> {
+    /// A configuration with nothing set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `algSelection`: which algorithms the call may use, in NCCL's selection syntax, e.g.
+    /// `"ring"`, `"tree,ring"`, `"^symk"` (see NCCL's `ncclCollConfig_t` docs). An empty
+    /// string means automatic selection.
+    pub fn algorithm(mut self, selection: impl Into<String>) -> Self {
+        self.algorithm = Some(selection.into());
+        self
+    }
+
+    /// `forceAlgSelection = 0`: fall back to automatic selection where the algorithm
+    /// selection cannot be honoured, instead of failing (NCCL's default).
+    pub fn allow_algorithm_fallback(mut self, allow: bool) -> Self {
+        self.allow_fallback = allow;
+        self
+    }
+
+    /// `minCTAs`: the fewest CTAs (channels) to use, at least 1.
+    pub fn min_ctas(mut self, ctas: u32) -> Self {
+        self.min_ctas = Some(ctas);
+        self
+    }
+
+    /// `maxCTAs`: the most CTAs to use, at least 1 and at most the communicator's maximum.
+    pub fn max_ctas(mut self, ctas: u32) -> Self {
+        self.max_ctas = Some(ctas);
+        self
+    }
+
+    /// `nvlsCTAs`: the CTA cap for NVLink SHARP algorithms, at least 1.
+    pub fn nvls_ctas(mut self, ctas: u32) -> Self {
+        self.nvls_ctas = Some(ctas);
+        self
+    }
+
+    /// `cgaClusterSize`: the thread-block cluster size (Hopper and newer), 0 to 8; the same
+    /// for every collective of a group.
+    pub fn cga_cluster_size(mut self, size: u32) -> Self {
+        self.cga_cluster_size = Some(size);
+        self
+    }
+
+    /// `CTAPolicy`: e.g. [`CtaPolicy::ZERO`] for copy-engine collectives on symmetric
+    /// windows.
+    pub fn cta_policy(mut self, policy: CtaPolicy) -> Self {
+        self.cta_policy = Some(policy);
+        self
+    }
+
+    /// `userProfilerTag`: a value handed verbatim to profiler plugins with this call's
+    /// events; values with the most significant bit set are reserved by NCCL.
+    pub fn profiler_tag(mut self, tag: u64) -> Self {
+        self.profiler_tag = tag;
+        self
+    }
+
+    /// `launchCompletionEvent` (NCCL 2.32): recorded when the collective has launched; see
+    /// the [module docs](self) for its rules.
+    pub fn launch_completion_event(mut self, event: &'e CudaEvent) -> Self {
+        self.launch_completion_event = Some(event);
+        self
+    }
+
+    /// The launch-completion event, if one is set (a group may carry one per communicator).
+    pub fn launch_event(&self) -> Option<&'e CudaEvent> {
+        self.launch_completion_event
+    }
+
+    /// Builds the raw struct for a call on `comm`, checking every field against the loaded
+    /// library's version and the event against the communicator's device. A configuration
+    /// with nothing set still needs NCCL 2.31: the `nccl*Config` collectives are that new.
+    pub fn to_raw(&self, comm: &Comm) -> Result<RawCollConfig<'_>> {
+        if let Some(event) = self.launch_completion_event {
+            let ctx = event.context();
+            if ctx.cu_ctx() != comm.context().cu_ctx() {
+                return Err(Error::invalid(format!(
+                    "the launch-completion event belongs to device {} (context {:p}), not to \
+                     the communicator's context on device {}",
+                    ctx.ordinal(),
+                    ctx.cu_ctx(),
+                    comm.device()
+                )));
+            }
+        }
+        self.build(comm.library().version())
+    }
+
+    fn validate(&self) -> Result<()> {
+        let count = |name: &str, value: Option<u32>, min: u32, max: u32| -> Result<()> {
+            match value {
+                Some(v) if v < min || v > max => Err(Error::invalid(format!(
+                    "{name} must be between {min} and {max}, got {v}"
+                ))),
+                _ => Ok(()),
+            }
+        };
+        let int_max = c_int::MAX as u32;
+        count("minCTAs", self.min_ctas, 1, int_max)?;
+        count("maxCTAs", self.max_ctas, 1, int_max)?;
+        count("nvlsCTAs", self.nvls_ctas, 1, int_max)?;
+        count("cgaClusterSize", self.cga_cluster_size, 0, 8)?;
+        if let (Some(min), Some(max)) = (self.min_ctas, self.max_ctas) {
+            if min > max {
+                return Err(Error::invalid(format!(
+                    "minCTAs ({min}) is larger than maxCTAs ({max})"
+                )));
+            }
+        }
+        if let Some(policy) = self.cta_policy {
+            let known = CtaPolicy::EFFICIENCY.0 | CtaPolicy::ZERO.0;
+            if policy.0 & !known != 0 {
+                return Err(Error::invalid(format!(
+                    "CTAPolicy {:#x} has bits NCCL does not define (known: {known:#x})",
+                    policy.0
+                )));
+            }
+        }
+        if self.profiler_tag & RESERVED_TAG_BIT != 0 {
+            return Err(Error::invalid(format!(
+                "profiler tag {:#x} has the most significant bit set, which NCCL reserves",
+                self.profiler_tag
+            )));
+        }
+        if self.algorithm.as_deref().is_some_and(|s| s.contains('\0')) {
+            return Err(Error::invalid(
+                "the algorithm selection contains a NUL byte",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The raw struct for NCCL `version`.
+    fn build(&self, version: Version) -> Result<RawCollConfig<'_>> {
+        gate(self.launch_completion_event.is_some(), version)?;
+        self.validate()?;
+        let mut config = nccl_sys::nccl_coll_config_initializer();
+        if version < LAUNCH_EVENT_SINCE {
+            // What a program built against the 2.31 header passes.
+            config.size = SIZE_2_31;
+            config.version = version.code();
+        } else {
+            config.version = version.min(Version::HEADER).code();
+        }
+        // Counts were checked to fit a C int.
+        let int = |value: u32| value as c_int;
+        if let Some(v) = self.min_ctas {
+            config.minCTAs = int(v);
+        }
+        if let Some(v) = self.max_ctas {
+            config.maxCTAs = int(v);
+        }
+        if let Some(v) = self.nvls_ctas {
+            config.nvlsCTAs = int(v);
+        }
+        if let Some(v) = self.cga_cluster_size {
+            config.cgaClusterSize = int(v);
+        }
+        if let Some(policy) = self.cta_policy {
+            config.CTAPolicy = int(policy.0);
+        }
+        config.forceAlgSelection = c_int::from(!self.allow_fallback);
+        config.userProfilerTag = self.profiler_tag;
+        let algorithm = match &self.algorithm {
+            Some(selection) => Some(
+                CString::new(selection.as_str())
+                    .map_err(|_| Error::invalid("the algorithm selection contains a NUL byte"))?,
+            ),
+            None => None,
+        };
+        if let Some(selection) = &algorithm {
+            config.algSelection = selection.as_ptr();
+        }
+        if let Some(event) = self.launch_completion_event {
+            config.launchCompletionEvent = event.cu_event() as nccl_sys::cudaEvent_t;
+        }
+        Ok(RawCollConfig {
+            config,
+            _algorithm: algorithm,
+            _borrows: PhantomData,
+        })
+    }
+}
+
+/// Fails unless NCCL `version` has per-collective configuration, and the launch-completion
+/// event if one is set.
+fn gate(has_event: bool, version: Version) -> Result<()> {
+    if version < COLL_CONFIG_SINCE {
+        return Err(Error::Unsupported {
+            api: "ncclCollConfig_t",
+            needs: COLL_CONFIG_SINCE,
+            found: version,
+        });
+    }
+    if has_event && version < LAUNCH_EVENT_SINCE {
+        return Err(Error::Unsupported {
+            api: "launchCompletionEvent",
+            needs: LAUNCH_EVENT_SINCE,
+            found: version,
+        });
+    }
+    Ok(())
+}
+
+/// An `ncclCollConfig_t` ready for NCCL, with the string and the event its pointers refer
+/// to kept alive (the string owned, the event borrowed).
+pub struct RawCollConfig<'a> {
+    config: ncclCollConfig_t,
+    _algorithm: Option<CString>,
+    _borrows: PhantomData<&'a CollConfig<'a>>,
+}
+
+impl std::fmt::Debug for RawCollConfig<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawCollConfig")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl RawCollConfig<'_> {
+    /// The struct, for the `config` argument of `ncclAllReduceConfig` ... `ncclScatterConfig`.
+    /// Valid while `self` lives.
+    pub fn as_ptr(&self) -> *const ncclCollConfig_t {
+        &self.config
+    }
+
+    /// The struct itself (its pointers are valid while `self` lives).
+    pub fn get(&self) -> &ncclCollConfig_t {
+        &self.config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V2_28: Version = Version::new(2, 28, 3);
+    const V2_31: Version = Version::new(2, 31, 2);
+    const V2_32: Version = Version::new(2, 32, 3);
+
+    fn err(config: CollConfig<'_>, version: Version) -> String {
+        config.build(version).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn empty_config_is_the_initializer_for_the_library() {
+        let empty = CollConfig::new();
+        let raw = empty.build(V2_32).unwrap();
+        let init = nccl_sys::nccl_coll_config_initializer();
+        let c = raw.get();
+        assert_eq!((c.size, c.magic, c.version), (72, init.magic, 23203));
+        assert_eq!(
+            (
+                c.minCTAs,
+                c.maxCTAs,
+                c.nvlsCTAs,
+                c.cgaClusterSize,
+                c.CTAPolicy
+            ),
+            (
+                init.minCTAs,
+                init.maxCTAs,
+                init.nvlsCTAs,
+                init.cgaClusterSize,
+                init.CTAPolicy
+            )
+        );
+        assert!(c.algSelection.is_null() && c.launchCompletionEvent.is_null() && c.ext.is_null());
+        assert_eq!((c.forceAlgSelection, c.userProfilerTag), (1, 0));
+        assert_eq!(raw.as_ptr(), c as *const _);
+
+        // A 2.31 library gets the 2.31 struct.
+        let raw = empty.build(V2_31).unwrap();
+        assert_eq!((raw.get().size, raw.get().version), (64, 23102));
+        // A library newer than the header gets the header's version.
+        let raw = empty.build(Version::new(2, 33, 1)).unwrap();
+        assert_eq!(raw.get().version, Version::HEADER.code());
+    }
+
+    #[test]
+    fn per_collective_config_needs_2_31() {
+        match CollConfig::new().build(V2_28) {
+            Err(Error::Unsupported { api, needs, found }) => {
+                assert_eq!(
+                    (api, needs, found),
+                    ("ncclCollConfig_t", COLL_CONFIG_SINCE, V2_28)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn launch_events_need_2_32() {
+        assert!(gate(true, V2_32).is_ok());
+        assert!(gate(false, V2_31).is_ok());
+        match gate(true, V2_31) {
+            Err(Error::Unsupported { api, needs, .. }) => {
+                assert_eq!((api, needs), ("launchCompletionEvent", LAUNCH_EVENT_SINCE));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn fields_reach_the_struct() {
+        let config = CollConfig::new()
+            .algorithm("ring,tree")
+            .allow_algorithm_fallback(true)
+            .min_ctas(2)
+            .max_ctas(16)
+            .nvls_ctas(4)
+            .cga_cluster_size(0)
+            .cta_policy(CtaPolicy::ZERO)
+            .profiler_tag(0x7fff_0000_0000_0001);
+        let raw = config.build(V2_32).unwrap();
+        let c = raw.get();
+        assert_eq!(
+            (c.minCTAs, c.maxCTAs, c.nvlsCTAs, c.cgaClusterSize),
+            (2, 16, 4, 0)
+        );
+        assert_eq!(c.CTAPolicy, nccl_sys::NCCL_CTA_POLICY_ZERO);
+        assert_eq!(c.forceAlgSelection, 0);
+        assert_eq!(c.userProfilerTag, 0x7fff_0000_0000_0001);
+        // SAFETY: the pointer refers to the CString `raw` owns.
+        let selection = unsafe { std::ffi::CStr::from_ptr(c.algSelection) };
+        assert_eq!(selection.to_str(), Ok("ring,tree"));
+        assert!(format!("{config:?}").contains("ring,tree"));
+    }
+
+    #[test]
+    fn bad_fields_are_refused() {
+        assert!(err(CollConfig::new().min_ctas(0), V2_32).contains("minCTAs must be between 1"));
+        assert!(err(CollConfig::new().max_ctas(0), V2_32).contains("maxCTAs"));
+        assert!(err(CollConfig::new().nvls_ctas(0), V2_32).contains("nvlsCTAs"));
+        assert!(err(CollConfig::new().max_ctas(1 << 31), V2_32).contains("maxCTAs"));
+        assert!(err(CollConfig::new().cga_cluster_size(9), V2_32).contains("between 0 and 8"));
+        assert!(err(CollConfig::new().min_ctas(8).max_ctas(4), V2_32).contains("larger than"));
+        assert!(err(CollConfig::new().cta_policy(CtaPolicy(0x4)), V2_32).contains("0x4"));
+        assert!(err(CollConfig::new().profiler_tag(1 << 63), V2_32).contains("reserves"));
+        assert!(err(CollConfig::new().algorithm("ri\0ng"), V2_32).contains("NUL"));
+        assert!(CollConfig::new()
+            .cta_policy(CtaPolicy::EFFICIENCY | CtaPolicy::ZERO)
+            .build(V2_32)
+            .is_ok());
+    }
+}

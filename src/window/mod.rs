@@ -1,0 +1,513 @@
+//! Memory windows: NCCL-allocated buffers registered with every rank of a communicator
+//! (`ncclCommWindowRegister`, NCCL 2.27), for symmetric-memory collectives, zero-CTA
+//! copy-engine collectives ([`CtaPolicy::ZERO`](crate::config::CtaPolicy::ZERO)) and one-sided
+//! RMA ([`Window::put_signal`]).
+//!
+//! # Registering
+//!
+//! [`Comm::register_window`] takes an [`NcclBuffer`] (CUDA VMM memory from `ncclMemAlloc`:
+//! NCCL refuses any other kind, so no other buffer type is accepted) and returns a [`Window`]
+//! that owns it and borrows the communicator. Registration is collective: every rank calls it,
+//! in the same order as its other collective calls. A thread driving several communicators
+//! (from [`Comm::init_all`]) registers on all of them at once with [`Comm::register_windows`],
+//! which issues the registrations in one NCCL group; inside a [`Group`](crate::Group) opened
+//! by the caller, registration is refused, because NCCL fills in the window only when that
+//! group ends and a `Window` is only ever handed out once it is valid. On a nonblocking
+//! communicator the call waits, for at most [`Comm::ready_timeout`], until NCCL has
+//! finished the registration.
+//!
+//! The window covers the whole buffer, whose start is the start of its VMM allocation, so
+//! NCCL's 4096-byte alignment rule ([`REQUIRED_ALIGNMENT`]) always holds. Before NCCL 2.30.7
+//! every rank must register the same number of bytes; from 2.30.7 the sizes may differ, and
+//! operations must then stay within the smallest. Neither can be checked locally.
+//!
+//! Where NCCL cannot make windows (no symmetric-memory support on this communicator) it
+//! reports success with a NULL window (NCCL 2.29.2 and later, and some configurations
+//! before): that is [`Error::Unavailable`], and the buffer comes back in the
+//! [`RegisterError`].
+//!
+//! # Using a window
+//!
+//! A `Window` is a cudarc [`DevicePtr`] and [`DevicePtrMut`] for its whole length, and hands
+//! out views of any part of it ([`Window::view`], [`Window::view_mut`],
+//! [`Window::split_at_mut`]), which are too. So every collective takes a window, or a view at
+//! any offset, in place or out of place, with cudarc's event tracking as for any buffer.
+//! With [`WindowFlags::COLL_SYMMETRIC`], NCCL's symmetric kernels need the buffers of a
+//! collective at the same offset from the start of the window on every rank; only each
+//! rank's own side of that can be checked (views always lie inside their window).
+//!
+//! # Soundness
+//!
+//! * The window owns the buffer, so it is registered at most once (NCCL leaves buffers
+//!   registered twice undefined) and cannot be freed or handed to anything else while
+//!   registered; [`Window::close`] gives it back.
+//! * The window borrows the communicator, so the communicator cannot be destroyed or
+//!   aborted by value while a window lives. An [`AbortHandle`](crate::AbortHandle) or a
+//!   [`Watchdog`](crate::Watchdog) can still abort it from another thread; NCCL then frees the
+//!   window itself, and the window checks, under the communicator's lock, that the
+//!   communicator is still alive before deregistering.
+//! * Deregistration is local and must not race work that uses the buffer: closing or
+//!   dropping a window first waits, for at most [`Comm::drop_timeout`], until the work
+//!   recorded on the buffer (its cudarc events), and everything enqueued so far on the
+//!   communicator's stream and the buffer's stream, has finished. Work on other streams is
+//!   only seen through the buffer's events, as everywhere in cudarc: with event tracking off,
+//!   finish it yourself first.
+//! * If that wait times out or NCCL fails to deregister, the buffer is leaked (never freed),
+//!   since NCCL may still map it. [`Window::close`] instead returns the window with the error.
+//! * Forgetting a window (`std::mem::forget`) leaks its buffer with it, so the memory NCCL
+//!   maps is never freed behind NCCL either.
+//! * As for every cudarc buffer, a CUDA graph that captured work on a window keeps only its
+//!   address: do not launch it after the window is closed or dropped.
+//!
+//! ```compile_fail
+//! // The buffer belongs to the window: it cannot be used (or dropped) while registered.
+//! fn f(comm: &nccl::Comm, buffer: nccl::NcclBuffer<f32>) -> nccl::Result<()> {
+//!     let window = comm.register_window(buffer, nccl::WindowFlags::COLL_SYMMETRIC)?;
+//!     drop(buffer);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! // The window borrows the communicator: the communicator cannot be destroyed under it.
+//! fn f(comm: nccl::Comm, buffer: nccl::NcclBuffer<f32>) -> nccl::Result<()> {
+//!     let window = comm.register_window(buffer, nccl::WindowFlags::COLL_SYMMETRIC)?;
+//!     comm.destroy()?;
+//!     drop(window);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! // Only NCCL-allocated (VMM) memory can be registered, by type.
+//! fn f(comm: &nccl::Comm, slice: cudarc::driver::CudaSlice<f32>) {
+//!     let _ = comm.register_window(slice, nccl::WindowFlags::COLL_SYMMETRIC);
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! // Closing needs the window back from every view (and every collective using one).
+//! fn f(window: nccl::Window<'_, f32>) -> nccl::Result<()> {
+//!     let view = window.view(0..4)?;
+//!     let buffer = window.close().map_err(|(_, err)| err)?;
+//!     drop(view);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! // A window stays on the thread of its communicator (a `Comm` is not `Sync`).
+//! fn assert_send<T: Send>() {}
+//! assert_send::<nccl::Window<'static, f32>>();
+//! ```
+
+mod register;
+pub mod rma;
+mod view;
+
+use std::mem::ManuallyDrop;
+use std::ops::BitOr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use nccl_sys::ncclWindow_t;
+
+use crate::comm::{Backoff, Comm};
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::library::Version;
+use crate::memory::NcclBuffer;
+
+pub use register::RegisterError;
+pub use rma::{Signal, SignalWait};
+pub use view::{WindowView, WindowViewMut};
+
+/// `NCCL_WIN_REQUIRED_ALIGNMENT`: the alignment NCCL requires of a window's start within its
+/// VMM allocation (4096 bytes, NCCL 2.28 header).
+pub const REQUIRED_ALIGNMENT: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
+
+/// First NCCL with `ncclCommWindowRegister` and `ncclCommWindowDeregister`.
+pub const WINDOWS_SINCE: Version = Version::new(2, 27, 0);
+/// First NCCL with `ncclWinGetUserPtr` and one-sided RMA.
+pub const USER_PTR_SINCE: Version = Version::new(2, 29, 0);
+
+/// Window registration flags (`NCCL_WIN_*`), combinable with `|`; each needs the NCCL
+/// release that introduced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct WindowFlags(u32);
+
+impl WindowFlags {
+    /// `NCCL_WIN_DEFAULT`: a plain registration (2.27).
+    pub const DEFAULT: WindowFlags = WindowFlags(0x00);
+    /// `NCCL_WIN_COLL_SYMMETRIC` (2.27): the window may back symmetric collectives and be the
+    /// source of one-sided RMA; collectives must use the same offset into it on every rank.
+    pub const COLL_SYMMETRIC: WindowFlags = WindowFlags(0x01);
+    /// `NCCL_WIN_STRICT_ORDERING` (2.29.7): ordered delivery for GIN VA signals over IB
+    /// verbs.
+    pub const STRICT_ORDERING: WindowFlags = WindowFlags(0x02);
+    /// `NCCL_WIN_GIN_ONLY` (2.32): register for GPU-initiated networking only.
+    pub const GIN_ONLY: WindowFlags = WindowFlags(0x04);
+    /// `NCCL_WIN_CFT_COUNTED` (2.32.3 header): register for CFT counted endpoints only.
+    pub const CFT_COUNTED: WindowFlags = WindowFlags(0x08);
+
+    /// Every flag with its C name and the first NCCL release that has it.
+    pub const KNOWN: [(WindowFlags, &'static str, Version); 4] = [
+        (
+            WindowFlags::COLL_SYMMETRIC,
+            "NCCL_WIN_COLL_SYMMETRIC",
+            Version::new(2, 27, 0),
+        ),
+        (
+            WindowFlags::STRICT_ORDERING,
+            "NCCL_WIN_STRICT_ORDERING",
+            Version::new(2, 29, 7),
+        ),
+        (
+            WindowFlags::GIN_ONLY,
+            "NCCL_WIN_GIN_ONLY",
+            Version::new(2, 32, 0),
+        ),
+        (
+            WindowFlags::CFT_COUNTED,
+            "NCCL_WIN_CFT_COUNTED",
+            Version::new(2, 32, 3),
+        ),
+    ];
+
+    /// The raw bits.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Flags from raw bits; bits NCCL does not define are refused at registration.
+    pub const fn from_bits(bits: u32) -> Self {
+        WindowFlags(bits)
+    }
+
+    /// Whether every flag of `other` is set.
+    pub const fn contains(self, other: WindowFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Checks the flags against the library version `found`: unknown bits are
+    /// [`Error::InvalidArgument`], flags newer than the library [`Error::Unsupported`].
+    pub fn check(self, found: Version) -> Result<()> {
+        let known = Self::KNOWN.iter().fold(0, |all, (flag, ..)| all | flag.0);
+        if self.0 & !known != 0 {
+            return Err(Error::invalid(format!(
+                "window flags {:#x} include bits NCCL does not define (known: {known:#x})",
+                self.0
+            )));
+        }
+        for (flag, api, needs) in Self::KNOWN {
+            if self.contains(flag) && found < needs {
+                return Err(Error::Unsupported { api, needs, found });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl BitOr for WindowFlags {
+    type Output = WindowFlags;
+    fn bitor(self, rhs: WindowFlags) -> WindowFlags {
+        WindowFlags(self.0 | rhs.0)
+    }
+}
+
+/// An [`NcclBuffer`] registered as a window on every rank of a communicator; see the
+/// [module docs](self).
+pub struct Window<'c, T: NcclType> {
+    comm: &'c Comm,
+    /// The NCCL handle; null once deregistered (or freed by NCCL with the communicator).
+    raw: ncclWindow_t,
+    /// Taken out only by `close` after a successful release, and never dropped otherwise:
+    /// a window that cannot be released leaks its buffer.
+    buffer: ManuallyDrop<NcclBuffer<T>>,
+    flags: WindowFlags,
+    /// `hostRmaSupport` of the communicator, where the library reports it (2.29.4).
+    host_rma: Option<bool>,
+}
+
+impl<T: NcclType> std::fmt::Debug for Window<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Window")
+            .field("rank", &self.comm.rank())
+            .field("handle", &self.raw)
+            .field("buffer", &*self.buffer)
+            .field("flags", &self.flags)
+            .finish()
+    }
+}
+
+impl<'c, T: NcclType> Window<'c, T> {
+    /// Wraps a handle NCCL just filled in for `buffer`.
+    fn new(comm: &'c Comm, raw: ncclWindow_t, buffer: NcclBuffer<T>, flags: WindowFlags) -> Self {
+        // Asked once here rather than on every RMA call. A failed query only means RMA
+        // calls learn it from NCCL instead.
+        let host_rma = crate::properties::query(comm)
+            .ok()
+            .and_then(|props| props.host_rma_support);
+        Self {
+            comm,
+            raw,
+            buffer: ManuallyDrop::new(buffer),
+            flags,
+            host_rma,
+        }
+    }
+
+    /// The communicator the window is registered with.
+    pub fn comm(&self) -> &'c Comm {
+        self.comm
+    }
+
+    /// The flags it was registered with.
+    pub fn flags(&self) -> WindowFlags {
+        self.flags
+    }
+
+    /// Its length in elements (the whole buffer).
+    pub fn len(&self) -> usize {
+        self.buffer.len
+    }
+
+    /// Whether it has no elements (never: empty buffers cannot be registered).
+    pub fn is_empty(&self) -> bool {
+        self.buffer.len == 0
+    }
+
+    /// Its length in bytes, as registered.
+    pub fn num_bytes(&self) -> usize {
+        self.buffer.len * std::mem::size_of::<T>()
+    }
+
+    /// Whether the communicator supports host-initiated one-sided RMA, as
+    /// `ncclCommQueryProperties` reported at registration (`None` before NCCL 2.29.4).
+    pub fn host_rma_support(&self) -> Option<bool> {
+        self.host_rma
+    }
+
+    /// The raw `ncclWindow_t`, for NCCL functions this crate does not wrap (the device API).
+    /// It is valid while the window lives and its communicator has not been aborted.
+    pub fn as_raw(&self) -> ncclWindow_t {
+        self.raw
+    }
+
+    /// The device address NCCL records for the window (`ncclWinGetUserPtr`, NCCL 2.29): the
+    /// start of the buffer.
+    pub fn user_ptr(&self) -> Result<u64> {
+        let lib = self.comm.library();
+        lib.require("ncclWinGetUserPtr", USER_PTR_SINCE)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        let status = self.comm.with_raw("ncclWinGetUserPtr", |raw| {
+            // SAFETY: live communicator under its lock; `self.raw` is a window registered on
+            // it and still registered (it is only deregistered by value); `ptr` is a valid
+            // out-pointer.
+            unsafe { lib.api().ncclWinGetUserPtr(raw, self.raw, &mut ptr) }
+        })?;
+        lib.check("ncclWinGetUserPtr", status)?;
+        Ok(ptr as u64)
+    }
+
+    /// Deregisters the window and gives the buffer back.
+    ///
+    /// Waits first, for at most the communicator's [`Comm::drop_timeout`], until the work
+    /// using the buffer has finished (see the [module docs](self)). On a timeout or an NCCL
+    /// failure the window comes back with the error, still registered; dropping it then
+    /// tries again and leaks the buffer if that fails too. A window whose communicator was
+    /// aborted meanwhile was freed by NCCL: its buffer comes back without a call.
+    // The error gives the window back (as rusqlite's `close` does); it is the rare path.
+    #[allow(clippy::result_large_err)]
+    pub fn close(mut self) -> std::result::Result<NcclBuffer<T>, (Self, Error)> {
+        if let Err(err) = self.release() {
+            return Err((self, err));
+        }
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: the window is released; `this` is never dropped, so the buffer is taken
+        // exactly once.
+        Ok(unsafe { ManuallyDrop::take(&mut this.buffer) })
+    }
+
+    /// Waits for the buffer's work, then deregisters, unless NCCL already freed the window
+    /// with its communicator.
+    fn release(&mut self) -> Result<()> {
+        if self.raw.is_null() {
+            return Ok(());
+        }
+        self.wait_idle(self.comm.drop_timeout())?;
+        let lib = self.comm.library();
+        let win = self.raw;
+        let outcome = self.comm.with_raw("ncclCommWindowDeregister", |raw| {
+            // SAFETY: live communicator under its lock (an abort from another thread takes
+            // the same lock, and NCCL frees the window then); `win` was registered on it and
+            // no work uses the buffer any more (waited for above).
+            unsafe { lib.api().ncclCommWindowDeregister(raw, win) }
+        });
+        match outcome {
+            // Aborted or destroyed from another thread: NCCL freed the window with the
+            // communicator (2.29.7 release notes, `ncclDevrFinalize` in dev_runtime.cc), so
+            // the buffer is no longer registered and deregistering would be a use after free.
+            Err(_) if self.comm_released() => {
+                self.raw = std::ptr::null_mut();
+                Ok(())
+            }
+            Err(err) => Err(err),
+            Ok(status) => {
+                lib.check("ncclCommWindowDeregister", status)?;
+                self.raw = std::ptr::null_mut();
+                Ok(())
+            }
+        }
+    }
+
+    fn comm_released(&self) -> bool {
+        self.comm.shared().lock().ptr.is_null()
+    }
+
+    /// Waits until the buffer's recorded uses and the work enqueued so far on the
+    /// communicator's stream and the buffer's stream have finished.
+    fn wait_idle(&self, timeout: Duration) -> Result<()> {
+        let buffer = &*self.buffer;
+        buffer.stream.context().bind_to_thread()?;
+        let comm_done = self.comm.stream().record_event(None)?;
+        let buffer_done = if Arc::ptr_eq(&buffer.stream, self.comm.stream()) {
+            None
+        } else {
+            Some(buffer.stream.record_event(None)?)
+        };
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        loop {
+            let mut idle = true;
+            for event in [
+                buffer.read.as_ref(),
+                buffer.write.as_ref(),
+                Some(&comm_done),
+                buffer_done.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                if !event.try_is_complete()? {
+                    idle = false;
+                    break;
+                }
+            }
+            if idle {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "the work using the window of rank {} ({} bytes) to finish before \
+                         deregistering it (a dropped window then leaks its buffer)",
+                        self.comm.rank(),
+                        self.num_bytes()
+                    ),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
+        }
+    }
+}
+
+impl<T: NcclType> Drop for Window<'_, T> {
+    fn drop(&mut self) {
+        if self.release().is_ok() {
+            // SAFETY: released, and `buffer` is not touched again.
+            unsafe { ManuallyDrop::drop(&mut self.buffer) };
+        }
+        // Otherwise the buffer is leaked: NCCL may still map it.
+    }
+}
+
+impl<T: NcclType> DeviceSlice<T> for Window<'_, T> {
+    fn len(&self) -> usize {
+        self.buffer.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.buffer.stream
+    }
+}
+
+impl<T: NcclType> DevicePtr<T> for Window<'_, T> {
+    fn device_ptr<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.buffer.device_ptr(stream)
+    }
+}
+
+impl<T: NcclType> DevicePtrMut<T> for Window<'_, T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.buffer.device_ptr_mut(stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_follow_the_header() {
+        assert_eq!(
+            WindowFlags::DEFAULT.bits(),
+            nccl_sys::NCCL_WIN_DEFAULT as u32
+        );
+        assert_eq!(
+            WindowFlags::COLL_SYMMETRIC.bits(),
+            nccl_sys::NCCL_WIN_COLL_SYMMETRIC as u32
+        );
+        assert_eq!(
+            WindowFlags::STRICT_ORDERING.bits(),
+            nccl_sys::NCCL_WIN_STRICT_ORDERING as u32
+        );
+        assert_eq!(
+            WindowFlags::GIN_ONLY.bits(),
+            nccl_sys::NCCL_WIN_GIN_ONLY as u32
+        );
+        assert_eq!(
+            WindowFlags::CFT_COUNTED.bits(),
+            nccl_sys::NCCL_WIN_CFT_COUNTED as u32
+        );
+        assert_eq!(REQUIRED_ALIGNMENT, 4096);
+        let both = WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING;
+        assert!(both.contains(WindowFlags::COLL_SYMMETRIC));
+        assert!(both.contains(WindowFlags::DEFAULT));
+        assert!(!WindowFlags::COLL_SYMMETRIC.contains(WindowFlags::GIN_ONLY));
+        assert_eq!(WindowFlags::from_bits(3), both);
+    }
+
+    #[test]
+    fn flags_are_gated_by_version() {
+        let v = Version::new;
+        assert!(WindowFlags::COLL_SYMMETRIC.check(v(2, 27, 3)).is_ok());
+        assert!(WindowFlags::DEFAULT.check(v(2, 27, 3)).is_ok());
+        let gates = [
+            (WindowFlags::STRICT_ORDERING, v(2, 29, 3), v(2, 29, 7)),
+            (WindowFlags::GIN_ONLY, v(2, 31, 2), v(2, 32, 0)),
+            (WindowFlags::CFT_COUNTED, v(2, 32, 0), v(2, 32, 3)),
+        ];
+        for (flag, old, new) in gates {
+            match (WindowFlags::COLL_SYMMETRIC | flag).check(old) {
+                Err(Error::Unsupported { needs, found, .. }) => {
+                    assert_eq!((needs, found), (new, old), "{flag:?}");
+                }
+                other => panic!("{flag:?} on {old}: {other:?}"),
+            }
+            assert!(flag.check(new).is_ok(), "{flag:?}");
+        }
+        let err = WindowFlags::from_bits(0x10).check(v(2, 32, 3)).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("0x10")),
+            "{err}"
+        );
+    }
+}

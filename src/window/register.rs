@@ -1,0 +1,451 @@
+//! Operation registration of windows, alone or several in one NCCL group.
+//!
+//! NCCL queues the registration as a group task and fills in the window handle when the
+//! group ends: at once outside a group on a blocking communicator, from a background job on
+//! a nonblocking one (`ncclCommWindowRegister` in `src/dev_runtime.cc`, 2.28 to 2.30.7). The
+//! handle's slot therefore lives on the heap and is read only once NCCL is done with it; if
+//! NCCL never finishes (a timeout), the slot and the buffer are leaked rather than freed
+//! under its feet.
+
+use std::ffi::c_void;
+
+use nccl_sys::ncclWindow_t;
+
+use super::{Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
+use crate::comm::Comm;
+use crate::comm::Membership;
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::memory::NcclBuffer;
+use crate::thread_group::{self, RawGroup};
+
+const CALL: &str = "ncclCommWindowRegister";
+
+/// A failed registration: the error, and the buffers given back.
+///
+/// `buffers` holds one entry per buffer passed in, in order: `Some` where the buffer is
+/// safe to use (NCCL never took it, or was done with it), `None` where it was leaked because
+/// NCCL may still map it (a registration that did not finish in time).
+pub struct RegisterError<T: NcclType> {
+    error: Error,
+    buffers: Vec<Option<NcclBuffer<T>>>,
+}
+
+impl<T: NcclType> RegisterError<T> {
+    fn new(error: Error, buffers: Vec<Option<NcclBuffer<T>>>) -> Self {
+        Self { error, buffers }
+    }
+
+    /// Every buffer back, with `error`.
+    fn returning(error: Error, buffers: Vec<NcclBuffer<T>>) -> Self {
+        Self::new(error, buffers.into_iter().map(Some).collect())
+    }
+
+    /// What went wrong.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The error, dropping (freeing) the buffers.
+    pub fn into_error(self) -> Error {
+        self.error
+    }
+
+    /// The buffers given back, in the order they were passed (`None`: leaked).
+    pub fn into_buffers(self) -> Vec<Option<NcclBuffer<T>>> {
+        self.buffers
+    }
+
+    /// The error and the buffers.
+    pub fn into_parts(self) -> (Error, Vec<Option<NcclBuffer<T>>>) {
+        (self.error, self.buffers)
+    }
+
+    /// The (first) buffer given back, if it was not leaked.
+    pub fn into_buffer(self) -> Option<NcclBuffer<T>> {
+        self.buffers.into_iter().next().flatten()
+    }
+}
+
+impl<T: NcclType> std::fmt::Debug for RegisterError<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisterError")
+            .field("error", &self.error)
+            .field(
+                "buffers_returned",
+                &self.buffers.iter().filter(|b| b.is_some()).count(),
+            )
+            .field(
+                "buffers_leaked",
+                &self.buffers.iter().filter(|b| b.is_none()).count(),
+            )
+            .finish()
+    }
+}
+
+impl<T: NcclType> std::fmt::Display for RegisterError<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl<T: NcclType> std::error::Error for RegisterError<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl<T: NcclType> From<RegisterError<T>> for Error {
+    fn from(err: RegisterError<T>) -> Error {
+        err.error
+    }
+}
+
+/// A heap slot NCCL writes a window handle into, possibly after the call has returned.
+struct Slot(*mut ncclWindow_t);
+
+impl Slot {
+    fn new() -> Self {
+        Slot(Box::into_raw(Box::new(std::ptr::null_mut())))
+    }
+
+    fn as_ptr(&self) -> *mut ncclWindow_t {
+        self.0
+    }
+
+    /// The handle, once NCCL can no longer write it.
+    fn read(&self) -> ncclWindow_t {
+        // SAFETY: the slot came from Box::into_raw and lives until dropped; callers read it
+        // only after NCCL finished the registration (the group ended and the communicator
+        // settled), so nothing writes it concurrently.
+        unsafe { *self.0 }
+    }
+
+    /// Keeps the slot allocated forever: NCCL may still write it.
+    fn leak(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // SAFETY: from Box::into_raw, freed once; dropped only when NCCL no longer writes it
+        // (otherwise `leak` is called).
+        drop(unsafe { Box::from_raw(self.0) });
+    }
+}
+
+/// What can be checked before NCCL sees the buffer.
+fn check<T: NcclType>(comm: &Comm, buffer: &NcclBuffer<T>, flags: WindowFlags) -> Result<()> {
+    let lib = comm.library();
+    lib.require(CALL, WINDOWS_SINCE)?;
+    flags.check(lib.version())?;
+    // Checked up front as well as under the lock of the call: in a group, a communicator
+    // refused halfway would leave the registrations already queued waiting for its rank.
+    comm.check_failure(CALL)?;
+    let device = buffer.stream.context().ordinal();
+    if device != comm.device() {
+        return Err(Error::invalid(format!(
+            "the buffer is on device {device} but the communicator (rank {}) is on device {}",
+            comm.rank(),
+            comm.device()
+        )));
+    }
+    check_extent(buffer.ptr, buffer.len, std::mem::size_of::<T>())
+}
+
+/// NCCL refuses empty windows, and needs the window's start 4096-byte aligned in its VMM
+/// allocation; an `NcclBuffer` starts its own allocation, so its address must be aligned.
+fn check_extent(ptr: u64, len: usize, elem: usize) -> Result<()> {
+    if len == 0 {
+        return Err(Error::invalid(
+            "a window needs at least one element (NCCL refuses empty windows)",
+        ));
+    }
+    if len.checked_mul(elem).is_none() {
+        return Err(Error::invalid(format!(
+            "{len} elements overflow the address space"
+        )));
+    }
+    if ptr % REQUIRED_ALIGNMENT as u64 != 0 {
+        return Err(Error::invalid(format!(
+            "the buffer at {ptr:#x} is not {REQUIRED_ALIGNMENT}-byte aligned, as NCCL requires"
+        )));
+    }
+    Ok(())
+}
+
+fn no_window() -> Error {
+    Error::Unavailable {
+        api: CALL,
+        reason: "NCCL registered no window: this communicator has no symmetric-memory \
+                 support (NCCL 2.29.2 and later report that as success with a NULL window; \
+                 NCCL_DEBUG=INFO says why, e.g. CUDA VMM disabled or GPUs that cannot map \
+                 each other's memory)"
+            .into(),
+    }
+}
+
+/// Hands one registration to NCCL (inside a group or not); the returned flag says whether
+/// the communicator is still working on it.
+fn issue<T: NcclType>(
+    comm: &Comm,
+    buffer: &NcclBuffer<T>,
+    flags: WindowFlags,
+    slot: &Slot,
+) -> Result<bool> {
+    let lib = comm.library();
+    buffer.stream.context().bind_to_thread()?;
+    let bytes = buffer.len * std::mem::size_of::<T>();
+    let out = slot.as_ptr();
+    let status = comm.with_raw(CALL, |raw| {
+        // SAFETY: live communicator under its lock; the buffer is `bytes` of VMM memory on its
+        // device, owned by the caller until NCCL is done with it; `out` stays allocated until
+        // NCCL can no longer write it (see `Slot`); the flags were checked against the
+        // library.
+        unsafe {
+            lib.api().ncclCommWindowRegister(
+                raw,
+                buffer.ptr as *mut c_void,
+                bytes,
+                out,
+                flags.bits() as std::os::raw::c_int,
+            )
+        }
+    })?;
+    lib.check_pending(CALL, status)
+}
+
+/// Says what a registration that never settled waits for.
+fn not_settled(rank: usize, err: Error) -> Error {
+    match err {
+        Error::Timeout { waited, .. } => Error::Timeout {
+            what: format!(
+                "{CALL} on rank {rank} to complete (every rank must register, in the same \
+                 order as its other collective calls); the buffer was leaked, as NCCL may \
+                 still register it"
+            ),
+            waited,
+        },
+        other => other,
+    }
+}
+
+impl Comm {
+    /// Registers `buffer` as a window on this communicator (`ncclCommWindowRegister`, NCCL
+    /// 2.27). Operation: every rank calls it. See the [module docs](crate::window).
+    ///
+    /// On failure the buffer comes back inside the [`RegisterError`] (which converts into
+    /// [`Error`] with `?`), unless NCCL may still be registering it.
+    pub fn register_window<T: NcclType>(
+        &self,
+        buffer: NcclBuffer<T>,
+        flags: WindowFlags,
+    ) -> std::result::Result<Window<'_, T>, RegisterError<T>> {
+        if let Err(err) =
+            check(self, &buffer, flags).and_then(|()| thread_group::ensure_outside(CALL))
+        {
+            return Err(RegisterError::returning(err, vec![buffer]));
+        }
+        let slot = Slot::new();
+        let pending = match issue(self, &buffer, flags, &slot) {
+            Ok(pending) => pending,
+            // NCCL returned an error: its own failure path cleared the slot and nothing runs
+            // in the background.
+            Err(err) => return Err(RegisterError::returning(err, vec![buffer])),
+        };
+        if pending {
+            if let Err(err) = self.wait_ready(self.ready_timeout()) {
+                slot.leak();
+                std::mem::forget(buffer);
+                return Err(RegisterError::new(
+                    not_settled(self.rank(), err),
+                    vec![None],
+                ));
+            }
+        }
+        let raw = slot.read();
+        if raw.is_null() {
+            return Err(RegisterError::returning(no_window(), vec![buffer]));
+        }
+        Ok(Window::new(self, raw, buffer, flags))
+    }
+
+    /// Registers `buffers[i]` as a window on `comms[i]`, for every `i`, in one NCCL group:
+    /// how one thread driving several communicators (from [`Comm::init_all`]) registers,
+    /// since a registration blocks until every rank has joined it.
+    ///
+    /// Every window is valid when this returns: NCCL fills them in when the group ends, and
+    /// nonblocking communicators are waited for (each for at most its
+    /// [`Comm::ready_timeout`]). On failure no window is kept: the buffers come back in the
+    /// [`RegisterError`], except those NCCL may still be registering.
+    pub fn register_windows<'c, T: NcclType>(
+        comms: &'c [Comm],
+        buffers: Vec<NcclBuffer<T>>,
+        flags: WindowFlags,
+    ) -> std::result::Result<Vec<Window<'c, T>>, RegisterError<T>> {
+        if let Err(err) = check_all(comms, &buffers, flags) {
+            return Err(RegisterError::returning(err, buffers));
+        }
+        let Some(first) = comms.first() else {
+            return Ok(Vec::new());
+        };
+        let mut raw_group = match RawGroup::start(first.library()) {
+            Ok(group) => group,
+            Err(err) => return Err(RegisterError::returning(err, buffers)),
+        };
+        // Aborts from other threads wait until the group has ended (see `crate::fault`).
+        let mut membership = Membership::enter(comms.iter());
+        let slots: Vec<Slot> = comms.iter().map(|_| Slot::new()).collect();
+        let mut issued = 0;
+        let mut failure = None;
+        for ((comm, buffer), slot) in comms.iter().zip(&buffers).zip(&slots) {
+            match issue(comm, buffer, flags, slot) {
+                Ok(_) => issued += 1,
+                Err(err) => {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        let ended = raw_group.end();
+        let deferred = membership.leave(CALL);
+        let pending = match ended {
+            Ok(pending) => pending,
+            Err(err) => {
+                failure.get_or_insert(err);
+                false
+            }
+        };
+        if let Some(err) = deferred {
+            failure.get_or_insert(err);
+        }
+        if pending {
+            for comm in comms.iter().take(issued) {
+                if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
+                    // NCCL may still write any slot and map any buffer handed to it.
+                    let error = not_settled(comm.rank(), err);
+                    let mut kept = Vec::with_capacity(buffers.len());
+                    for (i, (buffer, slot)) in buffers.into_iter().zip(slots).enumerate() {
+                        if i < issued {
+                            slot.leak();
+                            std::mem::forget(buffer);
+                            kept.push(None);
+                        } else {
+                            kept.push(Some(buffer));
+                        }
+                    }
+                    return Err(RegisterError::new(error, kept));
+                }
+            }
+        }
+        if failure.is_none() && slots.iter().any(|slot| slot.read().is_null()) {
+            failure = Some(no_window());
+        }
+        let mut windows = Vec::with_capacity(comms.len());
+        let mut returned = Vec::new();
+        for ((comm, buffer), slot) in comms.iter().zip(buffers).zip(&slots) {
+            let raw = slot.read();
+            if raw.is_null() {
+                returned.push(Some(buffer));
+            } else if failure.is_some() {
+                // Registered, but the rest failed: deregister (local) and give it back.
+                let window = Window::new(comm, raw, buffer, flags);
+                returned.push(window.close().ok());
+            } else {
+                windows.push(Window::new(comm, raw, buffer, flags));
+            }
+        }
+        match failure {
+            Some(error) => Err(RegisterError::new(error, returned)),
+            None => Ok(windows),
+        }
+    }
+}
+
+/// The checks of [`Comm::register_windows`] that need no NCCL call.
+fn check_all<T: NcclType>(
+    comms: &[Comm],
+    buffers: &[NcclBuffer<T>],
+    flags: WindowFlags,
+) -> Result<()> {
+    if comms.len() != buffers.len() {
+        return Err(Error::invalid(format!(
+            "register_windows got {} communicators and {} buffers",
+            comms.len(),
+            buffers.len()
+        )));
+    }
+    thread_group::ensure_outside(CALL)?;
+    if let Some(first) = comms.first() {
+        if comms.iter().any(|c| c.is_blocking() != first.is_blocking()) {
+            return Err(Error::invalid(
+                "NCCL does not allow blocking and nonblocking communicators in one group",
+            ));
+        }
+    }
+    for (comm, buffer) in comms.iter().zip(buffers) {
+        check(comm, buffer, flags)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extents_are_checked() {
+        assert!(check_extent(0x10_0000, 1, 4).is_ok());
+        assert!(check_extent(0x10_1000, 1 << 20, 8).is_ok());
+        let err = check_extent(0x10_0000, 0, 4).unwrap_err().to_string();
+        assert!(err.contains("at least one element"), "{err}");
+        let err = check_extent(0x10_0800, 4, 4).unwrap_err().to_string();
+        assert!(err.contains("4096-byte aligned"), "{err}");
+        let err = check_extent(0x10_0000, usize::MAX, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("overflow"), "{err}");
+    }
+
+    #[test]
+    fn a_null_window_is_unavailable_not_a_window() {
+        let err = no_window();
+        assert!(err.is_unsupported() && !err.is_fatal());
+        assert!(
+            matches!(err, Error::Unavailable { api: CALL, .. }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn unsettled_registrations_say_the_buffer_was_leaked() {
+        let waited = std::time::Duration::from_secs(1);
+        let err = not_settled(
+            3,
+            Error::Timeout {
+                what: "x".into(),
+                waited,
+            },
+        );
+        match err {
+            Error::Timeout { what, waited: w } => {
+                assert_eq!(w, waited);
+                assert!(what.contains("rank 3") && what.contains("leaked"), "{what}");
+                assert!(what.contains("every rank must register"), "{what}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let other = not_settled(0, Error::invalid("y"));
+        assert!(matches!(other, Error::InvalidArgument(_)));
+    }
+
+    #[test]
+    fn slots_start_null_and_free_themselves() {
+        let slot = Slot::new();
+        assert!(slot.read().is_null());
+        // SAFETY: the test plays NCCL, writing the slot before it is read.
+        unsafe { *slot.as_ptr() = 0x40 as ncclWindow_t };
+        assert_eq!(slot.read() as usize, 0x40);
+    }
+}

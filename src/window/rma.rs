@@ -1,0 +1,490 @@
+//! One-sided RMA on windows (NCCL 2.29): [`Window::put_signal`], [`Window::signal`] and
+//! [`Window::wait_signal`].
+//!
+//! `put_signal` writes elements of a local window into a peer's window and then raises a
+//! signal on the peer; `signal` raises one without data; `wait_signal` makes a stream wait
+//! until given numbers of signals have arrived, after which the data put before them is
+//! visible. Only the initiator calls `put_signal`: the target takes part only through its
+//! `wait_signal`. Each call returns once the operation is enqueued on the stream.
+//!
+//! # Rules (NCCL's `docs/api/p2p.rst` and `rmaTaskAppend` in `src/enqueue.cc`, 2.29 to 2.32)
+//!
+//! * The peer's window is named by **this rank's own** handle of the collectively registered
+//!   window: call `put_signal` on your `Window` of that registration. Offsets into it are in
+//!   elements here (bytes in C) and are checked against this rank's window length; from NCCL
+//!   2.30.7, where ranks may register different sizes, the target's window must be at least
+//!   as large.
+//! * The source must lie in a window registered with [`WindowFlags::COLL_SYMMETRIC`] on the
+//!   same communicator, so it is a [`WindowView`].
+//! * Signals are numbered by [`Signal::index`] below the communicator's `numRmaSig` and
+//!   [`Signal::context`] below its `numRmaCtx` ([`CommConfig`](crate::CommConfig), NCCL 2.31;
+//!   both 1 by default, and `NCCL_NUM_RMA_CTX` overrides the configuration). NCCL 2.29 and
+//!   2.30 know only signal 0 of context 0: anything else is [`Error::Unsupported`] there.
+//!   From 2.31 NCCL itself checks the upper bounds, which only it knows, and refuses others
+//!   with `ncclInvalidArgument` (not fatal).
+//! * Operations to one peer on one context arrive in order; a signal guarantees that the
+//!   data of every earlier put to that peer and context has arrived.
+//! * The source must not be written until the put has completed on its stream; the borrow
+//!   and cudarc's event tracking take care of that for work on other streams.
+//! * The communicator must support host RMA (`hostRmaSupport` of
+//!   [`Comm::properties`](crate::Comm::properties)), and the CUDA driver must be 12.5 or
+//!   newer; otherwise the calls fail with [`Error::Unavailable`] before reaching NCCL.
+//! * Capturing RMA into a CUDA graph needs NCCL 2.30.3.
+//!
+//! A wait changes what the window holds, so no view of it may be alive across one:
+//!
+//! ```compile_fail
+//! fn f(window: &mut nccl::Window<'_, f32>) -> nccl::Result<()> {
+//!     let source = window.view(0..4)?;
+//!     window.wait_signal(&[nccl::SignalWait::new(1, 1)])?;
+//!     window.put_signal(&source, 1, 4, nccl::Signal::default())
+//! }
+//! ```
+//!
+//! # Mismatched counts hang the stream
+//!
+//! `wait_signal` waits on the GPU until the counts it names have arrived. If the peers send
+//! fewer signals, the stream never proceeds: nothing fails, the work behind it just never
+//! runs. Wait for such streams with [`Comm::synchronize_timeout`](crate::Comm::synchronize_timeout)
+//! or guard the communicator with a [`Watchdog`](crate::Watchdog), which turn the hang into
+//! [`Error::Timeout`]. Signals that arrive later still release the stream.
+
+use std::os::raw::c_int;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{cudaError_enum, CUstreamCaptureStatus};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError};
+use nccl_sys::ncclWaitSignalDesc_t;
+
+use super::view::WindowView;
+use super::{Window, WindowFlags};
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::library::Version;
+use crate::thread_group;
+
+/// First NCCL with `ncclPutSignal`, `ncclSignal` and `ncclWaitSignal`.
+pub const RMA_SINCE: Version = Version::new(2, 29, 0);
+/// First NCCL that captures one-sided RMA into CUDA graphs.
+pub const RMA_GRAPH_CAPTURE_SINCE: Version = Version::new(2, 30, 3);
+/// First NCCL with more than one RMA context and signal (`numRmaCtx`, `numRmaSig`).
+pub const RMA_SIGNALS_SINCE: Version = Version::new(2, 31, 0);
+/// The oldest CUDA driver NCCL runs one-sided RMA on (12.5, as `cuDriverGetVersion` codes
+/// it).
+pub const RMA_MIN_DRIVER: i32 = 12050;
+
+/// Which signal an RMA operation raises or waits for; see the [module docs](crate::window::rma).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Signal {
+    /// The signal index (`sigIdx`), below the communicator's `numRmaSig`.
+    pub index: u32,
+    /// The RMA context (`ctx`), below the communicator's `numRmaCtx`.
+    pub context: u32,
+}
+
+impl Signal {
+    /// Signal `index` of context `context`.
+    pub const fn new(index: u32, context: u32) -> Self {
+        Self { index, context }
+    }
+
+    /// `(sigIdx, ctx)` for NCCL `found`.
+    fn to_raw(self, found: Version) -> Result<(c_int, c_int)> {
+        if found < RMA_SIGNALS_SINCE && self != Signal::default() {
+            return Err(Error::Unsupported {
+                api: "RMA signal indices and contexts other than 0",
+                needs: RMA_SIGNALS_SINCE,
+                found,
+            });
+        }
+        let int = |value: u32, what: &str| {
+            c_int::try_from(value)
+                .map_err(|_| Error::invalid(format!("the RMA {what} {value} does not fit a C int")))
+        };
+        Ok((
+            int(self.index, "signal index")?,
+            int(self.context, "context")?,
+        ))
+    }
+}
+
+/// One entry of [`Window::wait_signal`]: wait for `count` signals `signal` from `peer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SignalWait {
+    /// The rank the signals come from.
+    pub peer: usize,
+    /// How many signals to wait for (at least 1).
+    pub count: u32,
+    /// Which signal.
+    pub signal: Signal,
+}
+
+impl SignalWait {
+    /// Wait for `count` signals 0 of context 0 from `peer`.
+    pub const fn new(peer: usize, count: u32) -> Self {
+        Self {
+            peer,
+            count,
+            signal: Signal::new(0, 0),
+        }
+    }
+
+    /// The same wait, on another signal.
+    pub const fn on(self, signal: Signal) -> Self {
+        Self { signal, ..self }
+    }
+}
+
+fn check_peer(peer: usize, size: usize, api: &str) -> Result<c_int> {
+    if peer >= size {
+        return Err(Error::invalid(format!(
+            "{api}: peer {peer} is out of range for a communicator of {size} ranks"
+        )));
+    }
+    // The size came from NCCL as a C int.
+    Ok(peer as c_int)
+}
+
+/// The byte offset of a put of `count` elements at element `offset` of a window of
+/// `window_len` elements.
+fn put_extent(offset: usize, count: usize, window_len: usize, elem: usize) -> Result<usize> {
+    match offset.checked_add(count) {
+        Some(end) if end <= window_len => Ok(offset * elem),
+        _ => Err(Error::invalid(format!(
+            "ncclPutSignal: {count} elements at offset {offset} do not fit the window of \
+             {window_len} elements"
+        ))),
+    }
+}
+
+/// The source of a put must be a view of a symmetric window of the same communicator.
+fn check_source(same_comm: bool, flags: WindowFlags) -> Result<()> {
+    if !same_comm {
+        return Err(Error::invalid(
+            "ncclPutSignal: the source is a window of another communicator",
+        ));
+    }
+    if !flags.contains(WindowFlags::COLL_SYMMETRIC) {
+        return Err(Error::invalid(
+            "ncclPutSignal: the source must lie in a window registered with \
+             WindowFlags::COLL_SYMMETRIC",
+        ));
+    }
+    Ok(())
+}
+
+/// NCCL's descriptors for `waits`, checked.
+fn wait_descriptors(
+    waits: &[SignalWait],
+    size: usize,
+    found: Version,
+) -> Result<Vec<ncclWaitSignalDesc_t>> {
+    if waits.is_empty() {
+        return Err(Error::invalid("ncclWaitSignal needs at least one wait"));
+    }
+    if c_int::try_from(waits.len()).is_err() {
+        return Err(Error::invalid(format!(
+            "ncclWaitSignal: {} waits do not fit a C int",
+            waits.len()
+        )));
+    }
+    waits
+        .iter()
+        .map(|wait| {
+            let peer = check_peer(wait.peer, size, "ncclWaitSignal")?;
+            let count = match c_int::try_from(wait.count) {
+                Ok(count) if count > 0 => count,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "ncclWaitSignal: the count for peer {} must be between 1 and {}, got {}",
+                        wait.peer,
+                        c_int::MAX,
+                        wait.count
+                    )))
+                }
+            };
+            let (sig_idx, ctx) = wait.signal.to_raw(found)?;
+            Ok(ncclWaitSignalDesc_t {
+                opCnt: count,
+                peer,
+                sigIdx: sig_idx,
+                ctx,
+            })
+        })
+        .collect()
+}
+
+/// The CUDA driver's version, as `cuDriverGetVersion` codes it (12050 is 12.5).
+fn driver_version() -> Result<i32> {
+    static VERSION: OnceLock<i32> = OnceLock::new();
+    if let Some(version) = VERSION.get() {
+        return Ok(*version);
+    }
+    let mut version = 0;
+    // SAFETY: `version` is a valid out-pointer; cuDriverGetVersion has no other
+    // preconditions (it works before cuInit). Only reached with a live communicator, so the
+    // driver library is loaded.
+    let rc = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
+    if rc != cudaError_enum::CUDA_SUCCESS {
+        return Err(Error::Cuda(DriverError(rc)));
+    }
+    Ok(*VERSION.get_or_init(|| version))
+}
+
+fn check_driver(version: i32) -> Result<()> {
+    if version < RMA_MIN_DRIVER {
+        return Err(Error::Unavailable {
+            api: "one-sided RMA",
+            reason: format!(
+                "NCCL needs a CUDA 12.5 or newer driver for it; this one is {}.{}",
+                version / 1000,
+                (version % 1000) / 10
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl<T: NcclType> Window<'_, T> {
+    /// What every RMA call checks before NCCL sees it.
+    fn rma_ready(&self, api: &'static str, stream: &CudaStream) -> Result<()> {
+        let lib = self.comm.library();
+        lib.require(api, RMA_SINCE)?;
+        thread_group::ensure_outside(api)?;
+        self.comm.check_stream(stream, "the stream")?;
+        if self.host_rma == Some(false) {
+            return Err(Error::Unavailable {
+                api,
+                reason: "the communicator has no host RMA support (ncclCommQueryProperties \
+                         reports hostRmaSupport = false)"
+                    .into(),
+            });
+        }
+        check_driver(driver_version()?)?;
+        if lib.version() < RMA_GRAPH_CAPTURE_SINCE
+            && stream.capture_status()? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        {
+            return Err(Error::Unsupported {
+                api: "one-sided RMA during CUDA graph capture",
+                needs: RMA_GRAPH_CAPTURE_SINCE,
+                found: lib.version(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Puts `source` into rank `peer`'s copy of this window at element `offset`, then raises
+    /// `signal` on `peer` (`ncclPutSignal`, NCCL 2.29), on the communicator's stream. See the
+    /// [module docs](crate::window::rma).
+    pub fn put_signal(
+        &self,
+        source: &WindowView<'_, T>,
+        peer: usize,
+        offset: usize,
+        signal: Signal,
+    ) -> Result<()> {
+        self.put_signal_on(self.comm.stream(), source, peer, offset, signal)
+    }
+
+    /// [`Window::put_signal`] on `stream` (on the communicator's device).
+    pub fn put_signal_on(
+        &self,
+        stream: &CudaStream,
+        source: &WindowView<'_, T>,
+        peer: usize,
+        offset: usize,
+        signal: Signal,
+    ) -> Result<()> {
+        const API: &str = "ncclPutSignal";
+        self.rma_ready(API, stream)?;
+        let lib = self.comm.library();
+        let peer = check_peer(peer, self.comm.size(), API)?;
+        let (sig_idx, ctx) = signal.to_raw(lib.version())?;
+        check_source(
+            source.comm().shared_ptr() == self.comm.shared_ptr(),
+            source.window_flags(),
+        )?;
+        let count = source.len();
+        let byte_offset = put_extent(offset, count, self.len(), std::mem::size_of::<T>())?;
+        let win = self.raw;
+        // Orders the stream after earlier writes of the source; records the read afterwards.
+        let (src, _read) = source.device_ptr(stream);
+        let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
+        let status = self.comm.with_raw(API, |raw| {
+            // SAFETY: live communicator under its lock; `src` points to `count` elements of a
+            // symmetric window of this communicator, borrowed until the call returns and
+            // ordered by cudarc's events; `win` is this rank's handle of a window registered
+            // on it, and `byte_offset + count` elements fit this rank's window; the peer,
+            // signal and context were checked; flags are reserved (0).
+            unsafe {
+                lib.api().ncclPutSignal(
+                    src as *const std::ffi::c_void,
+                    count,
+                    T::DATA_TYPE.raw(),
+                    peer,
+                    win,
+                    byte_offset,
+                    sig_idx,
+                    ctx,
+                    0,
+                    raw,
+                    cu_stream,
+                )
+            }
+        })?;
+        self.comm.complete(API, status)
+    }
+
+    /// Raises `signal` on rank `peer` without data (`ncclSignal`, NCCL 2.29), on the
+    /// communicator's stream.
+    pub fn signal(&self, peer: usize, signal: Signal) -> Result<()> {
+        self.signal_on(self.comm.stream(), peer, signal)
+    }
+
+    /// [`Window::signal`] on `stream` (on the communicator's device).
+    pub fn signal_on(&self, stream: &CudaStream, peer: usize, signal: Signal) -> Result<()> {
+        const API: &str = "ncclSignal";
+        self.rma_ready(API, stream)?;
+        let lib = self.comm.library();
+        let peer = check_peer(peer, self.comm.size(), API)?;
+        let (sig_idx, ctx) = signal.to_raw(lib.version())?;
+        let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
+        let status = self.comm.with_raw(API, |raw| {
+            // SAFETY: live communicator under its lock; peer, signal and context checked;
+            // flags are reserved (0).
+            unsafe { lib.api().ncclSignal(peer, sig_idx, ctx, 0, raw, cu_stream) }
+        })?;
+        self.comm.complete(API, status)
+    }
+
+    /// Makes the communicator's stream wait until every wait in `waits` has received its
+    /// count of signals (`ncclWaitSignal`, NCCL 2.29); the data put before them, into this
+    /// window or any other, is then visible on the stream.
+    ///
+    /// It takes the window mutably, as peers' puts change its contents: no view of it is
+    /// alive across the wait, and with cudarc's event tracking later readers on other
+    /// streams wait for it. Counts the peers never send hang the stream (see the
+    /// [module docs](crate::window::rma)).
+    pub fn wait_signal(&mut self, waits: &[SignalWait]) -> Result<()> {
+        let stream = self.comm.stream().clone();
+        self.wait_signal_on(&stream, waits)
+    }
+
+    /// [`Window::wait_signal`] on `stream` (on the communicator's device).
+    pub fn wait_signal_on(&mut self, stream: &CudaStream, waits: &[SignalWait]) -> Result<()> {
+        const API: &str = "ncclWaitSignal";
+        self.rma_ready(API, stream)?;
+        let comm = self.comm;
+        let lib = comm.library();
+        let mut descs = wait_descriptors(waits, comm.size(), lib.version())?;
+        let n_desc = descs.len() as c_int;
+        // Orders the wait after earlier uses of the window; records it as a write.
+        let (_, _write) = self.buffer.device_ptr_mut(stream);
+        let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
+        let status = comm.with_raw(API, |raw| {
+            // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
+            // descriptors and outlives the call (NCCL copies them into its tasks).
+            unsafe {
+                lib.api()
+                    .ncclWaitSignal(n_desc, descs.as_mut_ptr(), raw, cu_stream)
+            }
+        })?;
+        comm.complete(API, status)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V2_29: Version = Version::new(2, 29, 7);
+    const V2_32: Version = Version::new(2, 32, 3);
+
+    #[test]
+    fn signals_other_than_zero_need_2_31() {
+        assert_eq!(Signal::default().to_raw(V2_29).unwrap(), (0, 0));
+        for signal in [Signal::new(1, 0), Signal::new(0, 1)] {
+            match signal.to_raw(V2_29) {
+                Err(Error::Unsupported { needs, found, .. }) => {
+                    assert_eq!((needs, found), (RMA_SIGNALS_SINCE, V2_29));
+                }
+                other => panic!("{signal:?}: {other:?}"),
+            }
+        }
+        assert_eq!(Signal::new(3, 2).to_raw(V2_32).unwrap(), (3, 2));
+        assert!(Signal::new(u32::MAX, 0).to_raw(V2_32).is_err());
+        assert!(Signal::new(0, 1 << 31).to_raw(V2_32).is_err());
+    }
+
+    #[test]
+    fn peers_and_put_extents_are_checked() {
+        assert_eq!(check_peer(3, 4, "x").unwrap(), 3);
+        let err = check_peer(4, 4, "ncclSignal").unwrap_err().to_string();
+        assert!(err.contains("peer 4 is out of range"), "{err}");
+        assert_eq!(put_extent(0, 8, 8, 4).unwrap(), 0);
+        assert_eq!(put_extent(6, 2, 8, 4).unwrap(), 24);
+        assert_eq!(put_extent(8, 0, 8, 2).unwrap(), 16);
+        let err = put_extent(7, 2, 8, 4).unwrap_err().to_string();
+        assert!(err.contains("2 elements at offset 7"), "{err}");
+        assert!(put_extent(usize::MAX, 2, 8, 4).is_err());
+    }
+
+    #[test]
+    fn sources_must_be_symmetric_windows_of_the_same_communicator() {
+        assert!(check_source(true, WindowFlags::COLL_SYMMETRIC).is_ok());
+        assert!(check_source(
+            true,
+            WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING
+        )
+        .is_ok());
+        let err = check_source(true, WindowFlags::DEFAULT)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("COLL_SYMMETRIC"), "{err}");
+        let err = check_source(false, WindowFlags::COLL_SYMMETRIC)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("another communicator"), "{err}");
+    }
+
+    #[test]
+    fn wait_descriptors_follow_ncclwaitsignal_rules() {
+        let descs = wait_descriptors(
+            &[
+                SignalWait::new(1, 2),
+                SignalWait::new(0, 1).on(Signal::new(1, 1)),
+            ],
+            2,
+            V2_32,
+        )
+        .unwrap();
+        assert_eq!(
+            descs
+                .iter()
+                .map(|d| (d.opCnt, d.peer, d.sigIdx, d.ctx))
+                .collect::<Vec<_>>(),
+            [(2, 1, 0, 0), (1, 0, 1, 1)]
+        );
+        let err = wait_descriptors(&[], 2, V2_32).unwrap_err().to_string();
+        assert!(err.contains("at least one wait"), "{err}");
+        let err = wait_descriptors(&[SignalWait::new(1, 0)], 2, V2_32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be between 1"), "{err}");
+        assert!(wait_descriptors(&[SignalWait::new(1, u32::MAX)], 2, V2_32).is_err());
+        assert!(wait_descriptors(&[SignalWait::new(2, 1)], 2, V2_32).is_err());
+        assert!(matches!(
+            wait_descriptors(&[SignalWait::new(1, 1).on(Signal::new(1, 0))], 2, V2_29),
+            Err(Error::Unsupported { .. })
+        ));
+    }
+
+    #[test]
+    fn old_drivers_are_unavailable() {
+        assert!(check_driver(12050).is_ok());
+        assert!(check_driver(13000).is_ok());
+        let err = check_driver(12040).unwrap_err();
+        assert!(err.is_unsupported() && !err.is_fatal());
+        assert!(err.to_string().contains("this one is 12.4"), "{err}");
+    }
+}

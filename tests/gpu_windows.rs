@@ -1,0 +1,1241 @@
+//! Windows, one-sided RMA and communicator properties on real GPUs: every visible GPU is a
+//! rank (at least 2), each driven by its own thread (or, for registration in a group, all by
+//! one thread), checked against host references on random data.
+//!
+//! Run on a GPU host with `cargo test --test gpu_windows -- --include-ignored --test-threads=1`
+//! (or `.gpu/run tests`). Tests that need a fresh NCCL environment (a NULL window forced with
+//! `NCCL_WIN_ENABLE=0`, graph capture with cudarc's event tracking off) re-execute this binary.
+//! Every test runs under a deadline that aborts the process with a message instead of hanging.
+//!
+//! Longer than 600 lines: it is one harness (ranks in threads, deadline, child processes,
+//! reference data) shared by every window test; split, each part would repeat it.
+
+use std::ops::Range;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier, Once};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use nccl::config::CtaPolicy;
+use nccl::{
+    Comm, CommConfig, Error, Group, NcclBuffer, NcclType, Operation, ReduceOp, Signal, SignalWait,
+    UniqueId, Version, Window, WindowFlags,
+};
+
+const CHILD_ENV: &str = "NCCL_RS_WINDOWS_CHILD";
+const SYNC: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------------------------------
+// Harness
+// ---------------------------------------------------------------------------------------
+
+/// Multicast stays off in anything that launches NCCL (the runner sets it too).
+fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+    });
+}
+
+fn gpus() -> usize {
+    setup();
+    let count = CudaContext::device_count().expect("CUDA driver") as usize;
+    assert!(count >= 2, "these tests need 2 CUDA GPUs, found {count}");
+    count
+}
+
+fn version() -> Version {
+    nccl::version().expect("NCCL loads")
+}
+
+/// Aborts the whole process, saying which test hung, unless dropped within `limit`: a rank
+/// that fails while its peers wait in a collective would otherwise hang the run.
+struct Deadline(Option<mpsc::Sender<()>>);
+
+impl Deadline {
+    fn new(test: &'static str, limit: Duration) -> Self {
+        let (tx, rx) = mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                eprintln!(
+                    "{test}: no result after {limit:?}; a rank probably failed while its peers \
+                     wait in a collective (see the panics above). Aborting the process."
+                );
+                std::process::abort();
+            }
+        });
+        Deadline(Some(tx))
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+fn stream(device: usize) -> Arc<CudaStream> {
+    CudaContext::new(device)
+        .and_then(|ctx| ctx.new_stream())
+        .expect("stream")
+}
+
+/// One communicator per GPU, each created by its own thread with `config`.
+fn comms(config: &CommConfig) -> Vec<Comm> {
+    comms_on((0..gpus()).map(stream).collect(), config)
+}
+
+/// One communicator per stream (stream `i` on GPU `i`), each created by its own thread.
+fn comms_on(streams: Vec<Arc<CudaStream>>, config: &CommConfig) -> Vec<Comm> {
+    let n = streams.len();
+    let id = UniqueId::new().expect("ncclGetUniqueId");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = streams
+            .into_iter()
+            .enumerate()
+            .map(|(rank, stream)| {
+                s.spawn(move || {
+                    Comm::init_rank_with_config(stream, &id, rank, n, config)
+                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Runs `f` for every rank, each on its own thread owning its communicator.
+fn per_rank<R: Send>(comms: Vec<Comm>, f: impl Fn(Comm, &Barrier) -> R + Sync) -> Vec<R> {
+    let barrier = Barrier::new(comms.len());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (f, barrier) = (&f, &barrier);
+                s.spawn(move || f(comm, barrier))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Re-executes this binary to run `test` with `env` added, and fails if it fails.
+fn run_child(test: &str, env: &[(&str, &str)]) {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut child = Command::new(exe)
+        .args([
+            test,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .env("NCCL_NVLS_ENABLE", "0")
+        .envs(env.iter().copied())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{test}: the child process did not finish in 300 s and was killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{test} (child process) failed: {status}");
+}
+
+fn is_child() -> bool {
+    std::env::var_os(CHILD_ENV).is_some()
+}
+
+/// Registers a zeroed buffer of `len` elements, or fails the test saying why.
+fn window<T: NcclType>(comm: &Comm, len: usize, flags: WindowFlags) -> Window<'_, T> {
+    let buffer = NcclBuffer::<T>::alloc_zeros(comm.stream(), len).expect("ncclMemAlloc");
+    comm.register_window(buffer, flags).unwrap_or_else(|e| {
+        panic!(
+            "rank {}: registering a window of {len} elements ({flags:?}) on NCCL {}: {e}",
+            comm.rank(),
+            version()
+        )
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Reference data
+// ---------------------------------------------------------------------------------------
+
+/// Element types of the tests: small integers, exact in every type and every sum.
+trait Elem: NcclType + std::fmt::Debug + PartialEq {
+    fn from_i64(v: i64) -> Self;
+}
+
+impl Elem for f32 {
+    fn from_i64(v: i64) -> Self {
+        v as f32
+    }
+}
+
+impl Elem for i32 {
+    fn from_i64(v: i64) -> Self {
+        v as i32
+    }
+}
+
+/// Random integers in [-8, 8], the same on every thread for a given (seed, rank, len).
+fn data(seed: u64, rank: usize, len: usize) -> Vec<i64> {
+    let mut x = seed
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add((rank as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9))
+        | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 17) as i64 - 8
+        })
+        .collect()
+}
+
+fn cast<T: Elem>(values: &[i64]) -> Vec<T> {
+    values.iter().map(|&v| T::from_i64(v)).collect()
+}
+
+const SENTINEL: i64 = 999;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Op {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Gather,
+    Scatter,
+}
+
+const OPS: [Op; 8] = [
+    Op::AllReduce,
+    Op::Broadcast,
+    Op::Reduce,
+    Op::AllGather,
+    Op::ReduceScatter,
+    Op::AllToAll,
+    Op::Gather,
+    Op::Scatter,
+];
+
+impl Op {
+    fn since(self) -> Version {
+        match self {
+            Op::AllToAll | Op::Gather | Op::Scatter => Version::new(2, 28, 0),
+            _ => Version::new(2, 0, 0),
+        }
+    }
+
+    /// Elements of rank `rank`'s input (out of place) or single buffer (in place).
+    fn input_len(self, in_place: bool, rank: usize, root: usize, n: usize, c: usize) -> usize {
+        match (self, in_place) {
+            (Op::ReduceScatter | Op::AllToAll, _) => n * c,
+            (Op::Scatter, false) => n * c,
+            (Op::AllGather, true) => n * c,
+            (Op::Gather | Op::Scatter, true) if rank == root => n * c,
+            _ => c,
+        }
+    }
+
+    fn output_len(self, n: usize, c: usize) -> usize {
+        match self {
+            Op::AllGather | Op::AllToAll | Op::Gather => n * c,
+            _ => c,
+        }
+    }
+}
+
+/// What rank `r` must hold afterwards: the range of its output buffer to check (in the
+/// single buffer, in place) and the values, or `None` when nothing is defined there.
+fn expected(
+    op: Op,
+    in_place: bool,
+    r: usize,
+    root: usize,
+    n: usize,
+    c: usize,
+    input: &dyn Fn(usize) -> Vec<i64>,
+) -> Option<(Range<usize>, Vec<i64>)> {
+    let sum = |range: Range<usize>| -> Vec<i64> {
+        let mut acc = vec![0; range.len()];
+        for q in 0..n {
+            for (a, v) in acc.iter_mut().zip(&input(q)[range.clone()]) {
+                *a += v;
+            }
+        }
+        acc
+    };
+    let blocks = |f: &dyn Fn(usize) -> Vec<i64>| -> Vec<i64> { (0..n).flat_map(f).collect() };
+    match op {
+        Op::AllReduce => Some((0..c, sum(0..c))),
+        Op::Broadcast => Some((0..c, input(root))),
+        Op::Reduce => (r == root).then(|| (0..c, sum(0..c))),
+        Op::AllGather => Some((0..n * c, blocks(&|q| input(q)[..c].to_vec()))),
+        Op::ReduceScatter => {
+            let block = r * c..(r + 1) * c;
+            let at = if in_place { block.clone() } else { 0..c };
+            Some((at, sum(block)))
+        }
+        Op::AllToAll => Some((0..n * c, blocks(&|q| input(q)[r * c..(r + 1) * c].to_vec()))),
+        Op::Gather => (r == root).then(|| (0..n * c, blocks(&|q| input(q)[..c].to_vec()))),
+        Op::Scatter => {
+            let at = if in_place && r == root {
+                root * c..(root + 1) * c
+            } else {
+                0..c
+            };
+            Some((at, input(root)[r * c..(r + 1) * c].to_vec()))
+        }
+    }
+}
+
+/// The single buffer of an in-place operation on rank `r`, from its input `mine`: the input
+/// itself, except for all-gather and the root of a gather, whose buffer holds only this
+/// rank's block (the first `c` input values, at block `r`) and must have the rest written.
+fn in_place_init(op: Op, r: usize, root: usize, n: usize, c: usize, mine: &[i64]) -> Vec<i64> {
+    if op == Op::AllGather || (op == Op::Gather && r == root) {
+        let mut init = vec![SENTINEL; n * c];
+        init[r * c..(r + 1) * c].copy_from_slice(&mine[..c]);
+        init
+    } else {
+        mine.to_vec()
+    }
+}
+
+/// Runs every collective on views of two windows at `offset`, out of place and in place,
+/// and checks rank `comm.rank()`'s results. Returns the number of buffers checked.
+fn collectives_on_windows<T: Elem>(
+    comm: &Comm,
+    send: &mut Window<'_, T>,
+    recv: &mut Window<'_, T>,
+    counts: &[usize],
+    offsets: &[usize],
+) -> usize {
+    let (r, n) = (comm.rank(), comm.size());
+    let root = n - 1;
+    let stream = comm.stream().clone();
+    let mut checked = 0;
+    let mut seed = 1;
+    for &c in counts {
+        for &off in offsets {
+            for op in OPS {
+                if version() < op.since() {
+                    continue;
+                }
+                for in_place in [false, true] {
+                    seed += 1;
+                    let what = format!(
+                        "{op:?} {} of {c} x {} at offset {off} on rank {r}/{n}",
+                        if in_place { "in place" } else { "out of place" },
+                        std::any::type_name::<T>()
+                    );
+                    if in_place && op == Op::AllToAll {
+                        // NCCL has no in-place all-to-all, and neither has the API.
+                        continue;
+                    }
+                    let input = |q: usize| data(seed, q, op.input_len(in_place, q, root, n, c));
+                    let mine = input(r);
+                    let out_len = if in_place {
+                        mine.len()
+                    } else {
+                        op.output_len(n, c)
+                    };
+                    if in_place {
+                        let init = in_place_init(op, r, root, n, c, &mine);
+                        let mut buf = send.view_mut(off..off + init.len()).unwrap();
+                        stream.memcpy_htod(&cast::<T>(&init), &mut buf).unwrap();
+                        let call = match op {
+                            Op::AllReduce => {
+                                Operation::all_reduce_in_place(&mut buf, ReduceOp::Sum)
+                            }
+                            Op::Broadcast => Operation::broadcast_in_place(&mut buf, root),
+                            Op::Reduce => Operation::reduce_in_place(&mut buf, ReduceOp::Sum, root),
+                            Op::AllGather => Operation::all_gather_in_place(&mut buf),
+                            Op::ReduceScatter => {
+                                Operation::reduce_scatter_in_place(&mut buf, ReduceOp::Sum)
+                            }
+                            Op::Gather => Operation::gather_in_place(&mut buf, root),
+                            Op::Scatter => Operation::scatter_in_place(&mut buf, root),
+                            Op::AllToAll => unreachable!(),
+                        };
+                        comm.enqueue(call).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    } else {
+                        let mut src = send.view_mut(off..off + mine.len()).unwrap();
+                        stream.memcpy_htod(&cast::<T>(&mine), &mut src).unwrap();
+                        let mut dst = recv.view_mut(off..off + out_len).unwrap();
+                        stream
+                            .memcpy_htod(&cast::<T>(&vec![SENTINEL; out_len]), &mut dst)
+                            .unwrap();
+                        let src = send.view(off..off + mine.len()).unwrap();
+                        let call = match op {
+                            Op::AllReduce => Operation::all_reduce(&src, &mut dst, ReduceOp::Sum),
+                            Op::Broadcast => Operation::broadcast(
+                                Some(&src as &dyn DevicePtr<T>),
+                                &mut dst,
+                                root,
+                            ),
+                            Op::Reduce => Operation::reduce(
+                                &src,
+                                Some(&mut dst as &mut dyn DevicePtrMut<T>),
+                                ReduceOp::Sum,
+                                root,
+                            ),
+                            Op::AllGather => Operation::all_gather(&src, &mut dst),
+                            Op::ReduceScatter => {
+                                Operation::reduce_scatter(&src, &mut dst, ReduceOp::Sum)
+                            }
+                            Op::AllToAll => Operation::all_to_all(&src, &mut dst),
+                            Op::Gather => Operation::gather(
+                                &src,
+                                Some(&mut dst as &mut dyn DevicePtrMut<T>),
+                                root,
+                            ),
+                            Op::Scatter => {
+                                Operation::scatter(Some(&src as &dyn DevicePtr<T>), &mut dst, root)
+                            }
+                        };
+                        comm.enqueue(call).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    }
+                    comm.synchronize_timeout(SYNC)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let Some((range, want)) = expected(op, in_place, r, root, n, c, &input) else {
+                        continue;
+                    };
+                    let window = if in_place { &*send } else { &*recv };
+                    let got = stream
+                        .clone_dtoh(&window.view(off + range.start..off + range.end).unwrap())
+                        .unwrap();
+                    let want = cast::<T>(&want);
+                    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+                        panic!(
+                            "{what}: element {} is {:?}, expected {:?}",
+                            range.start + i,
+                            got[i],
+                            want[i]
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    checked
+}
+
+/// Waits (bounded) for the work enqueued so far on `stream`.
+fn drain(stream: &CudaStream, what: &str) {
+    let done = stream.record_event(None).expect("record");
+    let start = Instant::now();
+    while !done.try_is_complete().expect("event query") {
+        assert!(
+            start.elapsed() < SYNC,
+            "{what}: the stream did not drain in {SYNC:?}"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn assert_same<T: Elem>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+        panic!(
+            "{what}: element {i} is {:?}, expected {:?}",
+            got[i], want[i]
+        );
+    }
+}
+
+fn unsupported(result: Result<(), Error>, what: &str) {
+    match result {
+        Err(err @ Error::Unsupported { .. }) => println!("{what}: {err}"),
+        other => panic!("{what}: expected Error::Unsupported, got {other:?}"),
+    }
+}
+
+const V2_27: Version = Version::new(2, 27, 0);
+const V2_28: Version = Version::new(2, 28, 0);
+const V2_29: Version = Version::new(2, 29, 0);
+const V2_29_4: Version = Version::new(2, 29, 4);
+const V2_30_3: Version = Version::new(2, 30, 3);
+const V2_31: Version = Version::new(2, 31, 0);
+const V2_32: Version = Version::new(2, 32, 0);
+
+// ---------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn every_collective_on_windows_at_offsets_in_and_out_of_place() {
+    let _deadline = Deadline::new(
+        "every_collective_on_windows_at_offsets_in_and_out_of_place",
+        Duration::from_secs(600),
+    );
+    let comms = comms(&CommConfig::new());
+    let n = comms.len();
+    if version() < V2_27 {
+        per_rank(comms, |comm, _| {
+            let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 4096).unwrap();
+            let err = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC);
+            unsupported(err.map(drop).map_err(Error::from), "ncclCommWindowRegister");
+        });
+        return;
+    }
+    let counts = [1, 1023, 1 << 16];
+    let offsets = [0, 1, 1024];
+    let cap = n * (1 << 16) + 1024;
+    let checked = per_rank(comms, |comm, _| {
+        let mut a = window::<f32>(&comm, cap, WindowFlags::COLL_SYMMETRIC);
+        let mut b = window::<f32>(&comm, cap, WindowFlags::COLL_SYMMETRIC);
+        let mut checked = collectives_on_windows(&comm, &mut a, &mut b, &counts, &offsets);
+        // Plain (not symmetric) windows take the registered-buffer paths instead.
+        let mut c = window::<i32>(&comm, cap, WindowFlags::DEFAULT);
+        let mut d = window::<i32>(&comm, cap, WindowFlags::DEFAULT);
+        checked += collectives_on_windows(&comm, &mut c, &mut d, &counts[..2], &offsets);
+        // Windows go before their communicator: closing gives the buffers back.
+        for window in [a, b] {
+            let buffer = window.close().map_err(|(_, e)| e).expect("close");
+            assert_eq!(buffer.len(), cap);
+        }
+        checked
+    });
+    println!(
+        "NCCL {}: {n} ranks, {} results checked against the host",
+        version(),
+        checked.iter().sum::<usize>()
+    );
+    assert!(checked.iter().all(|&c| c >= 60), "{checked:?}");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn rma_ring_with_contexts_and_signals() {
+    let _deadline = Deadline::new(
+        "rma_ring_with_contexts_and_signals",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    let multi = v >= V2_31;
+    let config = if multi {
+        CommConfig::new().num_rma_ctx(2).num_rma_sig(2)
+    } else {
+        CommConfig::new()
+    };
+    let comms = comms(&config);
+    if v < V2_29 {
+        per_rank(comms, |comm, _| {
+            if v < V2_27 {
+                return;
+            }
+            let mut win = window::<f32>(&comm, 4096, WindowFlags::COLL_SYMMETRIC);
+            let next = (comm.rank() + 1) % comm.size();
+            let view = win.view(0..16).unwrap();
+            unsupported(
+                win.put_signal(&view, next, 16, Signal::default()),
+                "ncclPutSignal",
+            );
+            unsupported(win.signal(next, Signal::default()), "ncclSignal");
+            unsupported(
+                win.wait_signal(&[SignalWait::new(next, 1)]),
+                "ncclWaitSignal",
+            );
+        });
+        return;
+    }
+    let (contexts, signals) = if multi { (2, 2) } else { (1, 1) };
+    let pairs = contexts * signals;
+    let m = 4097;
+    per_rank(comms, |comm, barrier| {
+        let (r, n) = (comm.rank(), comm.size());
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let mut win = window::<f32>(&comm, 2 * pairs * m, WindowFlags::COLL_SYMMETRIC);
+        assert_ne!(
+            win.host_rma_support(),
+            Some(false),
+            "NCCL {v} reports no host RMA support on this host: {:?}",
+            comm.properties()
+        );
+        let stream = comm.stream().clone();
+        let signal_of = |k: usize| Signal::new((k % signals) as u32, (k / signals) as u32);
+        for round in 0..3u64 {
+            let values = |rank: usize| data(100 + round, rank, pairs * m);
+            let mut slots = win.view_mut(0..pairs * m).unwrap();
+            stream
+                .memcpy_htod(&cast::<f32>(&values(r)), &mut slots)
+                .unwrap();
+            for k in 0..pairs {
+                let source = win.view(k * m..(k + 1) * m).unwrap();
+                win.put_signal(&source, next, pairs * m + k * m, signal_of(k))
+                    .unwrap_or_else(|e| panic!("rank {r}: put_signal {k}: {e}"));
+            }
+            // One more signal without data on signal 0 of every context.
+            for ctx in 0..contexts {
+                win.signal(next, Signal::new(0, ctx as u32))
+                    .unwrap_or_else(|e| panic!("rank {r}: signal on context {ctx}: {e}"));
+            }
+            let waits: Vec<SignalWait> = (0..pairs)
+                .map(|k| {
+                    let count = if k % signals == 0 { 2 } else { 1 };
+                    SignalWait::new(prev, count).on(signal_of(k))
+                })
+                .collect();
+            win.wait_signal(&waits)
+                .unwrap_or_else(|e| panic!("rank {r}: wait_signal: {e}"));
+            comm.synchronize_timeout(SYNC)
+                .unwrap_or_else(|e| panic!("rank {r}, round {round}: {e}"));
+            let got = stream
+                .clone_dtoh(&win.view(pairs * m..2 * pairs * m).unwrap())
+                .unwrap();
+            assert_same(
+                &got,
+                &cast::<f32>(&values(prev)),
+                &format!("rank {r}, round {round}: data put by rank {prev}"),
+            );
+            // Nobody overwrites a window before its owner has read this round.
+            barrier.wait();
+        }
+        if !multi {
+            unsupported(
+                win.signal(next, Signal::new(1, 0)),
+                "signal index 1 before NCCL 2.31",
+            );
+        }
+    });
+    println!("NCCL {v}: RMA ring over {contexts} contexts x {signals} signals checked");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn rma_mismatched_counts_time_out_instead_of_hanging() {
+    let _deadline = Deadline::new(
+        "rma_mismatched_counts_time_out_instead_of_hanging",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    if v < V2_29 {
+        println!("NCCL {v} has no one-sided RMA: nothing to time out");
+        return;
+    }
+    per_rank(comms(&CommConfig::new()), |comm, barrier| {
+        let mut win = window::<f32>(&comm, 1024, WindowFlags::COLL_SYMMETRIC);
+        let r = comm.rank();
+        if r == 0 {
+            // Two signals expected, one sent: the stream waits.
+            win.wait_signal(&[SignalWait::new(1, 2)]).unwrap();
+        }
+        if r == 1 {
+            win.signal(0, Signal::default()).unwrap();
+            comm.synchronize_timeout(SYNC).unwrap();
+        }
+        if r == 0 {
+            let start = Instant::now();
+            match comm.synchronize_timeout(Duration::from_secs(3)) {
+                Err(Error::Timeout { what, .. }) => println!("rank 0 timed out waiting for {what}"),
+                other => panic!("a wait for a signal never sent must time out, got {other:?}"),
+            }
+            assert!(start.elapsed() < Duration::from_secs(30));
+        }
+        barrier.wait();
+        if r == 1 {
+            win.signal(0, Signal::default()).unwrap();
+            comm.synchronize_timeout(SYNC).unwrap();
+        }
+        if r == 0 {
+            comm.synchronize_timeout(SYNC)
+                .expect("the missing signal, sent late, releases the stream");
+        }
+        barrier.wait();
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn null_window_is_unavailable_and_gives_the_buffer_back() {
+    gpus();
+    // NCCL reads its parameters once per process: a fresh one, with windows disabled.
+    run_child(
+        "child_null_window",
+        &[("NCCL_WIN_ENABLE", "0"), ("NCCL_LOCAL_REGISTER", "0")],
+    );
+}
+
+#[test]
+#[ignore = "child process of null_window_is_unavailable_and_gives_the_buffer_back"]
+fn child_null_window() {
+    if !is_child() {
+        return;
+    }
+    let _deadline = Deadline::new("child_null_window", Duration::from_secs(240));
+    let v = version();
+    let n = gpus();
+    let expect_no_window = |err: &Error, what: &str| {
+        if v < V2_27 {
+            assert!(matches!(err, Error::Unsupported { .. }), "{what}: {err}");
+        } else {
+            assert!(
+                matches!(err, Error::Unavailable { .. }),
+                "{what}: NCCL {v} with NCCL_WIN_ENABLE=0 must give no window, got {err}"
+            );
+        }
+        println!("{what}: {err}");
+    };
+    per_rank(comms(&CommConfig::new()), |comm, _| {
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 4096).unwrap();
+        let err = comm
+            .register_window(buffer, WindowFlags::COLL_SYMMETRIC)
+            .expect_err("no window without symmetric memory");
+        expect_no_window(err.error(), "register_window");
+        let mut buffer = err.into_buffer().expect("the buffer comes back");
+        assert_eq!(buffer.len(), 4096);
+        // It is an ordinary buffer again.
+        comm.all_reduce_in_place(&mut buffer, ReduceOp::Sum)
+            .unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+    });
+    // The same in one NCCL group, from one thread.
+    let streams: Vec<_> = (0..n).map(stream).collect();
+    let all = Comm::init_all(&streams).unwrap();
+    let buffers = all
+        .iter()
+        .map(|comm| NcclBuffer::<f32>::alloc_zeros(comm.stream(), 4096))
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let err = Comm::register_windows(&all, buffers, WindowFlags::COLL_SYMMETRIC)
+        .expect_err("no windows without symmetric memory");
+    expect_no_window(err.error(), "register_windows");
+    let back = err.into_buffers();
+    assert_eq!(back.len(), n);
+    assert!(back.iter().all(Option::is_some), "every buffer comes back");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn registration_in_a_group_and_on_nonblocking_communicators() {
+    let _deadline = Deadline::new(
+        "registration_in_a_group_and_on_nonblocking_communicators",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    if v < V2_27 {
+        println!("NCCL {v} has no windows");
+        return;
+    }
+    let n = gpus();
+    let c = 1 << 12;
+    let sum: Vec<i64> = (0..c)
+        .map(|i| (0..n).map(|q| data(7, q, c)[i]).sum())
+        .collect();
+
+    // One thread drives every communicator: registration goes through one NCCL group.
+    let streams: Vec<_> = (0..n).map(stream).collect();
+    let all = Comm::init_all(&streams).unwrap();
+    {
+        // Inside a caller's Group a registration would not be valid until the group ends:
+        // refused, with the buffer back.
+        let group = Group::start().unwrap();
+        let buffer = NcclBuffer::<f32>::alloc_zeros(all[0].stream(), 1024).unwrap();
+        let err = all[0]
+            .register_window(buffer, WindowFlags::COLL_SYMMETRIC)
+            .unwrap_err();
+        assert!(
+            matches!(err.error(), Error::InvalidUsage(_)),
+            "{}",
+            err.error()
+        );
+        assert!(err.into_buffer().is_some());
+        group.finish().unwrap();
+    }
+    let buffers = all
+        .iter()
+        .map(|comm| NcclBuffer::<f32>::alloc_zeros(comm.stream(), c))
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let mut windows = Comm::register_windows(&all, buffers, WindowFlags::COLL_SYMMETRIC)
+        .unwrap_or_else(|e| panic!("register_windows on NCCL {v}: {e}"));
+    for (r, window) in windows.iter_mut().enumerate() {
+        streams[r]
+            .memcpy_htod(&cast::<f32>(&data(7, r, c)), window)
+            .unwrap();
+    }
+    let mut group = Group::start().unwrap();
+    for (comm, window) in all.iter().zip(windows.iter_mut()) {
+        group
+            .enqueue(comm, Operation::all_reduce_in_place(window, ReduceOp::Sum))
+            .unwrap();
+    }
+    group.finish().unwrap();
+    for (r, (comm, window)) in all.iter().zip(&windows).enumerate() {
+        comm.synchronize_timeout(SYNC).unwrap();
+        let got = streams[r].clone_dtoh(window).unwrap();
+        assert_same(
+            &got,
+            &cast::<f32>(&sum),
+            &format!("grouped windows, rank {r}"),
+        );
+    }
+    drop(windows);
+    drop(all);
+
+    // Nonblocking communicators, one thread each: registration waits until NCCL is done.
+    let config = CommConfig::new().blocking(false);
+    per_rank(comms(&config), |comm, _| {
+        let r = comm.rank();
+        assert!(!comm.is_blocking());
+        let mut win = window::<f32>(&comm, c, WindowFlags::COLL_SYMMETRIC);
+        if v >= V2_29 {
+            let (base, _read) = win.device_ptr(comm.stream());
+            assert_eq!(win.user_ptr().unwrap(), base, "ncclWinGetUserPtr");
+        }
+        let stream = comm.stream().clone();
+        stream
+            .memcpy_htod(&cast::<f32>(&data(7, r, c)), &mut win)
+            .unwrap();
+        comm.all_reduce_in_place(&mut win, ReduceOp::Sum).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        let got = stream.clone_dtoh(&win).unwrap();
+        assert_same(&got, &cast::<f32>(&sum), &format!("nonblocking rank {r}"));
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn windows_outlive_an_abort_of_their_communicator() {
+    let _deadline = Deadline::new(
+        "windows_outlive_an_abort_of_their_communicator",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    if v < V2_27 {
+        println!("NCCL {v} has no windows");
+        return;
+    }
+    let config = CommConfig::new().blocking(false);
+    per_rank(comms(&config), |comm, barrier| {
+        let mut a = window::<f32>(&comm, 4096, WindowFlags::COLL_SYMMETRIC);
+        let b = window::<f32>(&comm, 4096, WindowFlags::COLL_SYMMETRIC);
+        comm.all_reduce_in_place(&mut a, ReduceOp::Sum).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        barrier.wait();
+        // Aborted from a handle (as a watchdog would, from another thread), windows alive.
+        let handle = comm.abort_handle().unwrap();
+        assert_eq!(handle.abort().unwrap(), nccl::AbortOutcome::Aborted);
+        // NCCL freed the windows with the communicator: no deregistration, buffers back.
+        let mut buffer = a
+            .close()
+            .map_err(|(_, e)| e)
+            .expect("closing a window of an aborted communicator");
+        let stream = comm.stream().clone();
+        stream.memset_zeros(&mut buffer).unwrap();
+        assert!(stream
+            .clone_dtoh(&buffer)
+            .unwrap()
+            .iter()
+            .all(|&x| x == 0.0));
+        if v >= V2_29 {
+            let err = b.user_ptr().unwrap_err();
+            assert!(!err.to_string().is_empty());
+        }
+        // Dropping one after the abort frees its buffer without calling NCCL.
+        drop(b);
+        drop(buffer);
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn rma_captured_in_a_cuda_graph_replays() {
+    gpus();
+    // Captured work must not wait for events recorded outside the capture: the child turns
+    // cudarc's event tracking off, which must not leak into other tests.
+    run_child("child_rma_graph", &[]);
+}
+
+#[test]
+#[ignore = "child process of rma_captured_in_a_cuda_graph_replays"]
+fn child_rma_graph() {
+    if !is_child() {
+        return;
+    }
+    let _deadline = Deadline::new("child_rma_graph", Duration::from_secs(240));
+    let v = version();
+    if v < V2_29 {
+        println!("NCCL {v} has no one-sided RMA");
+        return;
+    }
+    let streams = (0..gpus())
+        .map(|device| {
+            let ctx = CudaContext::new(device).unwrap();
+            // SAFETY: nothing was allocated on this context yet, and every stream below is
+            // ordered by hand (the capture stream drains before the results are read).
+            unsafe { ctx.disable_event_tracking() };
+            ctx.new_stream().unwrap()
+        })
+        .collect();
+    per_rank(comms_on(streams, &CommConfig::new()), |comm, barrier| {
+        let (r, n) = (comm.rank(), comm.size());
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let m = 8192;
+        let mut win = window::<f32>(&comm, 2 * m, WindowFlags::COLL_SYMMETRIC);
+        let capture = comm.context().new_stream().unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        capture
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let source = win.view(0..m).unwrap();
+        let put = win.put_signal_on(&capture, &source, next, m, Signal::default());
+        let captured = put.and_then(|()| win.wait_signal_on(&capture, &[SignalWait::new(prev, 1)]));
+        let graph = capture.end_capture(CUgraphInstantiate_flags(0));
+        if v < V2_30_3 {
+            unsupported(captured, "RMA during graph capture");
+            return;
+        }
+        captured.unwrap_or_else(|e| panic!("rank {r}: capturing RMA on NCCL {v}: {e}"));
+        let graph = graph.unwrap().expect("a captured graph");
+        for round in 0..4u64 {
+            let values = |rank: usize| cast::<f32>(&data(1000 + round, rank, m));
+            capture
+                .memcpy_htod(&values(r), &mut win.view_mut(0..m).unwrap())
+                .unwrap();
+            drain(&capture, "upload");
+            barrier.wait();
+            graph.launch().unwrap();
+            drain(&capture, &format!("rank {r}: replay {round}"));
+            let got = capture.clone_dtoh(&win.view(m..2 * m).unwrap()).unwrap();
+            assert_same(&got, &values(prev), &format!("rank {r}, replay {round}"));
+            barrier.wait();
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn properties_and_version_gates_follow_the_library() {
+    let _deadline = Deadline::new(
+        "properties_and_version_gates_follow_the_library",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    per_rank(comms(&CommConfig::new()), |comm, _| {
+        match comm.properties() {
+            Ok(props) => {
+                assert!(v >= V2_29, "{v}");
+                assert_eq!(
+                    (props.rank, props.size, props.cuda_device),
+                    (comm.rank(), comm.size(), comm.device())
+                );
+                if v >= V2_29_4 {
+                    assert!(props.host_rma_support.is_some() && props.lsa_teams.is_some());
+                }
+                assert_eq!(props.comm_hash.is_some(), v >= V2_31);
+                assert_eq!(props.cft_support.is_some(), v >= V2_32);
+                if comm.rank() == 0 {
+                    println!("NCCL {v}: {props:#?}");
+                }
+            }
+            Err(err) => {
+                assert!(v < V2_29, "{err}");
+                unsupported(Err(err), "ncclCommQueryProperties");
+            }
+        }
+        if v < V2_27 {
+            let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 1024).unwrap();
+            let err = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC);
+            unsupported(err.map(drop).map_err(Error::from), "ncclCommWindowRegister");
+            return;
+        }
+        // Flags newer than the library are refused before NCCL sees them, buffer back.
+        for (flag, name, since) in WindowFlags::KNOWN {
+            if v < since {
+                let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 1024).unwrap();
+                let err = comm
+                    .register_window(buffer, WindowFlags::COLL_SYMMETRIC | flag)
+                    .unwrap_err();
+                assert!(matches!(err.error(), Error::Unsupported { .. }), "{name}");
+                assert!(err.into_buffer().is_some(), "{name}");
+            }
+        }
+        let mut win = window::<f32>(&comm, 1024, WindowFlags::COLL_SYMMETRIC);
+        match win.user_ptr() {
+            Ok(ptr) => {
+                assert!(v >= V2_29);
+                let (base, _read) = win.device_ptr(comm.stream());
+                assert_eq!(ptr, base);
+            }
+            Err(err) => unsupported(Err(err), "ncclWinGetUserPtr"),
+        }
+        if v < V2_29 {
+            let next = (comm.rank() + 1) % comm.size();
+            let view = win.view(0..8).unwrap();
+            unsupported(
+                win.put_signal(&view, next, 8, Signal::default()),
+                "ncclPutSignal",
+            );
+            unsupported(win.signal(next, Signal::default()), "ncclSignal");
+            unsupported(
+                win.wait_signal(&[SignalWait::new(next, 1)]),
+                "ncclWaitSignal",
+            );
+        }
+        match nccl::CollConfig::new().to_raw(&comm) {
+            Ok(raw) => assert!(v >= V2_31 && raw.get().size > 0),
+            Err(err) => unsupported(Err(err), "ncclCollConfig_t"),
+        }
+        let event = comm.context().new_event(None).unwrap();
+        match nccl::CollConfig::new()
+            .launch_completion_event(&event)
+            .to_raw(&comm)
+        {
+            Ok(raw) => assert!(v >= V2_32 && !raw.get().launchCompletionEvent.is_null()),
+            Err(err) => unsupported(Err(err), "launchCompletionEvent"),
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
+    let _deadline = Deadline::new(
+        "misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    if v < V2_27 {
+        println!("NCCL {v} has no windows");
+        return;
+    }
+    let devices = gpus();
+    per_rank(comms(&CommConfig::new()), |comm, _| {
+        let (r, n) = (comm.rank(), comm.size());
+        let next = (r + 1) % n;
+        let invalid = |err: &Error, what: &str| {
+            assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err}");
+        };
+        // A buffer on another GPU, an empty one, undefined flag bits: refused, buffer back.
+        let foreign =
+            NcclBuffer::<f32>::alloc_zeros(&stream((comm.device() + 1) % devices), 64).unwrap();
+        let err = comm
+            .register_window(foreign, WindowFlags::COLL_SYMMETRIC)
+            .unwrap_err();
+        invalid(err.error(), "buffer on another device");
+        assert_eq!(err.into_buffer().map(|b| b.len()), Some(64));
+        let empty = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 0).unwrap();
+        let err = comm
+            .register_window(empty, WindowFlags::COLL_SYMMETRIC)
+            .unwrap_err();
+        invalid(err.error(), "empty buffer");
+        let odd = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 64).unwrap();
+        let err = comm
+            .register_window(odd, WindowFlags::from_bits(0x100))
+            .unwrap_err();
+        invalid(err.error(), "undefined flag");
+
+        let mut sym = window::<f32>(&comm, 1024, WindowFlags::COLL_SYMMETRIC);
+        let plain = window::<f32>(&comm, 1024, WindowFlags::DEFAULT);
+        invalid(&sym.view(1000..1025).unwrap_err(), "view past the end");
+        invalid(&sym.split_at_mut(1025).unwrap_err(), "split past the end");
+        if v >= V2_29 {
+            let child = comm
+                .split(Some(0), r as i32)
+                .unwrap()
+                .expect("every rank joins the child");
+            let other = window::<f32>(&child, 64, WindowFlags::COLL_SYMMETRIC);
+            let from_other = other.view(0..4).unwrap();
+            let err = sym
+                .put_signal(&from_other, next, 0, Signal::default())
+                .unwrap_err();
+            invalid(&err, "source in another communicator's window");
+            let err = sym
+                .put_signal(&plain.view(0..4).unwrap(), next, 0, Signal::default())
+                .unwrap_err();
+            invalid(&err, "source in a window that is not symmetric");
+            let err = sym
+                .put_signal(&sym.view(0..8).unwrap(), next, 1020, Signal::default())
+                .unwrap_err();
+            invalid(&err, "put past the end of the target");
+            invalid(
+                &sym.signal(n, Signal::default()).unwrap_err(),
+                "peer out of range",
+            );
+            invalid(&sym.wait_signal(&[]).unwrap_err(), "no waits");
+            invalid(
+                &sym.wait_signal(&[SignalWait::new(next, 0)]).unwrap_err(),
+                "a wait for zero signals",
+            );
+            if v < V2_31 {
+                unsupported(
+                    sym.signal(next, Signal::new(0, 1)),
+                    "context 1 before NCCL 2.31",
+                );
+            }
+            drop(other);
+            drop(child);
+        }
+        // None of that touched the communicator.
+        let stream = comm.stream().clone();
+        stream.memcpy_htod(&vec![1.0f32; 1024], &mut sym).unwrap();
+        comm.all_reduce_in_place(&mut sym, ReduceOp::Sum).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        let got = stream.clone_dtoh(&sym).unwrap();
+        assert!(got.iter().all(|&x| x == n as f32), "rank {r}: {}", got[0]);
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn zero_cta_policy_collectives_on_symmetric_windows() {
+    let _deadline = Deadline::new(
+        "zero_cta_policy_collectives_on_symmetric_windows",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    if v < V2_28 {
+        println!("NCCL {v} has no CtaPolicy::ZERO");
+        return;
+    }
+    // Copy-engine all-gather, all-to-all, gather and scatter need symmetric windows, a CUDA
+    // 12.5 driver and this policy (NCCL's buffer registration docs); NCCL_DEBUG=INFO shows
+    // which path each collective took.
+    let config = CommConfig::new().cta_policy(CtaPolicy::ZERO);
+    let comms = comms(&config);
+    let n = comms.len();
+    let c = 1 << 18;
+    let checked = per_rank(comms, |comm, _| {
+        let mut a = window::<f32>(&comm, n * c, WindowFlags::COLL_SYMMETRIC);
+        let mut b = window::<f32>(&comm, n * c, WindowFlags::COLL_SYMMETRIC);
+        collectives_on_windows(&comm, &mut a, &mut b, &[c], &[0])
+    });
+    println!(
+        "NCCL {v}: CtaPolicy::ZERO on symmetric windows, {} results checked",
+        checked.iter().sum::<usize>()
+    );
+    assert!(checked.iter().all(|&k| k >= 8), "{checked:?}");
+}
+
+/// What NCCL does, element by element, to the buffers the test hands it (the single buffers
+/// in place, the send buffers otherwise); returns each rank's output buffer. Written apart
+/// from [`expected`] so that the two check each other.
+fn simulate(
+    op: Op,
+    in_place: bool,
+    n: usize,
+    c: usize,
+    root: usize,
+    bufs: &[Vec<i64>],
+) -> Vec<Vec<i64>> {
+    let mut out: Vec<Vec<i64>> = if in_place {
+        bufs.to_vec()
+    } else {
+        vec![vec![SENTINEL; op.output_len(n, c)]; n]
+    };
+    // What rank `q` contributes, where NCCL reads it.
+    let send = |q: usize| -> &[i64] {
+        match op {
+            Op::AllGather if in_place => &bufs[q][q * c..(q + 1) * c],
+            Op::Gather if in_place && q == root => &bufs[q][q * c..(q + 1) * c],
+            _ => &bufs[q],
+        }
+    };
+    let sum = |i: usize| (0..n).map(|q| send(q)[i]).sum::<i64>();
+    for (r, out) in out.iter_mut().enumerate() {
+        for i in 0..c {
+            match op {
+                Op::AllReduce => out[i] = sum(i),
+                Op::Broadcast => out[i] = send(root)[i],
+                Op::Reduce if r == root => out[i] = sum(i),
+                Op::Reduce => {}
+                Op::AllGather => {
+                    for q in 0..n {
+                        out[q * c + i] = send(q)[i];
+                    }
+                }
+                Op::ReduceScatter => {
+                    let at = if in_place { r * c } else { 0 };
+                    out[at + i] = sum(r * c + i);
+                }
+                Op::AllToAll => {
+                    for q in 0..n {
+                        out[q * c + i] = send(q)[r * c + i];
+                    }
+                }
+                Op::Gather if r == root => {
+                    for q in 0..n {
+                        out[q * c + i] = send(q)[i];
+                    }
+                }
+                Op::Gather => {}
+                Op::Scatter => {
+                    let at = if in_place && r == root { root * c } else { 0 };
+                    out[at + i] = send(root)[r * c + i];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Checks the test's reference (`expected`) and in-place layouts (`in_place_init`) against
+/// `simulate`: runs on the CPU.
+#[test]
+fn reference_model_agrees_with_a_direct_simulation() {
+    let mut compared = 0;
+    for n in 2..=4 {
+        for c in 1..=3 {
+            for root in [0, n - 1] {
+                for op in OPS {
+                    for in_place in [false, true] {
+                        if in_place && op == Op::AllToAll {
+                            continue;
+                        }
+                        let seed = (n * 100 + c * 10 + root) as u64;
+                        let input = |q: usize| data(seed, q, op.input_len(in_place, q, root, n, c));
+                        let bufs: Vec<Vec<i64>> = (0..n)
+                            .map(|q| {
+                                if in_place {
+                                    in_place_init(op, q, root, n, c, &input(q))
+                                } else {
+                                    input(q)
+                                }
+                            })
+                            .collect();
+                        let outs = simulate(op, in_place, n, c, root, &bufs);
+                        for (r, out) in outs.iter().enumerate() {
+                            let Some((range, want)) = expected(op, in_place, r, root, n, c, &input)
+                            else {
+                                continue;
+                            };
+                            assert_eq!(
+                                &out[range.clone()],
+                                &want[..],
+                                "{op:?} in_place={in_place} n={n} c={c} root={root} rank {r}"
+                            );
+                            compared += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(compared > 500, "{compared}");
+}
