@@ -1,7 +1,9 @@
 //! Finding, loading and versioning the NCCL shared library.
 //!
 //! Nothing links against NCCL at build time: `libnccl.so.2` is opened the first time any NCCL
-//! function is needed, and the result is cached for the life of the process.
+//! function is needed. Once a library has loaded it is the process's NCCL for good (every
+//! communicator refers to it); a failed attempt is not remembered, so the next call searches
+//! again and an explicit [`load_from`] after a failure can still succeed.
 //!
 //! # Search order
 //!
@@ -13,10 +15,19 @@
 //!    `CUDA_HOME`, if such a library existed then (the build never fails when none does).
 //! 4. The dynamic linker's own lookup (`LD_LIBRARY_PATH`, `ldconfig` cache, ...): `libnccl.so.2`,
 //!    then `libnccl.so`.
-//! 5. Python environments: `site-packages/nvidia/nccl/lib/libnccl.so.2` under `VIRTUAL_ENV`
-//!    and `CONDA_PREFIX`, and `$CONDA_PREFIX/lib/libnccl.so.2`.
+//! 5. Python environments: `site-packages/nvidia/nccl/lib/libnccl.so.2` (where
+//!    `pip install nvidia-nccl-cu13` or `-cu12` puts it) under `VIRTUAL_ENV` and
+//!    `CONDA_PREFIX`, and `$CONDA_PREFIX/lib/libnccl.so.2`.
+//! 6. A system Python, no environment active: the same file under each `PYTHONPATH` entry,
+//!    the user's `site-packages` (`$PYTHONUSERBASE`, else `~/.local`), then
+//!    `/usr/local/lib/python3.*/dist-packages` and `site-packages`,
+//!    `/usr/lib/python3/dist-packages`, `/usr/lib/python3.*/site-packages`,
+//!    `/usr/lib64/python3.*/site-packages`, `/opt/conda/lib/python3.*/site-packages`, and
+//!    finally `/opt/conda/lib/libnccl.so.2`. Newer Pythons come first; only directories that
+//!    exist are tried.
 //!
-//! When nothing loads, [`Error::LibraryNotFound`] lists every place tried and why each failed.
+//! When nothing loads, [`Error::LibraryNotFound`] lists every place tried and why each failed,
+//! in the dynamic loader's words (a file that is not a library, a missing dependency, ...).
 //! A program can also choose the library itself with [`load_from`] before its first NCCL call.
 //!
 //! # Versions
@@ -29,7 +40,7 @@
 use std::ffi::{CStr, OsString};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use nccl_sys::{ncclResult_t, MissingSymbol, NcclLib};
 
@@ -114,7 +125,7 @@ impl Library {
     fn open(path: &Path, source: &'static str) -> std::result::Result<Self, String> {
         // SAFETY: loading a shared library runs its initialisers; NCCL's are benign, and a
         // candidate is only ever a file named like NCCL or chosen explicitly by the user.
-        let api = unsafe { NcclLib::open(path) }.map_err(|e| e.to_string())?;
+        let api = unsafe { NcclLib::open(path) }.map_err(|e| with_sources(&e))?;
         let mut code = 0;
         // SAFETY: `code` is a valid writable int for the duration of the call.
         let status = unsafe { api.ncclGetVersion(&mut code) }
@@ -233,6 +244,19 @@ impl Library {
     }
 }
 
+/// An error's text followed by its sources': libloading's own text is only "dlopen failed",
+/// the reason (`dlerror`, e.g. "invalid ELF header") is its source.
+fn with_sources(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 fn copy_c_str(ptr: *const std::os::raw::c_char) -> Option<String> {
     if ptr.is_null() {
         return None;
@@ -246,37 +270,80 @@ fn copy_c_str(ptr: *const std::os::raw::c_char) -> Option<String> {
     )
 }
 
-static LIBRARY: OnceLock<std::result::Result<Library, LibraryNotFound>> = OnceLock::new();
+/// The process's NCCL once one has loaded. It is never replaced or unloaded: communicators
+/// hold `&'static Library`. Failures are not stored, so a later attempt can still succeed.
+static LIBRARY: OnceLock<Library> = OnceLock::new();
+
+/// Held while a library is being opened, so that concurrent first uses open one library and
+/// all get it. Only the loading paths take it; [`get`] after a load is a single atomic read.
+static LOADING: Mutex<()> = Mutex::new(());
 
 /// The loaded library, loading it on first use by the documented search order.
+///
+/// A failed search is not remembered: the next call searches again, so a library installed or
+/// pointed at in the meantime (or chosen with [`load_from`]) is picked up.
+#[inline]
 pub fn get() -> Result<&'static Library> {
-    LIBRARY
-        .get_or_init(|| search(&candidates(&env_var, option_env!("NCCL_RS_BUILD_HINT"))))
-        .as_ref()
-        .map_err(|not_found| Error::LibraryNotFound(not_found.clone()))
+    match LIBRARY.get() {
+        Some(lib) => Ok(lib),
+        None => search_and_load(),
+    }
 }
 
-/// Loads NCCL from `path` instead of searching, before anything else used NCCL.
+#[cold]
+#[inline(never)]
+fn search_and_load() -> Result<&'static Library> {
+    load_once(None, || {
+        search(&candidates(
+            &env_var,
+            option_env!("NCCL_RS_BUILD_HINT"),
+            Path::new("/"),
+        ))
+    })
+}
+
+/// Loads NCCL from `path` instead of searching.
 ///
 /// Returns the library if it is now the process's NCCL (also when the same path was already
-/// loaded), and an error if another library was already loaded or this one cannot be.
+/// loaded). Fails if this library cannot be loaded, with the dynamic loader's reason, or if
+/// another library is already the process's NCCL. A failed attempt, explicit or implicit,
+/// leaves nothing behind: a later `load_from` of a working library succeeds, and from then on
+/// every NCCL call uses it.
 pub fn load_from(path: impl AsRef<Path>) -> Result<&'static Library> {
     let path = path.as_ref();
-    let loaded = LIBRARY.get_or_init(|| {
+    load_once(Some(path), || {
         search(&[Candidate {
             source: "load_from",
             path: path.to_path_buf(),
             explicit: true,
         }])
-    });
-    match loaded {
-        Ok(lib) if lib.path() == path => Ok(lib),
-        Ok(lib) => Err(Error::usage(format!(
+    })
+}
+
+/// Runs `open` unless a library is already loaded, and keeps what it opens for the process.
+/// With `wanted`, an already loaded library must have been loaded from that path.
+fn load_once(
+    wanted: Option<&Path>,
+    open: impl FnOnce() -> std::result::Result<Library, LibraryNotFound>,
+) -> Result<&'static Library> {
+    // The lock guards no data, so a panic in another loader leaves nothing inconsistent.
+    let _loading = LOADING.lock().unwrap_or_else(PoisonError::into_inner);
+    let lib = match LIBRARY.get() {
+        Some(lib) => lib,
+        // Only the holder of `LOADING` initialises, so `open` runs at most once at a time and
+        // its library is the one stored.
+        None => {
+            let opened = open()?;
+            LIBRARY.get_or_init(|| opened)
+        }
+    };
+    match wanted {
+        Some(path) if lib.path() != path => Err(Error::usage(format!(
             "NCCL was already loaded from {} before load_from({})",
             lib.path().display(),
             path.display()
         ))),
-        Err(not_found) => Err(Error::LibraryNotFound(not_found.clone())),
+        _ => Ok(lib),
     }
 }
 
@@ -320,10 +387,16 @@ pub(crate) struct Candidate {
     pub(crate) explicit: bool,
 }
 
-/// Every candidate, in search order, given the environment and the build-time hint.
+/// Where a pip-installed NCCL lies inside a `site-packages` or `dist-packages` directory
+/// (`nvidia-nccl-cu12` and `nvidia-nccl-cu13` alike).
+const PIP_NCCL: &str = "nvidia/nccl/lib/libnccl.so.2";
+
+/// Every candidate, in search order, given the environment, the build-time hint and the root
+/// of the file system that holds the system-wide Python installations (`/` outside tests).
 pub(crate) fn candidates(
     env: &dyn Fn(&str) -> Option<OsString>,
     build_hint: Option<&str>,
+    root: &Path,
 ) -> Vec<Candidate> {
     let candidate = |source, path: PathBuf| Candidate {
         source,
@@ -355,8 +428,8 @@ pub(crate) fn candidates(
         ("CONDA_PREFIX", "CONDA_PREFIX site-packages"),
     ] {
         if let Some(prefix) = env(var) {
-            for site in site_packages(Path::new(&prefix)) {
-                list.push(candidate(source, site.join("nvidia/nccl/lib/libnccl.so.2")));
+            for site in python_dirs(&Path::new(&prefix).join("lib"), "site-packages") {
+                list.push(candidate(source, site.join(PIP_NCCL)));
             }
         }
     }
@@ -366,21 +439,82 @@ pub(crate) fn candidates(
             PathBuf::from(prefix).join("lib/libnccl.so.2"),
         ));
     }
+    for (source, site) in system_python_sites(env, root) {
+        list.push(candidate(source, site.join(PIP_NCCL)));
+    }
+    let conda_base = root.join("opt/conda/lib");
+    if conda_base.is_dir() {
+        list.push(candidate("/opt/conda", conda_base.join("libnccl.so.2")));
+    }
+    // A path reached two ways (CONDA_PREFIX=/opt/conda, say) is tried once, where first listed.
+    let mut seen = std::collections::HashSet::new();
+    list.retain(|c| seen.insert(c.path.clone()));
     list
 }
 
-/// `lib/python3.*/site-packages` directories under a Python prefix, sorted for determinism.
-fn site_packages(prefix: &Path) -> Vec<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir(prefix.join("lib"))
+/// The package directories of Python installations outside any virtual or conda environment,
+/// where `pip install nvidia-nccl-cu13` puts NCCL in a system Python, in the order Python
+/// itself prefers them: `PYTHONPATH`, the user's site-packages, then the system-wide ones
+/// (Debian's `dist-packages`, other distributions' and source builds' `site-packages`, the
+/// base environment of a conda image). Only directories that exist are listed; newer Python
+/// versions come first. A few directory reads, no recursion.
+fn system_python_sites(
+    env: &dyn Fn(&str) -> Option<OsString>,
+    root: &Path,
+) -> Vec<(&'static str, PathBuf)> {
+    let mut sites = Vec::new();
+    if let Some(paths) = env("PYTHONPATH") {
+        for dir in std::env::split_paths(&paths).filter(|dir| dir.is_dir()) {
+            sites.push(("PYTHONPATH", dir));
+        }
+    }
+    let user_base = env("PYTHONUSERBASE")
+        .map(PathBuf::from)
+        .or_else(|| env("HOME").map(|home| Path::new(&home).join(".local")));
+    if let Some(base) = user_base {
+        for site in python_dirs(&base.join("lib"), "site-packages") {
+            sites.push(("Python user site-packages", site));
+        }
+    }
+    let system = |rel: &str, leaf: &str| python_dirs(&root.join(rel), leaf);
+    let debian_shared = root.join("usr/lib/python3/dist-packages");
+    let system_sites = [
+        system("usr/local/lib", "dist-packages"),
+        system("usr/local/lib", "site-packages"),
+        vec![debian_shared]
+            .into_iter()
+            .filter(|d| d.is_dir())
+            .collect(),
+        system("usr/lib", "site-packages"),
+        system("usr/lib64", "site-packages"),
+        system("opt/conda/lib", "site-packages"),
+    ];
+    for site in system_sites.into_iter().flatten() {
+        sites.push(("system Python", site));
+    }
+    sites
+}
+
+/// `<lib>/python3.N/<leaf>` directories that exist, newest Python first (3.12 before 3.9).
+fn python_dirs(lib: &Path, leaf: &str) -> Vec<PathBuf> {
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir(lib)
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|entry| entry.file_name().to_string_lossy().starts_with("python3"))
-        .map(|entry| entry.path().join("site-packages"))
-        .filter(|site| site.is_dir())
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let minor = name.to_str()?.strip_prefix("python3.")?;
+            let digits = minor
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(minor.len());
+            let minor = minor[..digits].parse().ok()?;
+            Some((minor, entry.path().join(leaf)))
+        })
+        .filter(|(_, dir)| dir.is_dir())
         .collect();
-    found.sort();
-    found
+    // Newest first; the path breaks ties (3.13 and free-threaded 3.13t) for a fixed order.
+    found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    found.into_iter().map(|(_, dir)| dir).collect()
 }
 
 /// Tries the candidates in order; the first that is a working NCCL wins.
@@ -424,6 +558,11 @@ mod tests {
         move |name| map.get(name).cloned()
     }
 
+    /// A file-system root without any Python installation.
+    fn no_root() -> &'static Path {
+        Path::new("/nonexistent/nccl-rs-test-root")
+    }
+
     #[test]
     fn version_codes_decode_both_encodings() {
         assert_eq!(Version::from_code(2804), Version::new(2, 8, 4));
@@ -452,6 +591,7 @@ mod tests {
         let list = candidates(
             &env_of(&[("NCCL_LIBRARY", "/x/libnccl.so.2"), ("NCCL_HOME", "/h")]),
             Some("/hint/libnccl.so.2"),
+            no_root(),
         );
         assert_eq!(list.len(), 1);
         assert_eq!(list[0].path, PathBuf::from("/x/libnccl.so.2"));
@@ -470,6 +610,7 @@ mod tests {
                 ("CONDA_PREFIX", "/conda"),
             ]),
             Some("/hint/libnccl.so.2"),
+            no_root(),
         );
         let got: Vec<(String, &str)> = list
             .iter()
@@ -498,9 +639,150 @@ mod tests {
         std::fs::remove_dir_all(&venv).unwrap();
     }
 
+    /// A scratch directory for one test, removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("nccl-rs-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        fn mkdirs(&self, rels: &[&str]) {
+            for rel in rels {
+                std::fs::create_dir_all(self.0.join(rel)).unwrap();
+            }
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn system_python_sites_are_searched_in_pythons_order() {
+        let root = Scratch::new("system-python");
+        root.mkdirs(&[
+            "pp/a",
+            "home/u/.local/lib/python3.11/site-packages",
+            "usr/local/lib/python3.9/dist-packages",
+            "usr/local/lib/python3.12/dist-packages",
+            "usr/local/lib/python3.10/dist-packages",
+            "usr/local/lib/python3.13t/dist-packages",
+            "usr/local/lib/python3.13/dist-packages",
+            "usr/local/lib/python3.12/site-packages",
+            "usr/local/lib/python3.11/lib-dynload", // a Python without dist-packages
+            "usr/local/lib/pythonista/dist-packages", // not a Python 3 directory
+            "usr/lib/python3/dist-packages",
+            "usr/lib/python3.12/site-packages",
+            "usr/lib64/python3.12/site-packages",
+            "opt/conda/lib/python3.11/site-packages",
+        ]);
+        let r = |rel: &str| root.0.join(rel).display().to_string();
+        let pythonpath = format!("{}:{}", r("pp/a"), r("pp/missing"));
+        let home = r("home/u");
+        let list = candidates(
+            &env_of(&[("PYTHONPATH", &pythonpath), ("HOME", &home)]),
+            None,
+            &root.0,
+        );
+        let got: Vec<(String, &str)> = list
+            .iter()
+            .skip(2) // the dynamic linker's two
+            .map(|c| (c.path.display().to_string(), c.source))
+            .collect();
+        let pip = |rel: &str| r(&format!("{rel}/nvidia/nccl/lib/libnccl.so.2"));
+        let want = vec![
+            (pip("pp/a"), "PYTHONPATH"),
+            (
+                pip("home/u/.local/lib/python3.11/site-packages"),
+                "Python user site-packages",
+            ),
+            (
+                pip("usr/local/lib/python3.13/dist-packages"),
+                "system Python",
+            ),
+            (
+                pip("usr/local/lib/python3.13t/dist-packages"),
+                "system Python",
+            ),
+            (
+                pip("usr/local/lib/python3.12/dist-packages"),
+                "system Python",
+            ),
+            (
+                pip("usr/local/lib/python3.10/dist-packages"),
+                "system Python",
+            ),
+            (
+                pip("usr/local/lib/python3.9/dist-packages"),
+                "system Python",
+            ),
+            (
+                pip("usr/local/lib/python3.12/site-packages"),
+                "system Python",
+            ),
+            (pip("usr/lib/python3/dist-packages"), "system Python"),
+            (pip("usr/lib/python3.12/site-packages"), "system Python"),
+            (pip("usr/lib64/python3.12/site-packages"), "system Python"),
+            (
+                pip("opt/conda/lib/python3.11/site-packages"),
+                "system Python",
+            ),
+            (r("opt/conda/lib/libnccl.so.2"), "/opt/conda"),
+        ];
+        assert_eq!(got, want);
+
+        // PYTHONUSERBASE replaces ~/.local; CONDA_PREFIX=/opt/conda lists each path once.
+        root.mkdirs(&["base/lib/python3.12/site-packages"]);
+        let conda = r("opt/conda");
+        let list = candidates(
+            &env_of(&[
+                ("PYTHONUSERBASE", &r("base")),
+                ("HOME", &home),
+                ("CONDA_PREFIX", &conda),
+            ]),
+            None,
+            &root.0,
+        );
+        let paths: Vec<String> = list.iter().map(|c| c.path.display().to_string()).collect();
+        assert!(paths.contains(&pip("base/lib/python3.12/site-packages")));
+        assert!(!paths.iter().any(|p| p.contains(".local")), "{paths:#?}");
+        let unique: std::collections::HashSet<_> = paths.iter().collect();
+        assert_eq!(unique.len(), paths.len(), "{paths:#?}");
+        let conda_lib = list
+            .iter()
+            .find(|c| c.path == Path::new(&r("opt/conda/lib/libnccl.so.2")))
+            .unwrap();
+        assert_eq!(conda_lib.source, "CONDA_PREFIX", "first listing wins");
+    }
+
+    #[test]
+    fn a_pip_installed_nccl_in_a_system_python_is_found() {
+        let root = Scratch::new("pip-found");
+        let lib_dir = "usr/local/lib/python3.12/dist-packages/nvidia/nccl/lib";
+        root.mkdirs(&[lib_dir]);
+        // Not a working library: the search must reach it and report the loader's reason.
+        std::fs::write(root.0.join(lib_dir).join("libnccl.so.2"), [0u8; 256]).unwrap();
+        let list: Vec<Candidate> = candidates(&env_of(&[]), None, &root.0)
+            .into_iter()
+            .filter(|c| c.source != "dynamic linker") // this machine's own NCCL, if any
+            .collect();
+        let err = search(&list).unwrap_err();
+        assert_eq!(err.attempts.len(), 1, "{err}");
+        assert_eq!(err.attempts[0].source, "system Python");
+        assert!(
+            err.attempts[0].reason.contains("invalid ELF header"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn empty_environment_still_asks_the_dynamic_linker() {
-        let list = candidates(&env_of(&[]), None);
+        let list = candidates(&env_of(&[]), None, no_root());
         let paths: Vec<_> = list.iter().map(|c| c.path.clone()).collect();
         assert_eq!(
             paths,
