@@ -301,32 +301,32 @@ impl CommConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        let positive = |name: &str, value: Option<u32>| match value {
-            Some(0) => Err(Error::invalid(format!("{name} must be at least 1"))),
-            _ => Ok(()),
-        };
-        positive("minCTAs", self.min_ctas)?;
-        positive("maxCTAs", self.max_ctas)?;
-        positive("nvlsCTAs", self.nvls_ctas)?;
-        positive("maxP2pPeers", self.max_p2p_peers)?;
+        // NCCL stores every field in a C `int`; larger values are refused, never clamped.
+        const INT: u32 = c_int::MAX as u32;
+        let ranges = [
+            ("cgaClusterSize", self.cga_cluster_size, 0, 8),
+            ("minCTAs", self.min_ctas, 1, INT),
+            ("maxCTAs", self.max_ctas, 1, INT),
+            ("trafficClass", self.traffic_class, 0, INT),
+            ("CTAPolicy", self.cta_policy.map(|p| p.0), 0, INT),
+            ("nvlsCTAs", self.nvls_ctas, 1, INT),
+            ("nChannelsPerNetPeer", self.n_channels_per_net_peer, 1, 64),
+            ("numRmaCtx", self.num_rma_ctx, 0, INT),
+            ("maxP2pPeers", self.max_p2p_peers, 1, INT),
+            ("numRmaSig", self.num_rma_sig, 0, INT),
+        ];
+        for (name, value, min, max) in ranges {
+            if let Some(value) = value.filter(|v| !(min..=max).contains(v)) {
+                return Err(out_of_range(name, value.into(), min.into(), max.into()));
+            }
+        }
+        if let Some(NvlsHostMode(mode)) = self.nvls_host_mode.filter(|m| m.0 < 0) {
+            return Err(out_of_range("nvlsHostMode", mode.into(), 0, INT.into()));
+        }
         if let (Some(min), Some(max)) = (self.min_ctas, self.max_ctas) {
             if min > max {
                 return Err(Error::invalid(format!(
                     "minCTAs ({min}) is larger than maxCTAs ({max})"
-                )));
-            }
-        }
-        if let Some(size) = self.cga_cluster_size {
-            if size > 8 {
-                return Err(Error::invalid(format!(
-                    "cgaClusterSize must be between 0 and 8, got {size}"
-                )));
-            }
-        }
-        if let Some(n) = self.n_channels_per_net_peer {
-            if !(1..=64).contains(&n) {
-                return Err(Error::invalid(format!(
-                    "nChannelsPerNetPeer must be between 1 and 64, got {n}"
                 )));
             }
         }
@@ -371,7 +371,8 @@ impl CommConfig {
             }
         }
         let mut cfg = nccl_sys::nccl_config_initializer();
-        let int = |value: u32| c_int::try_from(value).unwrap_or(c_int::MAX);
+        // In range: `validate` refused anything above `c_int::MAX`.
+        let int = |value: u32| value as c_int;
         let flag = |value: bool| c_int::from(value);
         let mut strings = Vec::new();
         let mut c_string = |value: &str| -> Result<*const std::os::raw::c_char> {
@@ -463,6 +464,12 @@ impl CommConfig {
             _strings: strings,
         })
     }
+}
+
+fn out_of_range(field: &str, value: i64, min: i64, max: i64) -> Error {
+    Error::invalid(format!(
+        "{field} = {value} is out of range: NCCL takes {min} to {max}"
+    ))
 }
 
 /// An `ncclConfig_t` ready for NCCL, with the strings its pointers refer to.
@@ -647,14 +654,76 @@ mod tests {
                 .unwrap_or_default()
         };
         assert!(err(CommConfig::new().min_ctas(8).max_ctas(4)).contains("minCTAs (8) is larger"));
-        assert!(err(CommConfig::new().max_ctas(0)).contains("maxCTAs must be at least 1"));
-        assert!(err(CommConfig::new().cga_cluster_size(9)).contains("between 0 and 8"));
-        assert!(err(CommConfig::new().n_channels_per_net_peer(65)).contains("between 1 and 64"));
+        assert!(err(CommConfig::new().max_ctas(0)).contains("maxCTAs = 0 is out of range"));
+        assert!(err(CommConfig::new().cga_cluster_size(9)).contains("NCCL takes 0 to 8"));
+        assert!(err(CommConfig::new().n_channels_per_net_peer(65)).contains("NCCL takes 1 to 64"));
         assert!(err(CommConfig::new().net_name("I\0B".into())).contains("NUL"));
         assert!(err(CommConfig::new()
             .graph_stream_ordering(false)
             .graph_usage_mode(GraphUsageMode::MultipleGraphs))
         .contains("graphStreamOrdering"));
+    }
+
+    #[test]
+    fn every_numeric_field_is_range_checked_never_clamped() {
+        type Set = fn(CommConfig, u32) -> CommConfig;
+        let int = i32::MAX as u32;
+        let fields: [(&str, Set, u32, u32); 10] = [
+            ("cgaClusterSize", |c, v| c.cga_cluster_size(v), 0, 8),
+            ("minCTAs", |c, v| c.min_ctas(v), 1, int),
+            ("maxCTAs", |c, v| c.max_ctas(v), 1, int),
+            ("trafficClass", |c, v| c.traffic_class(v), 0, int),
+            ("CTAPolicy", |c, v| c.cta_policy(CtaPolicy(v)), 0, int),
+            ("nvlsCTAs", |c, v| c.nvls_ctas(v), 1, int),
+            (
+                "nChannelsPerNetPeer",
+                |c, v| c.n_channels_per_net_peer(v),
+                1,
+                64,
+            ),
+            ("numRmaCtx", |c, v| c.num_rma_ctx(v), 0, int),
+            ("maxP2pPeers", |c, v| c.max_p2p_peers(v), 1, int),
+            ("numRmaSig", |c, v| c.num_rma_sig(v), 0, int),
+        ];
+        for (field, set, min, max) in fields {
+            for bad in [max + 1, u32::MAX].into_iter().chain(min.checked_sub(1)) {
+                match set(CommConfig::new(), bad).to_raw_for(NEW) {
+                    Err(Error::InvalidArgument(text)) => assert_eq!(
+                        text,
+                        format!("{field} = {bad} is out of range: NCCL takes {min} to {max}")
+                    ),
+                    Err(other) => panic!("{field} = {bad}: unexpected error {other}"),
+                    Ok(_) => panic!("{field} = {bad} accepted"),
+                }
+            }
+            for good in [min, max] {
+                let mut raw = set(CommConfig::new(), good).to_raw_for(NEW).unwrap();
+                let cfg = raw.as_mut().unwrap();
+                let stored = [
+                    cfg.cgaClusterSize,
+                    cfg.minCTAs,
+                    cfg.maxCTAs,
+                    cfg.trafficClass,
+                    cfg.CTAPolicy,
+                    cfg.nvlsCTAs,
+                    cfg.nChannelsPerNetPeer,
+                    cfg.numRmaCtx,
+                    cfg.maxP2pPeers,
+                    cfg.numRmaSig,
+                ];
+                assert!(stored.contains(&(good as c_int)), "{field} = {good}");
+            }
+        }
+        let err = CommConfig::new()
+            .nvls_host_mode(NvlsHostMode(i32::MIN))
+            .to_raw_for(NEW)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("nvlsHostMode = -2147483648 is out of range: NCCL takes 0 to 2147483647"),
+            "{err}"
+        );
     }
 
     #[test]
