@@ -256,7 +256,7 @@ impl Comm {
             rank: 0,
             size: 0,
             device: 0,
-            ready_timeout: config.ready_timeout(),
+            ready_timeout: config.ready_timeout,
             drop_timeout: DEFAULT_DROP_TIMEOUT,
             _not_sync: PhantomData,
         };
@@ -529,7 +529,7 @@ impl Comm {
             Some(config) => config.clone().inherit_blocking(self.core.blocking),
             None => CommConfig::default()
                 .blocking(self.core.blocking)
-                .with_ready_timeout(self.ready_timeout),
+                .ready_timeout(self.ready_timeout),
         }
     }
 
@@ -569,7 +569,7 @@ impl Comm {
             // The parent settles when every member has joined the child, so the wait is the
             // child's creation timeout, not the parent's (which may be short, for detecting
             // failures). On a timeout NCCL's job may still write the slot: it stays allocated.
-            Ok(_) => self.settle(call, child_config.ready_timeout())?,
+            Ok(_) => self.settle(call, child_config.ready_timeout)?,
             Err(err) => {
                 // The call failed before starting anything; a partial child is aborted.
                 // SAFETY: see above; NCCL returned, nothing runs in the background.
