@@ -3,14 +3,19 @@
 //! Every field starts unset, meaning "NCCL decides" (`NCCL_CONFIG_UNDEF_INT`). Setting a field
 //! the loaded library does not know is an [`Error::Unsupported`] when the configuration is
 //! used: NCCL copies only the part of the struct it knows, so an older library would silently
-//! drop the setting. The struct's `size`, `magic` and `version` are filled exactly as
+//! drop the setting. A value NCCL cannot take (beyond a C `int`, or outside the field's
+//! documented range) is an [`Error::InvalidArgument`] naming the field, the value and the
+//! range, never clamped. The struct's `size`, `magic` and `version` are filled exactly as
 //! `NCCL_CONFIG_INITIALIZER` does for the 2.32.3 header.
+//!
+//! Setters are builder methods named after the field (`CommConfig::new().blocking(false)
+//! .max_ctas(16).comm_name("trainer")`); strings are taken as `&str` or `String`.
 //!
 //! NCCL's environment variables take precedence over these fields where both exist (for
 //! example `NCCL_COMM_BLOCKING` over [`CommConfig::blocking`]).
 
 use std::ffi::CString;
-use std::os::raw::c_int;
+use std::os::raw::{c_char, c_int};
 use std::time::Duration;
 
 use nccl_sys::ncclConfig_t;
@@ -86,74 +91,230 @@ impl std::ops::BitOr for NvlsHostMode {
     }
 }
 
-/// Configuration for creating a communicator; see the [module docs](self).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CommConfig {
-    blocking: Option<bool>,
-    cga_cluster_size: Option<u32>,
-    min_ctas: Option<u32>,
-    max_ctas: Option<u32>,
-    net_name: Option<String>,
-    split_share: Option<bool>,
-    traffic_class: Option<u32>,
-    comm_name: Option<String>,
-    collnet_enable: Option<bool>,
-    cta_policy: Option<CtaPolicy>,
-    shrink_share: Option<bool>,
-    nvls_ctas: Option<u32>,
-    n_channels_per_net_peer: Option<u32>,
-    nvlink_centric_sched: Option<bool>,
-    graph_usage_mode: Option<GraphUsageMode>,
-    num_rma_ctx: Option<u32>,
-    max_p2p_peers: Option<u32>,
-    graph_stream_ordering: Option<bool>,
-    launch_order_implicit: Option<bool>,
-    num_rma_sig: Option<u32>,
-    rma_eager_init: Option<bool>,
-    host_cft_mode: Option<HostCftMode>,
-    nvls_host_mode: Option<NvlsHostMode>,
-    ready_timeout: Duration,
+/// The largest value an `int` field of `ncclConfig_t` holds.
+const INT_MAX: i64 = c_int::MAX as i64;
+
+/// How a field's Rust value becomes its `ncclConfig_t` member.
+trait Setting {
+    /// The member's C type.
+    type C;
+    /// Checks the value against `range` (inclusive) and converts it; strings are kept alive in
+    /// `strings`.
+    fn to_c(&self, field: &str, range: (i64, i64), strings: &mut Vec<CString>) -> Result<Self::C>;
 }
 
-impl Default for CommConfig {
-    fn default() -> Self {
-        Self {
-            blocking: None,
-            cga_cluster_size: None,
-            min_ctas: None,
-            max_ctas: None,
-            net_name: None,
-            split_share: None,
-            traffic_class: None,
-            comm_name: None,
-            collnet_enable: None,
-            cta_policy: None,
-            shrink_share: None,
-            nvls_ctas: None,
-            n_channels_per_net_peer: None,
-            nvlink_centric_sched: None,
-            graph_usage_mode: None,
-            num_rma_ctx: None,
-            max_p2p_peers: None,
-            graph_stream_ordering: None,
-            launch_order_implicit: None,
-            num_rma_sig: None,
-            rma_eager_init: None,
-            host_cft_mode: None,
-            nvls_host_mode: None,
-            ready_timeout: DEFAULT_READY_TIMEOUT,
+/// A setting NCCL stores as an `int`; the table's range applies to [`IntSetting::value`].
+trait IntSetting {
+    fn value(&self) -> i64;
+}
+
+impl<T: IntSetting> Setting for T {
+    type C = c_int;
+    fn to_c(&self, field: &str, (min, max): (i64, i64), _: &mut Vec<CString>) -> Result<c_int> {
+        match c_int::try_from(self.value()) {
+            Ok(value) if (min..=max).contains(&i64::from(value)) => Ok(value),
+            _ => Err(Error::invalid(format!(
+                "{field} = {} is out of range: NCCL takes {min} to {max}",
+                self.value()
+            ))),
         }
     }
 }
 
-macro_rules! setters {
-    ($( $(#[$doc:meta])* $name:ident: $ty:ty; )*) => {$(
-        $(#[$doc])*
-        pub fn $name(mut self, value: $ty) -> Self {
-            self.$name = Some(value.into());
-            self
+impl Setting for String {
+    type C = *const c_char;
+    fn to_c(&self, field: &str, _: (i64, i64), strings: &mut Vec<CString>) -> Result<Self::C> {
+        let owned = CString::new(self.as_str())
+            .map_err(|_| Error::invalid(format!("{field} {self:?} contains a NUL byte")))?;
+        // The bytes stay where they are when the CString moves into `strings`.
+        let ptr = owned.as_ptr();
+        strings.push(owned);
+        Ok(ptr)
+    }
+}
+
+impl IntSetting for bool {
+    fn value(&self) -> i64 {
+        i64::from(*self)
+    }
+}
+
+impl IntSetting for u32 {
+    fn value(&self) -> i64 {
+        i64::from(*self)
+    }
+}
+
+impl IntSetting for CtaPolicy {
+    fn value(&self) -> i64 {
+        i64::from(self.0)
+    }
+}
+
+impl IntSetting for NvlsHostMode {
+    fn value(&self) -> i64 {
+        i64::from(self.0)
+    }
+}
+
+impl IntSetting for GraphUsageMode {
+    fn value(&self) -> i64 {
+        match self {
+            GraphUsageMode::NoGraphs => 0,
+            GraphUsageMode::SingleGraph => 1,
+            GraphUsageMode::MultipleGraphs => 2,
         }
-    )*};
+    }
+}
+
+impl IntSetting for HostCftMode {
+    fn value(&self) -> i64 {
+        match self {
+            HostCftMode::Enable => 1,
+            HostCftMode::Disable => 2,
+            HostCftMode::Fallback => 3,
+        }
+    }
+}
+
+/// Generates [`CommConfig`] from one row per `ncclConfig_t` field:
+///
+/// ```text
+/// /// doc
+/// rust_name: StoredType [as SetterArgument] [[min, max]] => cField since (major, minor, patch);
+/// ```
+///
+/// The setter takes `SetterArgument` (default: the stored type) and converts it with `Into`.
+/// `[min, max]` narrows the accepted range of an `int` field (default: 0 to `INT_MAX`).
+macro_rules! config_fields {
+    (@arg $ty:ty) => { $ty };
+    (@arg $ty:ty, $arg:ty) => { $arg };
+    (@range) => { (0, INT_MAX) };
+    (@range $min:expr, $max:expr) => { ($min, $max) };
+    ($(
+        $(#[doc = $doc:expr])*
+        $name:ident: $ty:ty $(as $arg:ty)? $([$min:expr, $max:expr])?
+            => $c:ident since ($major:literal, $minor:literal, $patch:literal);
+    )*) => {
+        /// Configuration for creating a communicator; see the [module docs](self).
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub struct CommConfig {
+            $( $name: Option<$ty>, )*
+            /// See [`CommConfig::ready_timeout`].
+            pub(crate) ready_timeout: Duration,
+        }
+
+        impl Default for CommConfig {
+            fn default() -> Self {
+                Self {
+                    $( $name: None, )*
+                    ready_timeout: DEFAULT_READY_TIMEOUT,
+                }
+            }
+        }
+
+        impl CommConfig {
+            $(
+                #[doc = concat!(
+                    "Sets `", stringify!($c), "` (NCCL ", $major, ".", $minor, ".", $patch,
+                    " or newer).\n\n"
+                )]
+                $(#[doc = $doc])*
+                #[must_use]
+                pub fn $name(mut self, value: config_fields!(@arg $ty $(, $arg)?)) -> Self {
+                    self.$name = Some(value.into());
+                    self
+                }
+            )*
+
+            /// Every NCCL field: its C name and the first NCCL version that has it.
+            #[cfg(test)]
+            const FIELDS: &'static [(&'static str, Version)] =
+                &[$( (stringify!($c), Version::new($major, $minor, $patch)) ),*];
+
+            /// The raw struct with every set field, or `None` when none is set; range errors
+            /// first, then the first field (in table order) newer than `version`.
+            fn fill(&self, version: Version) -> Result<Option<(ncclConfig_t, Vec<CString>)>> {
+                let mut cfg = nccl_sys::nccl_config_initializer();
+                let mut strings = Vec::new();
+                let mut any = false;
+                let mut too_new = None;
+                $(
+                    if let Some(value) = &self.$name {
+                        let range = config_fields!(@range $($min, $max)?);
+                        cfg.$c = value.to_c(stringify!($c), range, &mut strings)?;
+                        let since = Version::new($major, $minor, $patch);
+                        any = true;
+                        if version < since && too_new.is_none() {
+                            too_new = Some((stringify!($c), since));
+                        }
+                    }
+                )*
+                self.check_combinations()?;
+                // Every field is at least as new as ncclCommInitRankConfig (2.14), so this also
+                // refuses any configuration on a library without the config API.
+                if let Some((api, needs)) = too_new {
+                    return Err(Error::Unsupported { api, needs, found: version });
+                }
+                Ok(any.then_some((cfg, strings)))
+            }
+        }
+    };
+}
+
+config_fields! {
+    /// `false` makes creation and operations return while NCCL still works in the
+    /// background; this crate then polls until the communicator is ready (see
+    /// [`CommConfig::ready_timeout`]). Needed for aborting from another thread.
+    blocking: bool => blocking since (2, 14, 0);
+    /// CUDA thread-block cluster size, 0 to 8.
+    cga_cluster_size: u32 [0, 8] => cgaClusterSize since (2, 17, 0);
+    /// Lower bound on the CTAs (channels) NCCL uses, at least 1.
+    min_ctas: u32 [1, INT_MAX] => minCTAs since (2, 17, 0);
+    /// Upper bound on the CTAs NCCL uses, at least 1.
+    max_ctas: u32 [1, INT_MAX] => maxCTAs since (2, 17, 0);
+    /// The network module to use, e.g. `"IB"` or `"Socket"`.
+    net_name: String as impl Into<String> => netName since (2, 17, 0);
+    /// Children created by split share resources with this communicator (cheaper, but
+    /// aborting one may make the others unusable).
+    split_share: bool => splitShare since (2, 18, 0);
+    /// Network traffic class for this communicator.
+    traffic_class: u32 => trafficClass since (2, 26, 0);
+    /// A name used in NCCL's logs and profiler events.
+    comm_name: String as impl Into<String> => commName since (2, 27, 0);
+    /// Allow CollNet (e.g. IB SHARP) algorithms.
+    collnet_enable: bool => collnetEnable since (2, 27, 0);
+    /// See [`CtaPolicy`].
+    cta_policy: CtaPolicy => CTAPolicy since (2, 27, 0);
+    /// Communicators created by shrink share resources.
+    shrink_share: bool => shrinkShare since (2, 27, 0);
+    /// CTAs used by NVLS algorithms, at least 1.
+    nvls_ctas: u32 [1, INT_MAX] => nvlsCTAs since (2, 27, 0);
+    /// Channels per network peer, 1 to 64 (NCCL rounds up to a power of two).
+    n_channels_per_net_peer: u32 [1, 64] => nChannelsPerNetPeer since (2, 28, 0);
+    /// NVLink-centric scheduling.
+    nvlink_centric_sched: bool => nvlinkCentricSched since (2, 28, 0);
+    /// See [`GraphUsageMode`].
+    graph_usage_mode: GraphUsageMode => graphUsageMode since (2, 29, 0);
+    /// Number of one-sided (RMA) contexts.
+    num_rma_ctx: u32 => numRmaCtx since (2, 29, 0);
+    /// Upper bound on point-to-point peers per rank, at least 1.
+    max_p2p_peers: u32 [1, INT_MAX] => maxP2pPeers since (2, 30, 3);
+    /// Keep stream ordering inside captured graphs (`false` needs a graph usage mode of no
+    /// or single graph).
+    graph_stream_ordering: bool => graphStreamOrdering since (2, 30, 7);
+    /// Order launches of several communicators on one device by host issue order
+    /// (`NCCL_LAUNCH_ORDER_IMPLICIT`).
+    launch_order_implicit: bool => launchOrderImplicit since (2, 31, 0);
+    /// Number of RMA signal slots.
+    num_rma_sig: u32 => numRmaSig since (2, 31, 0);
+    /// Set up one-sided signalling at creation instead of at the first window
+    /// registration.
+    rma_eager_init: bool => rmaEagerInit since (2, 31, 0);
+    /// See [`HostCftMode`].
+    host_cft_mode: HostCftMode => hostCftMode since (2, 31, 0);
+    /// See [`NvlsHostMode`] (any combination of its flags, not negative).
+    nvls_host_mode: NvlsHostMode => nvlsHostMode since (2, 31, 0);
 }
 
 impl CommConfig {
@@ -162,70 +323,11 @@ impl CommConfig {
         Self::default()
     }
 
-    setters! {
-        /// `blocking` (2.14): `false` makes creation and operations return while NCCL still
-        /// works in the background; this crate then polls until the communicator is ready
-        /// (see [`CommConfig::ready_timeout`]). Needed for aborting from another thread.
-        blocking: bool;
-        /// `cgaClusterSize` (2.17): CUDA thread-block cluster size, 0 to 8.
-        cga_cluster_size: u32;
-        /// `minCTAs` (2.17): lower bound on the CTAs (channels) NCCL uses, at least 1.
-        min_ctas: u32;
-        /// `maxCTAs` (2.17): upper bound on the CTAs NCCL uses, at least 1.
-        max_ctas: u32;
-        /// `netName` (2.17): the network module to use, e.g. `"IB"` or `"Socket"`.
-        net_name: String;
-        /// `splitShare` (2.18): children created by split share resources with this
-        /// communicator (cheaper, but aborting one may make the others unusable).
-        split_share: bool;
-        /// `trafficClass` (2.26): network traffic class for this communicator.
-        traffic_class: u32;
-        /// `commName` (2.27): a name used in NCCL's logs and profiler events.
-        comm_name: String;
-        /// `collnetEnable` (2.27): allow CollNet (e.g. IB SHARP) algorithms.
-        collnet_enable: bool;
-        /// `CTAPolicy` (2.27): see [`CtaPolicy`].
-        cta_policy: CtaPolicy;
-        /// `shrinkShare` (2.27): communicators created by shrink share resources.
-        shrink_share: bool;
-        /// `nvlsCTAs` (2.27): CTAs used by NVLS algorithms, at least 1.
-        nvls_ctas: u32;
-        /// `nChannelsPerNetPeer` (2.28): channels per network peer, 1 to 64 (NCCL rounds up
-        /// to a power of two).
-        n_channels_per_net_peer: u32;
-        /// `nvlinkCentricSched` (2.28): NVLink-centric scheduling.
-        nvlink_centric_sched: bool;
-        /// `graphUsageMode` (2.29): see [`GraphUsageMode`].
-        graph_usage_mode: GraphUsageMode;
-        /// `numRmaCtx` (2.29): number of one-sided (RMA) contexts.
-        num_rma_ctx: u32;
-        /// `maxP2pPeers` (2.30.3): upper bound on point-to-point peers per rank, at least 1.
-        max_p2p_peers: u32;
-        /// `graphStreamOrdering` (2.30.7): keep stream ordering inside captured graphs
-        /// (`false` needs a graph usage mode of no or single graph).
-        graph_stream_ordering: bool;
-        /// `launchOrderImplicit` (2.31): order launches of several communicators on one
-        /// device by host issue order (`NCCL_LAUNCH_ORDER_IMPLICIT`).
-        launch_order_implicit: bool;
-        /// `numRmaSig` (2.31): number of RMA signal slots.
-        num_rma_sig: u32;
-        /// `rmaEagerInit` (2.31): set up one-sided signalling at creation instead of at the
-        /// first window registration.
-        rma_eager_init: bool;
-        /// `hostCftMode` (2.31): see [`HostCftMode`].
-        host_cft_mode: HostCftMode;
-        /// `nvlsHostMode` (2.31): see [`NvlsHostMode`].
-        nvls_host_mode: NvlsHostMode;
-    }
-
     /// How long a nonblocking communicator may stay in progress (creation, split, enqueue)
-    /// before the call fails with [`Error::Timeout`]. Not an NCCL field. Default 10 minutes.
-    pub fn ready_timeout(&self) -> Duration {
-        self.ready_timeout
-    }
-
-    /// Sets [`CommConfig::ready_timeout`].
-    pub fn with_ready_timeout(mut self, timeout: Duration) -> Self {
+    /// before the call fails with [`Error::Timeout`]. Not an NCCL field. Default 10 minutes
+    /// ([`DEFAULT_READY_TIMEOUT`]).
+    #[must_use]
+    pub fn ready_timeout(mut self, timeout: Duration) -> Self {
         self.ready_timeout = timeout;
         self
     }
@@ -241,92 +343,12 @@ impl CommConfig {
         self
     }
 
-    /// Every NCCL field that is set, with the first NCCL version that knows it.
-    fn fields_set(&self) -> Vec<(&'static str, Version)> {
-        let v = Version::new;
-        let mut set = Vec::new();
-        let mut add = |present: bool, name: &'static str, since: Version| {
-            if present {
-                set.push((name, since));
-            }
-        };
-        add(self.blocking.is_some(), "blocking", v(2, 14, 0));
-        add(
-            self.cga_cluster_size.is_some(),
-            "cgaClusterSize",
-            v(2, 17, 0),
-        );
-        add(self.min_ctas.is_some(), "minCTAs", v(2, 17, 0));
-        add(self.max_ctas.is_some(), "maxCTAs", v(2, 17, 0));
-        add(self.net_name.is_some(), "netName", v(2, 17, 0));
-        add(self.split_share.is_some(), "splitShare", v(2, 18, 0));
-        add(self.traffic_class.is_some(), "trafficClass", v(2, 26, 0));
-        add(self.comm_name.is_some(), "commName", v(2, 27, 0));
-        add(self.collnet_enable.is_some(), "collnetEnable", v(2, 27, 0));
-        add(self.cta_policy.is_some(), "CTAPolicy", v(2, 27, 0));
-        add(self.shrink_share.is_some(), "shrinkShare", v(2, 27, 0));
-        add(self.nvls_ctas.is_some(), "nvlsCTAs", v(2, 27, 0));
-        add(
-            self.n_channels_per_net_peer.is_some(),
-            "nChannelsPerNetPeer",
-            v(2, 28, 0),
-        );
-        add(
-            self.nvlink_centric_sched.is_some(),
-            "nvlinkCentricSched",
-            v(2, 28, 0),
-        );
-        add(
-            self.graph_usage_mode.is_some(),
-            "graphUsageMode",
-            v(2, 29, 0),
-        );
-        add(self.num_rma_ctx.is_some(), "numRmaCtx", v(2, 29, 0));
-        add(self.max_p2p_peers.is_some(), "maxP2pPeers", v(2, 30, 3));
-        add(
-            self.graph_stream_ordering.is_some(),
-            "graphStreamOrdering",
-            v(2, 30, 7),
-        );
-        add(
-            self.launch_order_implicit.is_some(),
-            "launchOrderImplicit",
-            v(2, 31, 0),
-        );
-        add(self.num_rma_sig.is_some(), "numRmaSig", v(2, 31, 0));
-        add(self.rma_eager_init.is_some(), "rmaEagerInit", v(2, 31, 0));
-        add(self.host_cft_mode.is_some(), "hostCftMode", v(2, 31, 0));
-        add(self.nvls_host_mode.is_some(), "nvlsHostMode", v(2, 31, 0));
-        set
-    }
-
-    fn validate(&self) -> Result<()> {
-        let positive = |name: &str, value: Option<u32>| match value {
-            Some(0) => Err(Error::invalid(format!("{name} must be at least 1"))),
-            _ => Ok(()),
-        };
-        positive("minCTAs", self.min_ctas)?;
-        positive("maxCTAs", self.max_ctas)?;
-        positive("nvlsCTAs", self.nvls_ctas)?;
-        positive("maxP2pPeers", self.max_p2p_peers)?;
+    /// Rules between fields, which the table's per-field ranges cannot say.
+    fn check_combinations(&self) -> Result<()> {
         if let (Some(min), Some(max)) = (self.min_ctas, self.max_ctas) {
             if min > max {
                 return Err(Error::invalid(format!(
                     "minCTAs ({min}) is larger than maxCTAs ({max})"
-                )));
-            }
-        }
-        if let Some(size) = self.cga_cluster_size {
-            if size > 8 {
-                return Err(Error::invalid(format!(
-                    "cgaClusterSize must be between 0 and 8, got {size}"
-                )));
-            }
-        }
-        if let Some(n) = self.n_channels_per_net_peer {
-            if !(1..=64).contains(&n) {
-                return Err(Error::invalid(format!(
-                    "nChannelsPerNetPeer must be between 1 and 64, got {n}"
                 )));
             }
         }
@@ -337,11 +359,6 @@ impl CommConfig {
                 "graphStreamOrdering = false needs graphUsageMode NoGraphs or SingleGraph",
             ));
         }
-        for (name, value) in [("netName", &self.net_name), ("commName", &self.comm_name)] {
-            if value.as_deref().is_some_and(|s| s.contains('\0')) {
-                return Err(Error::invalid(format!("{name} contains a NUL byte")));
-            }
-        }
         Ok(())
     }
 
@@ -351,116 +368,12 @@ impl CommConfig {
     }
 
     pub(crate) fn to_raw_for(&self, version: Version) -> Result<RawConfig> {
-        self.validate()?;
-        let fields = self.fields_set();
-        if fields.is_empty() {
-            return Ok(RawConfig {
-                config: None,
-                _strings: Vec::new(),
-            });
-        }
-        // Every field is at least as new as ncclCommInitRankConfig (2.14), so this also
-        // refuses any configuration on a library without the config API.
-        for (name, since) in &fields {
-            if version < *since {
-                return Err(Error::Unsupported {
-                    api: name,
-                    needs: *since,
-                    found: version,
-                });
-            }
-        }
-        let mut cfg = nccl_sys::nccl_config_initializer();
-        let int = |value: u32| c_int::try_from(value).unwrap_or(c_int::MAX);
-        let flag = |value: bool| c_int::from(value);
-        let mut strings = Vec::new();
-        let mut c_string = |value: &str| -> Result<*const std::os::raw::c_char> {
-            let owned = CString::new(value)
-                .map_err(|_| Error::invalid(format!("{value:?} contains a NUL byte")))?;
-            let ptr = owned.as_ptr();
-            strings.push(owned);
-            Ok(ptr)
-        };
-        if let Some(v) = self.blocking {
-            cfg.blocking = flag(v);
-        }
-        if let Some(v) = self.cga_cluster_size {
-            cfg.cgaClusterSize = int(v);
-        }
-        if let Some(v) = self.min_ctas {
-            cfg.minCTAs = int(v);
-        }
-        if let Some(v) = self.max_ctas {
-            cfg.maxCTAs = int(v);
-        }
-        if let Some(v) = &self.net_name {
-            cfg.netName = c_string(v)?;
-        }
-        if let Some(v) = self.split_share {
-            cfg.splitShare = flag(v);
-        }
-        if let Some(v) = self.traffic_class {
-            cfg.trafficClass = int(v);
-        }
-        if let Some(v) = &self.comm_name {
-            cfg.commName = c_string(v)?;
-        }
-        if let Some(v) = self.collnet_enable {
-            cfg.collnetEnable = flag(v);
-        }
-        if let Some(v) = self.cta_policy {
-            cfg.CTAPolicy = int(v.0);
-        }
-        if let Some(v) = self.shrink_share {
-            cfg.shrinkShare = flag(v);
-        }
-        if let Some(v) = self.nvls_ctas {
-            cfg.nvlsCTAs = int(v);
-        }
-        if let Some(v) = self.n_channels_per_net_peer {
-            cfg.nChannelsPerNetPeer = int(v);
-        }
-        if let Some(v) = self.nvlink_centric_sched {
-            cfg.nvlinkCentricSched = flag(v);
-        }
-        if let Some(v) = self.graph_usage_mode {
-            cfg.graphUsageMode = match v {
-                GraphUsageMode::NoGraphs => 0,
-                GraphUsageMode::SingleGraph => 1,
-                GraphUsageMode::MultipleGraphs => 2,
-            };
-        }
-        if let Some(v) = self.num_rma_ctx {
-            cfg.numRmaCtx = int(v);
-        }
-        if let Some(v) = self.max_p2p_peers {
-            cfg.maxP2pPeers = int(v);
-        }
-        if let Some(v) = self.graph_stream_ordering {
-            cfg.graphStreamOrdering = flag(v);
-        }
-        if let Some(v) = self.launch_order_implicit {
-            cfg.launchOrderImplicit = flag(v);
-        }
-        if let Some(v) = self.num_rma_sig {
-            cfg.numRmaSig = int(v);
-        }
-        if let Some(v) = self.rma_eager_init {
-            cfg.rmaEagerInit = flag(v);
-        }
-        if let Some(v) = self.host_cft_mode {
-            cfg.hostCftMode = match v {
-                HostCftMode::Enable => 1,
-                HostCftMode::Disable => 2,
-                HostCftMode::Fallback => 3,
-            };
-        }
-        if let Some(v) = self.nvls_host_mode {
-            cfg.nvlsHostMode = v.0;
-        }
-        Ok(RawConfig {
-            config: Some(cfg),
-            _strings: strings,
+        Ok(match self.fill(version)? {
+            Some((config, strings)) => RawConfig {
+                config: Some(config),
+                _strings: strings,
+            },
+            None => RawConfig::unset(),
         })
     }
 }
@@ -474,15 +387,19 @@ pub(crate) struct RawConfig {
 }
 
 impl RawConfig {
+    fn unset() -> Self {
+        RawConfig {
+            config: None,
+            _strings: Vec::new(),
+        }
+    }
+
     /// For calls where a null config means "inherit the parent's" (split, shrink, grow):
     /// `None` gives a null pointer from [`RawConfig::as_mut_ptr`].
     pub(crate) fn inherit_or(config: Option<&CommConfig>, lib: &Library) -> Result<Self> {
         match config {
             Some(config) => config.to_raw(lib),
-            None => Ok(RawConfig {
-                config: None,
-                _strings: Vec::new(),
-            }),
+            None => Ok(RawConfig::unset()),
         }
     }
 
@@ -500,169 +417,4 @@ impl RawConfig {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::ffi::CStr;
-
-    const NEW: Version = Version::new(2, 32, 3);
-
-    #[test]
-    fn default_config_needs_no_struct() {
-        let mut raw = CommConfig::default()
-            .to_raw_for(Version::new(2, 4, 0))
-            .unwrap();
-        assert!(raw.as_mut().is_none());
-        assert!(CommConfig::default().is_blocking());
-    }
-
-    #[test]
-    fn struct_is_filled_like_the_initializer() {
-        let mut raw = CommConfig::new()
-            .blocking(false)
-            .max_ctas(16)
-            .net_name("Socket".to_string())
-            .comm_name("trainer".to_string())
-            .cta_policy(CtaPolicy::EFFICIENCY | CtaPolicy::ZERO)
-            .graph_usage_mode(GraphUsageMode::SingleGraph)
-            .nvls_host_mode(NvlsHostMode::DISABLE)
-            .to_raw_for(NEW)
-            .unwrap();
-        let cfg = raw.as_mut().unwrap();
-        assert_eq!(cfg.size, std::mem::size_of::<ncclConfig_t>());
-        assert_eq!(cfg.size, 120);
-        assert_eq!(cfg.magic, 0xcafe_beef);
-        assert_eq!(cfg.version, 23203);
-        assert_eq!(cfg.blocking, 0);
-        assert_eq!(cfg.maxCTAs, 16);
-        assert_eq!(
-            cfg.minCTAs,
-            c_int::MIN,
-            "unset fields stay NCCL_CONFIG_UNDEF_INT"
-        );
-        assert_eq!(cfg.CTAPolicy, 3);
-        assert_eq!(cfg.graphUsageMode, 1);
-        assert_eq!(cfg.nvlsHostMode, i32::MAX);
-        assert_eq!(cfg.splitShare, c_int::MIN);
-        // SAFETY: the pointers refer to CStrings owned by `raw`, alive here.
-        let net = unsafe { CStr::from_ptr(cfg.netName) };
-        assert_eq!(net.to_str().unwrap(), "Socket");
-        // SAFETY: as above.
-        let name = unsafe { CStr::from_ptr(cfg.commName) };
-        assert_eq!(name.to_str().unwrap(), "trainer");
-    }
-
-    #[test]
-    fn fields_newer_than_the_library_are_unsupported() {
-        let cases: Vec<(CommConfig, &str, Version)> = vec![
-            (
-                CommConfig::new().blocking(false),
-                "blocking",
-                Version::new(2, 14, 0),
-            ),
-            (
-                CommConfig::new().split_share(true),
-                "splitShare",
-                Version::new(2, 18, 0),
-            ),
-            (
-                CommConfig::new().traffic_class(3),
-                "trafficClass",
-                Version::new(2, 26, 0),
-            ),
-            (
-                CommConfig::new().shrink_share(true),
-                "shrinkShare",
-                Version::new(2, 27, 0),
-            ),
-            (
-                CommConfig::new().nvlink_centric_sched(true),
-                "nvlinkCentricSched",
-                Version::new(2, 28, 0),
-            ),
-            (
-                CommConfig::new().num_rma_ctx(2),
-                "numRmaCtx",
-                Version::new(2, 29, 0),
-            ),
-            (
-                CommConfig::new().max_p2p_peers(4),
-                "maxP2pPeers",
-                Version::new(2, 30, 3),
-            ),
-            (
-                CommConfig::new().graph_stream_ordering(true),
-                "graphStreamOrdering",
-                Version::new(2, 30, 7),
-            ),
-            (
-                CommConfig::new().rma_eager_init(true),
-                "rmaEagerInit",
-                Version::new(2, 31, 0),
-            ),
-            (
-                CommConfig::new().host_cft_mode(HostCftMode::Disable),
-                "hostCftMode",
-                Version::new(2, 31, 0),
-            ),
-        ];
-        for (config, field, since) in cases {
-            let older = Version::new(since.major, since.minor, since.patch.saturating_sub(1));
-            let older = if older == since {
-                Version::new(since.major, since.minor - 1, 99)
-            } else {
-                older
-            };
-            match config.to_raw_for(older) {
-                Err(Error::Unsupported { api, needs, found }) => {
-                    assert_eq!(api, field);
-                    assert_eq!(needs, since);
-                    assert_eq!(found, older);
-                }
-                Err(other) => panic!("{field}: unexpected error {other}"),
-                Ok(_) => panic!("{field} accepted by NCCL {older}"),
-            }
-            assert!(
-                config.to_raw_for(since).is_ok(),
-                "{field} rejected by {since}"
-            );
-        }
-        // The 2.28 libraries on the test machines.
-        let nccl_2_28_3 = Version::new(2, 28, 3);
-        assert!(CommConfig::new()
-            .nvlink_centric_sched(true)
-            .to_raw_for(nccl_2_28_3)
-            .is_ok());
-        assert!(CommConfig::new()
-            .graph_usage_mode(GraphUsageMode::NoGraphs)
-            .to_raw_for(nccl_2_28_3)
-            .is_err());
-    }
-
-    #[test]
-    fn bad_values_are_rejected() {
-        let err = |c: CommConfig| {
-            c.to_raw_for(NEW)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default()
-        };
-        assert!(err(CommConfig::new().min_ctas(8).max_ctas(4)).contains("minCTAs (8) is larger"));
-        assert!(err(CommConfig::new().max_ctas(0)).contains("maxCTAs must be at least 1"));
-        assert!(err(CommConfig::new().cga_cluster_size(9)).contains("between 0 and 8"));
-        assert!(err(CommConfig::new().n_channels_per_net_peer(65)).contains("between 1 and 64"));
-        assert!(err(CommConfig::new().net_name("I\0B".into())).contains("NUL"));
-        assert!(err(CommConfig::new()
-            .graph_stream_ordering(false)
-            .graph_usage_mode(GraphUsageMode::MultipleGraphs))
-        .contains("graphStreamOrdering"));
-    }
-
-    #[test]
-    fn children_inherit_blocking_unless_set() {
-        assert!(!CommConfig::new().inherit_blocking(false).is_blocking());
-        assert!(CommConfig::new()
-            .blocking(true)
-            .inherit_blocking(false)
-            .is_blocking());
-    }
-}
+mod tests;

@@ -279,8 +279,10 @@ impl fmt::Display for LibraryNotFound {
         write!(
             f,
             "fix: install NCCL (e.g. the libnccl2 package or `pip install nvidia-nccl-cu13`), \
-             then set NCCL_LIBRARY=/path/to/libnccl.so.2, or NCCL_HOME to the directory holding \
-             lib/libnccl.so.2, or add that lib directory to LD_LIBRARY_PATH"
+             then set NCCL_LIBRARY=/path/to/libnccl.so.2 (for a pip install: \
+             NCCL_LIBRARY=\"$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])')\
+             /lib/libnccl.so.2\"), or NCCL_HOME to the directory holding lib/libnccl.so.2, or \
+             add that lib directory to LD_LIBRARY_PATH, or call nccl::library::load_from(path)"
         )
     }
 }
@@ -376,5 +378,12 @@ mod tests {
         assert!(text.contains("/opt/nccl/lib/libnccl.so.2 [NCCL_HOME]: no such file"));
         assert!(text.contains("libnccl.so.2 [dynamic linker]"));
         assert!(text.contains("NCCL_LIBRARY"));
+        assert!(
+            text.contains(
+                "NCCL_LIBRARY=\"$(python3 -c 'import nvidia.nccl; print(nvidia.nccl.__path__[0])')\
+             /lib/libnccl.so.2\""
+            ),
+            "{text}"
+        );
     }
 }

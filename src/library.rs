@@ -1,7 +1,9 @@
 //! Finding, loading and versioning the NCCL shared library.
 //!
 //! Nothing links against NCCL at build time: `libnccl.so.2` is opened the first time any NCCL
-//! function is needed, and the result is cached for the life of the process.
+//! function is needed. Once a library has loaded it is the process's NCCL for good (every
+//! communicator refers to it); a failed attempt is not remembered, so the next call searches
+//! again and an explicit [`load_from`] after a failure can still succeed.
 //!
 //! # Search order
 //!
@@ -13,10 +15,19 @@
 //!    `CUDA_HOME`, if such a library existed then (the build never fails when none does).
 //! 4. The dynamic linker's own lookup (`LD_LIBRARY_PATH`, `ldconfig` cache, ...): `libnccl.so.2`,
 //!    then `libnccl.so`.
-//! 5. Python environments: `site-packages/nvidia/nccl/lib/libnccl.so.2` under `VIRTUAL_ENV`
-//!    and `CONDA_PREFIX`, and `$CONDA_PREFIX/lib/libnccl.so.2`.
+//! 5. Python environments: `site-packages/nvidia/nccl/lib/libnccl.so.2` (where
+//!    `pip install nvidia-nccl-cu13` or `-cu12` puts it) under `VIRTUAL_ENV` and
+//!    `CONDA_PREFIX`, and `$CONDA_PREFIX/lib/libnccl.so.2`.
+//! 6. A system Python, no environment active: the same file under each `PYTHONPATH` entry,
+//!    the user's `site-packages` (`$PYTHONUSERBASE`, else `~/.local`), then
+//!    `/usr/local/lib/python3.*/dist-packages` and `site-packages`,
+//!    `/usr/lib/python3/dist-packages`, `/usr/lib/python3.*/site-packages`,
+//!    `/usr/lib64/python3.*/site-packages`, `/opt/conda/lib/python3.*/site-packages`, and
+//!    finally `/opt/conda/lib/libnccl.so.2`. Newer Pythons come first; only directories that
+//!    exist are tried.
 //!
-//! When nothing loads, [`Error::LibraryNotFound`] lists every place tried and why each failed.
+//! When nothing loads, [`Error::LibraryNotFound`] lists every place tried and why each failed,
+//! in the dynamic loader's words (a file that is not a library, a missing dependency, ...).
 //! A program can also choose the library itself with [`load_from`] before its first NCCL call.
 //!
 //! # Versions
@@ -26,14 +37,17 @@
 //! first and returns [`Error::Unsupported`] on an older library, instead of failing inside
 //! NCCL or calling a symbol that is not there.
 
-use std::ffi::{CStr, OsString};
+mod search;
+
+use std::ffi::CStr;
 use std::fmt;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::path::Path;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use nccl_sys::{ncclResult_t, MissingSymbol, NcclLib};
 
-use crate::error::{Error, LibraryNotFound, LoadAttempt, Result, ResultCode};
+use self::search::{candidates, env_var, search, Candidate};
+use crate::error::{Error, LibraryNotFound, Result, ResultCode};
 
 /// An NCCL release version, e.g. 2.28.3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -114,7 +128,7 @@ impl Library {
     fn open(path: &Path, source: &'static str) -> std::result::Result<Self, String> {
         // SAFETY: loading a shared library runs its initialisers; NCCL's are benign, and a
         // candidate is only ever a file named like NCCL or chosen explicitly by the user.
-        let api = unsafe { NcclLib::open(path) }.map_err(|e| e.to_string())?;
+        let api = unsafe { NcclLib::open(path) }.map_err(|e| with_sources(&e))?;
         let mut code = 0;
         // SAFETY: `code` is a valid writable int for the duration of the call.
         let status = unsafe { api.ncclGetVersion(&mut code) }
@@ -233,6 +247,19 @@ impl Library {
     }
 }
 
+/// An error's text followed by its sources': libloading's own text is only "dlopen failed",
+/// the reason (`dlerror`, e.g. "invalid ELF header") is its source.
+fn with_sources(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 fn copy_c_str(ptr: *const std::os::raw::c_char) -> Option<String> {
     if ptr.is_null() {
         return None;
@@ -246,37 +273,80 @@ fn copy_c_str(ptr: *const std::os::raw::c_char) -> Option<String> {
     )
 }
 
-static LIBRARY: OnceLock<std::result::Result<Library, LibraryNotFound>> = OnceLock::new();
+/// The process's NCCL once one has loaded. It is never replaced or unloaded: communicators
+/// hold `&'static Library`. Failures are not stored, so a later attempt can still succeed.
+static LIBRARY: OnceLock<Library> = OnceLock::new();
+
+/// Held while a library is being opened, so that concurrent first uses open one library and
+/// all get it. Only the loading paths take it; [`get`] after a load is a single atomic read.
+static LOADING: Mutex<()> = Mutex::new(());
 
 /// The loaded library, loading it on first use by the documented search order.
+///
+/// A failed search is not remembered: the next call searches again, so a library installed or
+/// pointed at in the meantime (or chosen with [`load_from`]) is picked up.
+#[inline]
 pub fn get() -> Result<&'static Library> {
-    LIBRARY
-        .get_or_init(|| search(&candidates(&env_var, option_env!("NCCL_RS_BUILD_HINT"))))
-        .as_ref()
-        .map_err(|not_found| Error::LibraryNotFound(not_found.clone()))
+    match LIBRARY.get() {
+        Some(lib) => Ok(lib),
+        None => search_and_load(),
+    }
 }
 
-/// Loads NCCL from `path` instead of searching, before anything else used NCCL.
+#[cold]
+#[inline(never)]
+fn search_and_load() -> Result<&'static Library> {
+    load_once(None, || {
+        search(&candidates(
+            &env_var,
+            option_env!("NCCL_RS_BUILD_HINT"),
+            Path::new("/"),
+        ))
+    })
+}
+
+/// Loads NCCL from `path` instead of searching.
 ///
 /// Returns the library if it is now the process's NCCL (also when the same path was already
-/// loaded), and an error if another library was already loaded or this one cannot be.
+/// loaded). Fails if this library cannot be loaded, with the dynamic loader's reason, or if
+/// another library is already the process's NCCL. A failed attempt, explicit or implicit,
+/// leaves nothing behind: a later `load_from` of a working library succeeds, and from then on
+/// every NCCL call uses it.
 pub fn load_from(path: impl AsRef<Path>) -> Result<&'static Library> {
     let path = path.as_ref();
-    let loaded = LIBRARY.get_or_init(|| {
+    load_once(Some(path), || {
         search(&[Candidate {
             source: "load_from",
             path: path.to_path_buf(),
             explicit: true,
         }])
-    });
-    match loaded {
-        Ok(lib) if lib.path() == path => Ok(lib),
-        Ok(lib) => Err(Error::usage(format!(
+    })
+}
+
+/// Runs `open` unless a library is already loaded, and keeps what it opens for the process.
+/// With `wanted`, an already loaded library must have been loaded from that path.
+fn load_once(
+    wanted: Option<&Path>,
+    open: impl FnOnce() -> std::result::Result<Library, LibraryNotFound>,
+) -> Result<&'static Library> {
+    // The lock guards no data, so a panic in another loader leaves nothing inconsistent.
+    let _loading = LOADING.lock().unwrap_or_else(PoisonError::into_inner);
+    let lib = match LIBRARY.get() {
+        Some(lib) => lib,
+        // Only the holder of `LOADING` initialises, so `open` runs at most once at a time and
+        // its library is the one stored.
+        None => {
+            let opened = open()?;
+            LIBRARY.get_or_init(|| opened)
+        }
+    };
+    match wanted {
+        Some(path) if lib.path() != path => Err(Error::usage(format!(
             "NCCL was already loaded from {} before load_from({})",
             lib.path().display(),
             path.display()
         ))),
-        Err(not_found) => Err(Error::LibraryNotFound(not_found.clone())),
+        _ => Ok(lib),
     }
 }
 
@@ -307,122 +377,9 @@ pub fn cuda_device_count() -> Result<usize> {
     }
 }
 
-fn env_var(name: &str) -> Option<OsString> {
-    std::env::var_os(name).filter(|value| !value.is_empty())
-}
-
-/// One place the search will try.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Candidate {
-    pub(crate) source: &'static str,
-    pub(crate) path: PathBuf,
-    /// Named by the user: if it fails, the search stops there.
-    pub(crate) explicit: bool,
-}
-
-/// Every candidate, in search order, given the environment and the build-time hint.
-pub(crate) fn candidates(
-    env: &dyn Fn(&str) -> Option<OsString>,
-    build_hint: Option<&str>,
-) -> Vec<Candidate> {
-    let candidate = |source, path: PathBuf| Candidate {
-        source,
-        path,
-        explicit: false,
-    };
-    if let Some(file) = env("NCCL_LIBRARY") {
-        return vec![Candidate {
-            source: "NCCL_LIBRARY",
-            path: file.into(),
-            explicit: true,
-        }];
-    }
-    let mut list = Vec::new();
-    if let Some(home) = env("NCCL_HOME") {
-        let home = PathBuf::from(home);
-        for rel in ["lib/libnccl.so.2", "lib/libnccl.so", "lib64/libnccl.so.2"] {
-            list.push(candidate("NCCL_HOME", home.join(rel)));
-        }
-    }
-    if let Some(hint) = build_hint.filter(|hint| !hint.is_empty()) {
-        list.push(candidate("build-time NCCL_HOME/CUDA_HOME", hint.into()));
-    }
-    for soname in ["libnccl.so.2", "libnccl.so"] {
-        list.push(candidate("dynamic linker", soname.into()));
-    }
-    for (var, source) in [
-        ("VIRTUAL_ENV", "VIRTUAL_ENV site-packages"),
-        ("CONDA_PREFIX", "CONDA_PREFIX site-packages"),
-    ] {
-        if let Some(prefix) = env(var) {
-            for site in site_packages(Path::new(&prefix)) {
-                list.push(candidate(source, site.join("nvidia/nccl/lib/libnccl.so.2")));
-            }
-        }
-    }
-    if let Some(prefix) = env("CONDA_PREFIX") {
-        list.push(candidate(
-            "CONDA_PREFIX",
-            PathBuf::from(prefix).join("lib/libnccl.so.2"),
-        ));
-    }
-    list
-}
-
-/// `lib/python3.*/site-packages` directories under a Python prefix, sorted for determinism.
-fn site_packages(prefix: &Path) -> Vec<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir(prefix.join("lib"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|entry| entry.file_name().to_string_lossy().starts_with("python3"))
-        .map(|entry| entry.path().join("site-packages"))
-        .filter(|site| site.is_dir())
-        .collect();
-    found.sort();
-    found
-}
-
-/// Tries the candidates in order; the first that is a working NCCL wins.
-fn search(candidates: &[Candidate]) -> std::result::Result<Library, LibraryNotFound> {
-    let mut attempts = Vec::new();
-    for candidate in candidates {
-        // A bare soname goes to the dynamic linker; anything with a slash must exist.
-        let is_path = candidate.path.components().count() > 1;
-        let outcome = if is_path && !candidate.path.exists() {
-            Err("no such file".to_string())
-        } else {
-            Library::open(&candidate.path, candidate.source)
-        };
-        match outcome {
-            Ok(lib) => return Ok(lib),
-            Err(reason) => {
-                attempts.push(LoadAttempt {
-                    source: candidate.source,
-                    candidate: candidate.path.clone(),
-                    reason,
-                });
-                if candidate.explicit {
-                    break;
-                }
-            }
-        }
-    }
-    Err(LibraryNotFound { attempts })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
-        let map: HashMap<String, OsString> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), OsString::from(v)))
-            .collect();
-        move |name| map.get(name).cloned()
-    }
 
     #[test]
     fn version_codes_decode_both_encodings() {
@@ -445,119 +402,6 @@ mod tests {
         assert!(Version::new(2, 9, 0) > Version::new(2, 8, 4));
         assert_eq!(Version::HEADER, Version::new(2, 32, 3));
         assert_eq!(Version::HEADER.code(), 23203);
-    }
-
-    #[test]
-    fn nccl_library_is_the_only_candidate_when_set() {
-        let list = candidates(
-            &env_of(&[("NCCL_LIBRARY", "/x/libnccl.so.2"), ("NCCL_HOME", "/h")]),
-            Some("/hint/libnccl.so.2"),
-        );
-        assert_eq!(list.len(), 1);
-        assert_eq!(list[0].path, PathBuf::from("/x/libnccl.so.2"));
-        assert!(list[0].explicit);
-    }
-
-    #[test]
-    fn search_order_is_home_hint_linker_then_python() {
-        let venv = std::env::temp_dir().join(format!("nccl-rs-venv-{}", std::process::id()));
-        let site = venv.join("lib/python3.12/site-packages");
-        std::fs::create_dir_all(&site).unwrap();
-        let list = candidates(
-            &env_of(&[
-                ("NCCL_HOME", "/h"),
-                ("VIRTUAL_ENV", venv.to_str().unwrap()),
-                ("CONDA_PREFIX", "/conda"),
-            ]),
-            Some("/hint/libnccl.so.2"),
-        );
-        let got: Vec<(String, &str)> = list
-            .iter()
-            .map(|c| (c.path.display().to_string(), c.source))
-            .collect();
-        let want = vec![
-            ("/h/lib/libnccl.so.2".to_string(), "NCCL_HOME"),
-            ("/h/lib/libnccl.so".to_string(), "NCCL_HOME"),
-            ("/h/lib64/libnccl.so.2".to_string(), "NCCL_HOME"),
-            (
-                "/hint/libnccl.so.2".to_string(),
-                "build-time NCCL_HOME/CUDA_HOME",
-            ),
-            ("libnccl.so.2".to_string(), "dynamic linker"),
-            ("libnccl.so".to_string(), "dynamic linker"),
-            (
-                site.join("nvidia/nccl/lib/libnccl.so.2")
-                    .display()
-                    .to_string(),
-                "VIRTUAL_ENV site-packages",
-            ),
-            ("/conda/lib/libnccl.so.2".to_string(), "CONDA_PREFIX"),
-        ];
-        assert_eq!(got, want);
-        assert!(list.iter().all(|c| !c.explicit));
-        std::fs::remove_dir_all(&venv).unwrap();
-    }
-
-    #[test]
-    fn empty_environment_still_asks_the_dynamic_linker() {
-        let list = candidates(&env_of(&[]), None);
-        let paths: Vec<_> = list.iter().map(|c| c.path.clone()).collect();
-        assert_eq!(
-            paths,
-            vec![PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")]
-        );
-    }
-
-    #[test]
-    fn not_found_lists_every_attempt_with_reasons() {
-        let list = vec![
-            Candidate {
-                source: "NCCL_HOME",
-                path: "/definitely/not/here/libnccl.so.2".into(),
-                explicit: false,
-            },
-            Candidate {
-                source: "dynamic linker",
-                path: "libnccl-does-not-exist.so.2".into(),
-                explicit: false,
-            },
-        ];
-        let err = search(&list).unwrap_err();
-        assert_eq!(err.attempts.len(), 2);
-        assert_eq!(err.attempts[0].reason, "no such file");
-        assert!(!err.attempts[1].reason.is_empty());
-        let text = Error::LibraryNotFound(err).to_string();
-        assert!(text.contains("/definitely/not/here/libnccl.so.2 [NCCL_HOME]: no such file"));
-        assert!(text.contains("libnccl-does-not-exist.so.2 [dynamic linker]"));
-    }
-
-    #[test]
-    fn a_library_without_nccl_symbols_is_rejected_and_explicit_stops_search() {
-        let list = vec![
-            Candidate {
-                source: "NCCL_LIBRARY",
-                path: "libc.so.6".into(),
-                explicit: true,
-            },
-            Candidate {
-                source: "dynamic linker",
-                path: "libnccl.so.2".into(),
-                explicit: false,
-            },
-        ];
-        let err = search(&list).unwrap_err();
-        assert_eq!(
-            err.attempts.len(),
-            1,
-            "explicit candidate must end the search"
-        );
-        assert!(
-            err.attempts[0]
-                .reason
-                .contains("does not export ncclGetVersion"),
-            "{:?}",
-            err.attempts
-        );
     }
 
     #[test]

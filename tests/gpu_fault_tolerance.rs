@@ -363,7 +363,7 @@ fn abort_from_another_thread_waits_for_an_open_group() {
     let id = UniqueId::new().unwrap();
     let config = CommConfig::new()
         .blocking(false)
-        .with_ready_timeout(Duration::from_secs(60));
+        .ready_timeout(Duration::from_secs(60));
     let comm = Comm::init_rank_with_config(stream.clone(), &id, 0, 1, &config).unwrap();
     let handle = comm.abort_handle().unwrap();
     let mut buf: CudaSlice<f32> = stream.clone_htod(&[1.0f32; 256]).unwrap();
@@ -513,7 +513,7 @@ fn join_as_a_node(spec: &Spec, config: &CommConfig) -> (Comm, Arc<CudaStream>) {
 }
 
 fn nonblocking(ready: Duration) -> CommConfig {
-    CommConfig::new().blocking(false).with_ready_timeout(ready)
+    CommConfig::new().blocking(false).ready_timeout(ready)
 }
 
 /// Integer-valued random floats (sums of a few stay exact).

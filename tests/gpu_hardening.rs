@@ -61,7 +61,7 @@ fn stuck_nonblocking_call_aborts_before_its_buffers_are_released() {
                 let stream = stream_on(rank);
                 let config = CommConfig::new()
                     .blocking(false)
-                    .with_ready_timeout(Duration::from_secs(120));
+                    .ready_timeout(Duration::from_secs(120));
                 let mut comm = Comm::init_rank_with_config(stream.clone(), id, rank, n, &config)
                     .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
                 if rank == 0 {

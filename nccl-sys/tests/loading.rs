@@ -32,6 +32,31 @@ fn nonexistent_path_is_an_error() {
     assert!(unsafe { NcclLib::open("libnccl-that-does-not-exist.so.99") }.is_err());
 }
 
+/// libloading's own text is only "dlopen failed"; the dynamic loader's reason is the error's
+/// `source()`. nccl-rs walks that chain to tell users why a library did not load.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_loaders_reason_is_the_errors_source() {
+    use std::error::Error as _;
+    let junk = std::env::temp_dir().join(format!("nccl-sys-junk-{}.so", std::process::id()));
+    std::fs::write(&junk, b"not an ELF file ".repeat(64)).unwrap();
+    // SAFETY: the file is not a library, so nothing is loaded or run.
+    let result = unsafe { NcclLib::open(&junk) };
+    std::fs::remove_file(&junk).unwrap();
+    let err = result.unwrap_err();
+    let reason = err.source().expect("dlopen's reason").to_string();
+    assert!(reason.contains("invalid ELF header"), "{err}: {reason}");
+    assert!(reason.contains(junk.to_str().unwrap()), "{reason}");
+
+    // SAFETY: nothing is loaded.
+    let err = unsafe { NcclLib::open("libnccl-that-does-not-exist.so.99") }.unwrap_err();
+    let reason = err.source().expect("dlopen's reason").to_string();
+    assert!(
+        reason.contains("libnccl-that-does-not-exist.so.99: cannot open shared object file"),
+        "{reason}"
+    );
+}
+
 #[cfg(target_os = "linux")]
 #[test]
 fn libc_loads_but_exports_no_nccl_symbol() {

@@ -68,7 +68,7 @@ impl Comm {
             Some(config) => config.clone().inherit_blocking(self.shared.blocking),
             None => CommConfig::default()
                 .blocking(self.shared.blocking)
-                .with_ready_timeout(self.ready_timeout),
+                .ready_timeout(self.ready_timeout),
         }
     }
 
@@ -102,7 +102,7 @@ impl Comm {
             // The parent settles when every member has joined the child, so the wait is the
             // child's creation timeout, not the parent's (which may be short, for detecting
             // failures).
-            Ok(_) => match self.poll_in_progress(call, Some(child_config.ready_timeout()), false) {
+            Ok(_) => match self.poll_in_progress(call, Some(child_config.ready_timeout), false) {
                 Ok(code) => code,
                 Err(err) => {
                     // NCCL's job may still write the slot and read the argument.

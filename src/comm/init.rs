@@ -195,7 +195,7 @@ impl Comm {
             rank: 0,
             size: 0,
             device: 0,
-            ready_timeout: config.ready_timeout(),
+            ready_timeout: config.ready_timeout,
             drop_timeout: Duration::ZERO,
             siblings: None,
             _not_sync: PhantomData,

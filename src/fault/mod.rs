@@ -79,7 +79,7 @@
 //!     -> nccl::Result<()> {
 //!     let config = CommConfig::new()
 //!         .blocking(false)
-//!         .with_ready_timeout(Duration::from_secs(30));
+//!         .ready_timeout(Duration::from_secs(30));
 //!     let comm = Comm::init_rank_with_config(stream.clone(), id, rank, world, &config)?;
 //!     let mut grads = stream.alloc_zeros::<f32>(1 << 20)?;
 //!     comm.all_reduce_in_place(&mut grads, ReduceOp::Sum)?;
