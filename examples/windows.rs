@@ -142,9 +142,13 @@ fn run(elements: usize) -> nccl::Result<()> {
             nccl::version()?
         );
     }
-    if comm.library().version() < nccl::window::WINDOWS_SINCE {
+    if comm.library().version() < nccl::window::SYMMETRIC_SINCE {
         if comm.rank() == 0 {
-            println!("NCCL {} has no windows (2.27)", nccl::version()?);
+            println!(
+                "NCCL {}: symmetric windows need {} (earlier symmetric kernels could corrupt data)",
+                nccl::version()?,
+                nccl::window::SYMMETRIC_SINCE
+            );
         }
     } else if symmetric_all_reduce(&comm, elements)? {
         rma_ring(&comm, elements)?;

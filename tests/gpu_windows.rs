@@ -474,7 +474,9 @@ fn unsupported(result: Result<(), Error>, what: &str) {
     }
 }
 
-const V2_27: Version = Version::new(2, 27, 0);
+/// Symmetric windows: NCCL 2.27, accepted by the crate from 2.28.7 (earlier symmetric
+/// kernels could corrupt data; see `nccl::window::SYMMETRIC_SINCE`).
+const SYMMETRIC: Version = nccl::window::SYMMETRIC_SINCE;
 const V2_28: Version = Version::new(2, 28, 0);
 const V2_29: Version = Version::new(2, 29, 0);
 const V2_29_4: Version = Version::new(2, 29, 4);
@@ -495,7 +497,7 @@ fn every_collective_on_windows_at_offsets_in_and_out_of_place() {
     );
     let comms = comms(&CommConfig::new());
     let n = comms.len();
-    if version() < V2_27 {
+    if version() < SYMMETRIC {
         per_rank(comms, |comm, _| {
             let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 4096).unwrap();
             let err = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC);
@@ -546,7 +548,7 @@ fn rma_ring_with_contexts_and_signals() {
     let comms = comms(&config);
     if v < V2_29 {
         per_rank(comms, |comm, _| {
-            if v < V2_27 {
+            if v < SYMMETRIC {
                 return;
             }
             let mut win = window::<f32>(&comm, 4096, WindowFlags::COLL_SYMMETRIC);
@@ -691,7 +693,7 @@ fn child_null_window() {
     let v = version();
     let n = gpus();
     let expect_no_window = |err: &Error, what: &str| {
-        if v < V2_27 {
+        if v < SYMMETRIC {
             assert!(matches!(err, Error::Unsupported { .. }), "{what}: {err}");
         } else {
             assert!(
@@ -738,7 +740,7 @@ fn registration_in_a_group_and_on_nonblocking_communicators() {
         Duration::from_secs(300),
     );
     let v = version();
-    if v < V2_27 {
+    if v < SYMMETRIC {
         println!("NCCL {v} has no windows");
         return;
     }
@@ -827,7 +829,7 @@ fn windows_outlive_an_abort_of_their_communicator() {
         Duration::from_secs(300),
     );
     let v = version();
-    if v < V2_27 {
+    if v < SYMMETRIC {
         println!("NCCL {v} has no windows");
         return;
     }
@@ -959,7 +961,7 @@ fn properties_and_version_gates_follow_the_library() {
                 unsupported(Err(err), "ncclCommQueryProperties");
             }
         }
-        if v < V2_27 {
+        if v < SYMMETRIC {
             let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 1024).unwrap();
             let err = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC);
             unsupported(err.map(drop).map_err(Error::from), "ncclCommWindowRegister");
@@ -1021,7 +1023,7 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
         Duration::from_secs(300),
     );
     let v = version();
-    if v < V2_27 {
+    if v < SYMMETRIC {
         println!("NCCL {v} has no windows");
         return;
     }

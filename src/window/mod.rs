@@ -129,6 +129,13 @@ pub const REQUIRED_ALIGNMENT: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 
 /// First NCCL with `ncclCommWindowRegister` and `ncclCommWindowDeregister`.
 pub const WINDOWS_SINCE: Version = Version::new(2, 27, 0);
+/// First NCCL whose symmetric kernels this crate lets run: NCCL 2.28.7's release notes fix
+/// "potential data corruption with built-in symmetric kernels for small messages with size
+/// granularity under 8 bytes or when multiple symmetric operations were aggregated in a
+/// group", and on 2.28.3 an all-gather of 1023 `f32` on symmetric windows returned wrong
+/// elements on our 2×H200 host. Older libraries refuse [`WindowFlags::COLL_SYMMETRIC`] with
+/// [`Error::Unsupported`] rather than risk it.
+pub const SYMMETRIC_SINCE: Version = Version::new(2, 28, 7);
 /// First NCCL with `ncclWinGetUserPtr` and one-sided RMA.
 pub const USER_PTR_SINCE: Version = Version::new(2, 29, 0);
 
@@ -140,8 +147,9 @@ pub struct WindowFlags(u32);
 impl WindowFlags {
     /// `NCCL_WIN_DEFAULT`: a plain registration (2.27).
     pub const DEFAULT: WindowFlags = WindowFlags(0x00);
-    /// `NCCL_WIN_COLL_SYMMETRIC` (2.27): the window may back symmetric collectives and be the
-    /// source of one-sided RMA; collectives must use the same offset into it on every rank.
+    /// `NCCL_WIN_COLL_SYMMETRIC` (2.27; accepted here from 2.28.7, see [`SYMMETRIC_SINCE`]):
+    /// the window may back symmetric collectives and be the source of one-sided RMA;
+    /// collectives must use the same offset into it on every rank.
     pub const COLL_SYMMETRIC: WindowFlags = WindowFlags(0x01);
     /// `NCCL_WIN_STRICT_ORDERING` (2.29.7): ordered delivery for GIN VA signals over IB
     /// verbs.
@@ -156,7 +164,7 @@ impl WindowFlags {
         (
             WindowFlags::COLL_SYMMETRIC,
             "NCCL_WIN_COLL_SYMMETRIC",
-            Version::new(2, 27, 0),
+            SYMMETRIC_SINCE,
         ),
         (
             WindowFlags::STRICT_ORDERING,
@@ -488,8 +496,15 @@ mod tests {
     #[test]
     fn flags_are_gated_by_version() {
         let v = Version::new;
-        assert!(WindowFlags::COLL_SYMMETRIC.check(v(2, 27, 3)).is_ok());
+        assert!(WindowFlags::COLL_SYMMETRIC.check(v(2, 28, 7)).is_ok());
         assert!(WindowFlags::DEFAULT.check(v(2, 27, 3)).is_ok());
+        // Symmetric kernels before 2.28.7 could corrupt data: refused.
+        match WindowFlags::COLL_SYMMETRIC.check(v(2, 28, 3)) {
+            Err(Error::Unsupported { api, needs, .. }) => {
+                assert_eq!((api, needs), ("NCCL_WIN_COLL_SYMMETRIC", v(2, 28, 7)));
+            }
+            other => panic!("{other:?}"),
+        }
         let gates = [
             (WindowFlags::STRICT_ORDERING, v(2, 29, 3), v(2, 29, 7)),
             (WindowFlags::GIN_ONLY, v(2, 31, 2), v(2, 32, 0)),

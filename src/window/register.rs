@@ -254,7 +254,11 @@ impl Comm {
             // in the background.
             Err(err) => return Err(RegisterError::returning(err, vec![buffer])),
         };
-        if pending {
+        // A nonblocking communicator registers in NCCL's background job, which writes the
+        // slot later; NCCL 2.28 even returns success for it (`ncclCommWindowRegister` lets
+        // the group's `ncclInProgress` through its check and returns its own `ncclSuccess`),
+        // so the wait must not depend on the status.
+        if pending || !self.is_blocking() {
             if let Err(err) = self.wait_ready(self.ready_timeout()) {
                 slot.leak();
                 std::mem::forget(buffer);
@@ -320,7 +324,9 @@ impl Comm {
         if let Some(err) = deferred {
             failure.get_or_insert(err);
         }
-        if pending {
+        // As in `register_window`: nonblocking registrations finish in NCCL's job whatever
+        // the status said.
+        if pending || !first.is_blocking() {
             for comm in comms.iter().take(issued) {
                 if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
                     // NCCL may still write any slot and map any buffer handed to it.
