@@ -477,7 +477,6 @@ fn unsupported(result: Result<(), Error>, what: &str) {
 /// Symmetric windows: NCCL 2.27, accepted by the crate from 2.28.7 (earlier symmetric
 /// kernels could corrupt data; see `nccl::window::SYMMETRIC_SINCE`).
 const SYMMETRIC: Version = nccl::window::SYMMETRIC_SINCE;
-const V2_28: Version = Version::new(2, 28, 0);
 const V2_29: Version = Version::new(2, 29, 0);
 const V2_29_4: Version = Version::new(2, 29, 4);
 const V2_30_3: Version = Version::new(2, 30, 3);
@@ -1053,15 +1052,19 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
             .unwrap_err();
         invalid(err.error(), "undefined flag");
 
+        eprintln!("misuse rank {r}: registering sym");
         let mut sym = window::<f32>(&comm, 1024, WindowFlags::COLL_SYMMETRIC);
+        eprintln!("misuse rank {r}: registering plain");
         let plain = window::<f32>(&comm, 1024, WindowFlags::DEFAULT);
         invalid(&sym.view(1000..1025).unwrap_err(), "view past the end");
         invalid(&sym.split_at_mut(1025).unwrap_err(), "split past the end");
         if v >= V2_29 {
+            eprintln!("misuse rank {r}: splitting");
             let child = comm
                 .split(Some(0), r as i32)
                 .unwrap()
                 .expect("every rank joins the child");
+            eprintln!("misuse rank {r}: registering on the child");
             let other = window::<f32>(&child, 64, WindowFlags::COLL_SYMMETRIC);
             let from_other = other.view(0..4).unwrap();
             let err = sym
@@ -1091,9 +1094,12 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
                     "context 1 before NCCL 2.31",
                 );
             }
+            eprintln!("misuse rank {r}: dropping the child's window");
             drop(other);
+            eprintln!("misuse rank {r}: dropping the child");
             drop(child);
         }
+        eprintln!("misuse rank {r}: all-reduce on sym");
         // None of that touched the communicator.
         let stream = comm.stream().clone();
         stream.memcpy_htod(&vec![1.0f32; 1024], &mut sym).unwrap();
@@ -1112,8 +1118,8 @@ fn zero_cta_policy_collectives_on_symmetric_windows() {
         Duration::from_secs(300),
     );
     let v = version();
-    if v < V2_28 {
-        println!("NCCL {v} has no CtaPolicy::ZERO");
+    if v < SYMMETRIC {
+        println!("NCCL {v}: no symmetric windows here (CtaPolicy::ZERO needs them)");
         return;
     }
     // Copy-engine all-gather, all-to-all, gather and scatter need symmetric windows, a CUDA
