@@ -1096,8 +1096,13 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
             }
             eprintln!("misuse rank {r}: dropping the child's window");
             drop(other);
-            eprintln!("misuse rank {r}: dropping the child");
-            drop(child);
+            // Ended in order: on NCCL 2.32.3 an abort (what drop does) of this child after its
+            // window was deregistered stalled on one rank of our 2-GPU host.
+            eprintln!("misuse rank {r}: finalizing the child");
+            child.finalize().unwrap();
+            child
+                .destroy()
+                .unwrap_or_else(|(_, e)| panic!("rank {r}: destroying the child: {e}"));
         }
         eprintln!("misuse rank {r}: all-reduce on sym");
         // None of that touched the communicator.

@@ -125,8 +125,7 @@ impl Comm {
         drop(argument);
         // SAFETY: the parent has settled, so NCCL's job has finished writing the slot.
         let child = unsafe { slot.read() };
-        drop(slot);
-        match (child.is_null(), expect_child) {
+        let adopted = match (child.is_null(), expect_child) {
             (true, false) => Ok(None),
             (true, true) => Err(match parent_error {
                 ResultCode::Success => Error::Nccl {
@@ -146,7 +145,13 @@ impl Comm {
                 Ok(nccl_sys::ncclResult_t::ncclSuccess),
             )
             .map(Some),
-        }
+        };
+        // The child's own init job stores the handle into the slot once more when it
+        // finishes (`ncclCommInitRankFunc` in NCCL's init.cc), and a grow leaves the parent
+        // out of progress while it runs: the slot lives until the child was adopted (ready)
+        // or aborted (which joins that job). Freeing it earlier corrupted the heap (2.32.3).
+        drop(slot);
+        adopted
     }
 
     /// Splits several communicators driven by this thread (for example from
