@@ -150,18 +150,28 @@ impl<T: NcclType> DevicePtr<T> for NcclBuffer<T> {
     }
 }
 
-impl<T: NcclType> DevicePtrMut<T> for NcclBuffer<T> {
-    fn device_ptr_mut<'a>(
-        &'a mut self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+impl<T: NcclType> NcclBuffer<T> {
+    /// A write on `stream`, with cudarc's contract: the stream waits for the buffer's last
+    /// reads and writes, and the returned guard records this write. Takes `&self` so that
+    /// disjoint views of one buffer (a window's `split_at_mut`) can share it; the events then
+    /// order those views with each other too, conservatively.
+    pub(crate) fn write_on<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
         let ctx = stream.context();
         if ctx.is_managing_stream_synchronization() {
             for event in [&self.read, &self.write].into_iter().flatten() {
                 ctx.record_err(stream.wait(event));
             }
         }
-        (self.ptr, SyncOnDrop::record_event(&self.write, stream))
+        SyncOnDrop::record_event(&self.write, stream)
+    }
+}
+
+impl<T: NcclType> DevicePtrMut<T> for NcclBuffer<T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, self.write_on(stream))
     }
 }
 

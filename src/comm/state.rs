@@ -225,7 +225,7 @@ pub(crate) enum FailureState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Actor {
     Owner,
-    State,
+    AbortHandle,
     Watchdog,
 }
 
@@ -276,7 +276,7 @@ impl Failure {
         };
         let who = match self.by {
             Actor::Owner => "",
-            Actor::State => " through an AbortHandle",
+            Actor::AbortHandle => " through an AbortHandle",
             Actor::Watchdog => " by its watchdog",
         };
         let hint = match self.state {
@@ -412,7 +412,7 @@ pub(crate) mod tests {
 
         let by_handle = Failure {
             state: FailureState::Released,
-            by: Actor::State,
+            by: Actor::AbortHandle,
             cause: Cause::Requested,
         };
         let text = by_handle.to_error("ncclBroadcast", 2).to_string();

@@ -117,7 +117,7 @@ impl AbortHandle {
             Action::Abort,
             Failure {
                 state: FailureState::Released,
-                by: Actor::State,
+                by: Actor::AbortHandle,
                 cause: Cause::Requested,
             },
         )
@@ -181,13 +181,16 @@ mod tests {
         };
         // Outside a group: run now.
         let mut h = live_state();
-        assert_eq!(plan(&mut h, Action::Abort, &by(Actor::State)), Step::Run);
+        assert_eq!(
+            plan(&mut h, Action::Abort, &by(Actor::AbortHandle)),
+            Step::Run
+        );
 
         // Inside a group: recorded at once, NCCL deferred; the handle stays until then.
         let mut h = live_state();
         h.open_groups = 1;
         assert_eq!(
-            plan(&mut h, Action::Abort, &by(Actor::State)),
+            plan(&mut h, Action::Abort, &by(Actor::AbortHandle)),
             Step::Deferred
         );
         assert_eq!(h.deferred, Some(Action::Abort));
@@ -196,7 +199,7 @@ mod tests {
         assert!(text.contains("aborted through an AbortHandle"), "{text}");
         // A second abort, or a revoke, while one is pending does nothing.
         assert_eq!(
-            plan(&mut h, Action::Abort, &by(Actor::State)),
+            plan(&mut h, Action::Abort, &by(Actor::AbortHandle)),
             Step::Nothing
         );
         assert_eq!(
@@ -212,7 +215,7 @@ mod tests {
             Step::Deferred
         );
         assert_eq!(
-            plan(&mut h, Action::Abort, &by(Actor::State)),
+            plan(&mut h, Action::Abort, &by(Actor::AbortHandle)),
             Step::Deferred
         );
         assert_eq!(h.deferred, Some(Action::Abort));
@@ -222,7 +225,7 @@ mod tests {
         // Released: nothing, whatever is asked.
         let mut h = null_state();
         for action in [Action::Abort, Action::Revoke, Action::Report] {
-            assert_eq!(plan(&mut h, action, &by(Actor::State)), Step::Nothing);
+            assert_eq!(plan(&mut h, action, &by(Actor::AbortHandle)), Step::Nothing);
         }
 
         // A report only records, once; a revoke after it still runs.

@@ -177,52 +177,33 @@ impl<T: NcclType> DeviceSlice<T> for WindowViewMut<'_, T> {
     }
 }
 
-impl<T: NcclType> DevicePtr<T> for WindowView<'_, T> {
-    fn device_ptr<'a>(
-        &'a self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let (base, guard) = self.buffer.device_ptr(stream);
-        (
-            base + (self.offset * std::mem::size_of::<T>()) as u64,
-            guard,
-        )
-    }
+/// Reads through either view: the buffer's read, moved to the view's first element.
+macro_rules! read_through_view {
+    ($($view:ident),*) => {$(
+        impl<T: NcclType> DevicePtr<T> for $view<'_, T> {
+            fn device_ptr<'a>(
+                &'a self,
+                stream: &'a CudaStream,
+            ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+                let (base, guard) = self.buffer.device_ptr(stream);
+                (
+                    base + (self.offset * std::mem::size_of::<T>()) as u64,
+                    guard,
+                )
+            }
+        }
+    )*};
 }
-
-impl<T: NcclType> DevicePtr<T> for WindowViewMut<'_, T> {
-    fn device_ptr<'a>(
-        &'a self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let (base, guard) = self.buffer.device_ptr(stream);
-        (
-            base + (self.offset * std::mem::size_of::<T>()) as u64,
-            guard,
-        )
-    }
-}
+read_through_view!(WindowView, WindowViewMut);
 
 impl<T: NcclType> DevicePtrMut<T> for WindowViewMut<'_, T> {
     fn device_ptr_mut<'a>(
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        // Same contract as the buffer's own: wait for its last reads and writes, record this
-        // write. The views of `split_at_mut` share the buffer's events, which orders them
-        // with each other too (conservatively).
-        let ctx = stream.context();
-        if ctx.is_managing_stream_synchronization() {
-            for event in [&self.buffer.read, &self.buffer.write]
-                .into_iter()
-                .flatten()
-            {
-                ctx.record_err(stream.wait(event));
-            }
-        }
         (
             self.buffer.ptr + (self.offset * std::mem::size_of::<T>()) as u64,
-            SyncOnDrop::record_event(&self.buffer.write, stream),
+            self.buffer.write_on(stream),
         )
     }
 }
