@@ -1,4 +1,4 @@
-//! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C`), plus
+//! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C -R`), plus
 //! this benchmark's own long options.
 
 use std::path::PathBuf;
@@ -277,6 +277,14 @@ nccl-tests flags:
   -G, --cudagraph <n>          capture the iterations in a CUDA graph, replay it n times
   -a, --average <0|1|2|3>      combine per-rank times: rank 0, mean, min, max (default 1)
   -C, --report_cputime <0|1>   report the host time spent issuing (default 0)
+  -R, --local_register <0|1|2>
+                               0: buffers not registered (default); 1: registered with
+                               ncclCommRegister (Comm::register, NCCL 2.19); 2: symmetric
+                               windows (Comm::register_window with COLL_SYMMETRIC, send and
+                               receive buffer one window each, operations on window views;
+                               NCCL 2.28.7, below that the run says so and exits 0). The raw
+                               path uses the same registered memory and pointers. 1 and 2
+                               need --alloc nccl
 
 this benchmark's own:
       --raw                    issue through raw nccl-sys calls instead of the safe API
@@ -294,14 +302,6 @@ this benchmark's own:
       --event-tracking <0|1>   cudarc's event tracking on the buffers, active only with a
                                stream of its own (default 1; off in graph mode)
       --alloc <nccl|cuda>      ncclMemAlloc (default, as nccl-tests) or cudarc's allocator
-  -R, --local_register <0|1|2>
-                               0: buffers not registered (default); 1: registered with
-                               ncclCommRegister (Comm::register, NCCL 2.19); 2: symmetric
-                               windows (Comm::register_window with COLL_SYMMETRIC, send and
-                               receive buffer one window each, operations on window views;
-                               NCCL 2.28.7, below that the run says so and exits 0). The raw
-                               path uses the same registered memory and pointers. 1 and 2
-                               need --alloc nccl
       --registration-compare   run everything without registration (-R 0) and then on
                                symmetric windows (-R 2), and print the speedup of -R 2
       --rma                    the put_signal ring instead of a collective (same as the
