@@ -13,7 +13,7 @@
 //!
 //! # Per-collective configurations in a group
 //!
-//! Operations with a [`CollConfig`](crate::CollConfig) may be grouped, with NCCL's rules
+//! Operations with a [`CollConfig`] may be grouped, with NCCL's rules
 //! (`ncclCollConfig_t` docs, NCCL 2.32):
 //!
 //! * At most one launch-completion event per communicator per group: a second one on the
