@@ -8,6 +8,9 @@
 //! cargo run --release --example bench -- all_gather -b 1M -e 512M -f 4 --ranks 2
 //! cargo run --release --example bench -- all_reduce -b 8 -e 8 -n 1000 -G 10 --compare
 //! cargo run --release --example bench -- all_reduce -b 8 -e 1M -f 4 -n 1000 --latency
+//! cargo run --release --example bench -- all_reduce -b 8 -e 64M -f 2 -R 2 --compare
+//! cargo run --release --example bench -- alltoall -b 8 -e 64M -f 2 --registration-compare
+//! cargo run --release --example bench -- --rma -b 8 -e 64M -f 2 --compare
 //! mpirun -np 4 target/release/examples/bench all_reduce -b 8 -e 1G -f 2
 //! ```
 //!
@@ -54,6 +57,24 @@
 //! `--control` makes both columns issue raw calls: what that comparison reports is the
 //! measurement's own spread, the yardstick for the safe/raw differences.
 //!
+//! # Registered buffers (`-R`) and one-sided RMA (`--rma`)
+//!
+//! `-R 1` registers both buffers with `Comm::register` (`ncclCommRegister`) and passes the
+//! registrations where the buffers would go; `-R 2` registers each as a symmetric window
+//! (`Comm::register_window` with `WindowFlags::COLL_SYMMETRIC`, as nccl-tests' `-R 2` calls
+//! `ncclCommWindowRegister` on its send and receive buffers) and issues every operation on
+//! window views at the shifted offsets, which are the same on every rank. The raw path
+//! issues its calls on the same registered memory, with the same pointers. `-R 2` needs
+//! NCCL `nccl::window::SYMMETRIC_SINCE` (2.28.7): on older libraries the run says so and
+//! exits 0. `--registration-compare` measures the whole sweep with `-R 0` and then with
+//! `-R 2` and prints the speedup of `-R 2` (time(-R 0) / time(-R 2)) for every row.
+//!
+//! `--rma` (the collective `put_signal`) times a one-sided ring on symmetric windows
+//! (NCCL 2.29): each operation is one `Window::put_signal` of `size` bytes from the send
+//! window into the next rank's receive window, at the same offset, followed by a
+//! `Window::wait_signal` for the previous rank's signal; busbw = algbw = size / time. The
+//! raw path calls `ncclPutSignal` and `ncclWaitSignal` on the same windows.
+//!
 //! # Sizes and bandwidths (nccl-tests' conventions)
 //!
 //! The size is the bytes of the whole buffer: for all_reduce, broadcast, reduce and sendrecv
@@ -62,10 +83,11 @@
 //! buffer (size/n per peer). It is rounded down to whole elements, and to multiples of n
 //! elements where it is split. "count" is NCCL's count argument (per rank for all_gather,
 //! reduce_scatter, alltoall). algbw = size / time; busbw = algbw × 2(n−1)/n for all_reduce,
-//! × (n−1)/n for all_gather, reduce_scatter and alltoall, × 1 for broadcast, reduce and sendrecv.
+//! × (n−1)/n for all_gather, reduce_scatter and alltoall, × 1 for broadcast, reduce, sendrecv
+//! and put_signal.
 //! alltoall is NCCL's own `ncclAlltoAll` (NCCL 2.28) rather than nccl-tests' send/receive
-//! loop; alltoall and sendrecv have no in-place columns (NCCL has no in-place all-to-all, and
-//! the safe API cannot send from and receive into one buffer at once).
+//! loop; alltoall, sendrecv and put_signal have no in-place columns (NCCL has no in-place
+//! all-to-all, and the safe API cannot send from and receive into one buffer at once).
 //!
 //! # Check
 //!
@@ -99,10 +121,10 @@ use std::sync::OnceLock;
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::CudaContext;
 use nccl::bootstrap::{spawn_local, BootstrapError};
-use nccl::{DataType, ReduceOp};
+use nccl::{DataType, NcclBuffer, ReduceOp, Version};
 
-use args::{Alloc, Apis, Average, Mode, Options, Parsed};
-use coll::Pattern;
+use args::{Alloc, Apis, Average, Mode, Options, Parsed, RegisterMode};
+use coll::{Coll, Pattern};
 use elem::{dispatch, Elem, TypeVisitor};
 use measure::{Op, Timing};
 use ops::{Api, Buffers, Issuer};
@@ -175,9 +197,9 @@ fn run(options: &Options) -> BenchResult<bool> {
     // its own and tracking is on.
     let tracking = stream.context().is_managing_stream_synchronization();
     let device = stream.context().ordinal();
-    let mut rank = Rank::new(comm, stream, device)?;
+    let rank = Rank::new(comm, stream, device)?;
 
-    let outcome = benchmark(&mut rank, options, tracking, job.spawned());
+    let outcome = benchmark(&rank, options, tracking, job.spawned());
     drop(rank);
     match outcome {
         Ok(all_right) => match job.wait() {
@@ -204,13 +226,80 @@ fn hostname() -> String {
         .unwrap_or_else(|| "unknown".to_string())
 }
 
-/// Runs every type and reduction; prints and writes the results on rank 0.
-fn benchmark(
-    rank: &mut Rank,
+/// Why this library cannot run `register` (or the put ring), if it cannot: the run then
+/// says so and ends successfully, as nccl-tests does for what a library lacks.
+fn unsupported(rank: &Rank, coll: Coll, register: RegisterMode) -> Option<String> {
+    let found = rank.comm.library().version();
+    let needs = |api: &str, needs: Version| {
+        (found < needs).then(|| format!("{api} needs NCCL {needs}; this is NCCL {found}"))
+    };
+    let mut why = match register {
+        RegisterMode::None => None,
+        RegisterMode::Local => needs("-R 1 (ncclCommRegister)", Version::new(2, 19, 0)),
+        RegisterMode::Window => needs(
+            "-R 2 (symmetric windows, nccl::window::SYMMETRIC_SINCE)",
+            nccl::window::SYMMETRIC_SINCE,
+        ),
+    };
+    if why.is_none() && coll == Coll::PutSignal {
+        why = needs("--rma (ncclPutSignal)", nccl::window::rma::RMA_SINCE);
+        // Libraries without the query (before 2.29.4) leave it to the first put to say.
+        let host_rma = rank.comm.properties().ok().and_then(|p| p.host_rma_support);
+        if why.is_none() && host_rma == Some(false) {
+            why = Some(
+                "--rma: this communicator has no host RMA support (hostRmaSupport = 0)".to_string(),
+            );
+        }
+    }
+    why
+}
+
+/// `path` with `-R<flag>` before its extension, for the files of `--registration-compare`.
+fn suffixed(path: &std::path::Path, register: RegisterMode, compare: bool) -> std::path::PathBuf {
+    if !compare {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-R{}.{}", register.flag(), ext.to_string_lossy()),
+        None => format!("{stem}-R{}", register.flag()),
+    };
+    path.with_file_name(name)
+}
+
+/// Runs every registration (`-R`, or both of `--registration-compare`), type and
+/// reduction; prints and writes the results on rank 0.
+fn benchmark(rank: &Rank, options: &Options, tracking: bool, spawned: usize) -> BenchResult<bool> {
+    let mut reports = Vec::new();
+    for register in options.registrations() {
+        if let Some(why) = unsupported(rank, options.coll, register) {
+            if rank.rank() == 0 {
+                println!("# {why}: not measured");
+            }
+            continue;
+        }
+        reports.push(benchmark_registered(
+            rank, options, tracking, spawned, register,
+        )?);
+    }
+    if let [base, windows] = &reports[..] {
+        if rank.rank() == 0 {
+            print!("{}", report::speedup(base, windows));
+        }
+    }
+    Ok(reports.iter().all(|report| report.failures() == 0))
+}
+
+/// Runs every type and reduction on buffers registered as `register` says; prints and
+/// writes the results on rank 0.
+fn benchmark_registered(
+    rank: &Rank,
     options: &Options,
     tracking: bool,
     spawned: usize,
-) -> BenchResult<bool> {
+    register: RegisterMode,
+) -> BenchResult<Report> {
+    let compare = options.registration_compare;
     let (me, n) = (rank.rank(), rank.size());
     let own_stream = options.own_stream || options.mode() == Mode::Graph;
     if options.coll.has_root() && options.root >= n {
@@ -273,6 +362,7 @@ fn benchmark(
                 "ranks from the launcher".to_string()
             }
         );
+        println!("# buffers {}", register.describe());
         if options.control {
             println!(
                 "# control run (--control): the \"safe\" column issues raw calls too; the \
@@ -300,6 +390,7 @@ fn benchmark(
 
     let mut report = Report {
         coll: options.coll,
+        register,
         mode,
         apis: options.apis,
         ranks: n,
@@ -313,11 +404,12 @@ fn benchmark(
         dispatch(
             dtype,
             TypeRun {
-                rank: &mut *rank,
+                rank,
                 options,
                 report: &mut report,
                 max_bytes,
                 alloc,
+                register,
                 dtype,
             },
         )
@@ -335,6 +427,7 @@ fn benchmark(
             "nccl_library": lib.path().display().to_string(),
             "nccl_rs_version": env!("CARGO_PKG_VERSION"),
             "alloc": format!("{alloc:?}").to_lowercase(),
+            "registration": register.flag(),
             "event_tracking": tracking,
             "own_stream": own_stream,
             "min_bytes": options.min_bytes,
@@ -349,31 +442,36 @@ fn benchmark(
             "devices": devices,
         });
         if let Some(path) = &options.json {
-            report::write_file(path, &report.json(meta))?;
+            report::write_file(&suffixed(path, register, compare), &report.json(meta))?;
         }
         if let Some(path) = &options.csv {
-            report::write_file(path, &report.csv())?;
+            report::write_file(&suffixed(path, register, compare), &report.csv())?;
         }
         if let Some(path) = &options.plot {
             let title = format!(
-                "{} bus bandwidth, {n} ranks, {} mode, NCCL {}",
+                "{} bus bandwidth, {n} ranks, {} mode, -R {}, NCCL {}",
                 options.coll.name(),
                 report::mode_name(mode),
+                register.flag(),
                 lib.version()
             );
-            report::write_file(path, &plot::svg(&report, &title)?)?;
+            report::write_file(
+                &suffixed(path, register, compare),
+                &plot::svg(&report, &title)?,
+            )?;
         }
     }
-    Ok(report.failures() == 0)
+    Ok(report)
 }
 
 /// The benchmark for one element type.
 struct TypeRun<'a> {
-    rank: &'a mut Rank,
+    rank: &'a Rank,
     options: &'a Options,
     report: &'a mut Report,
     max_bytes: usize,
     alloc: Alloc,
+    register: RegisterMode,
     dtype: DataType,
 }
 
@@ -387,6 +485,7 @@ impl TypeVisitor for TypeRun<'_> {
             report,
             max_bytes,
             alloc,
+            register,
             dtype,
         } = self;
         let coll = options.coll;
@@ -404,7 +503,22 @@ impl TypeVisitor for TypeRun<'_> {
         let buffer_len = (max_bytes / elem_size)
             .max(coll.layout(largest, elem_size, n).total)
             .max(1);
-        let mut bufs = Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?;
+        // A local registration borrows its buffer: the buffers live outside `bufs`, and
+        // longer (dropped after it, so deregistered before they are freed).
+        let mut backing = match register {
+            RegisterMode::Local => Some((
+                NcclBuffer::<T>::alloc_zeros(&rank.stream, buffer_len)?,
+                NcclBuffer::<T>::alloc_zeros(&rank.stream, buffer_len)?,
+            )),
+            _ => None,
+        };
+        let mut bufs = match (register, backing.as_mut()) {
+            (RegisterMode::Local, Some((send, recv))) => {
+                Buffers::registered(&rank.comm, send, recv)?
+            }
+            (RegisterMode::Window, _) => Buffers::windows(&rank.comm, buffer_len)?,
+            _ => Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?,
+        };
         measure::fill(rank, &mut bufs, &Pattern::new(n, None, 0))?;
 
         let apis = options.apis.list();
@@ -428,7 +542,7 @@ impl TypeVisitor for TypeRun<'_> {
                 issuer.control = options.control;
                 for &api in apis {
                     let mut op = Op {
-                        rank: &mut *rank,
+                        rank,
                         issuer: &issuer,
                         api,
                         bufs: &mut bufs,
@@ -456,7 +570,7 @@ impl TypeVisitor for TypeRun<'_> {
                         continue;
                     }
                     let cell = Cell {
-                        rank: &mut *rank,
+                        rank,
                         options,
                         issuer: &issuer,
                         in_place,
@@ -481,7 +595,7 @@ impl TypeVisitor for TypeRun<'_> {
 
 /// One placement (out of place or in place) of one size, for every API.
 struct Cell<'a> {
-    rank: &'a mut Rank,
+    rank: &'a Rank,
     options: &'a Options,
     issuer: &'a Issuer,
     in_place: bool,
@@ -489,7 +603,11 @@ struct Cell<'a> {
 }
 
 impl Cell<'_> {
-    fn measure<T: Elem>(self, apis: &[Api], bufs: &mut Buffers<T>) -> BenchResult<Vec<Measured>> {
+    fn measure<T: Elem>(
+        self,
+        apis: &[Api],
+        bufs: &mut Buffers<'_, T>,
+    ) -> BenchResult<Vec<Measured>> {
         let Cell {
             rank,
             options,
@@ -507,7 +625,7 @@ impl Cell<'_> {
             }
             for i in order {
                 let mut op = Op {
-                    rank: &mut *rank,
+                    rank,
                     issuer,
                     api: apis[i],
                     bufs: &mut *bufs,
@@ -556,7 +674,7 @@ impl Cell<'_> {
                     let mut wrong = 0;
                     for _ in 0..options.check {
                         let mut op = Op {
-                            rank: &mut *rank,
+                            rank,
                             issuer,
                             api,
                             bufs: &mut *bufs,

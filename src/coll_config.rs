@@ -7,7 +7,8 @@
 //! * Every rank must pass the same configuration; NCCL checks it only locally.
 //! * Unset fields inherit the communicator's [`CommConfig`](crate::CommConfig); NCCL's
 //!   environment variables override both.
-//! * `cgaClusterSize` must be the same for every collective of one group.
+//! * `cgaClusterSize` must be the same for every collective of one group (NCCL leaves
+//!   anything else undefined; [`Group`](crate::Group) refuses two configurations that differ).
 //! * With an algorithm selection, a selection NCCL cannot honour is an error unless
 //!   [`CollConfig::allow_algorithm_fallback`] is set. All-to-all, gather and scatter have no
 //!   selectable algorithms. Send and receive take no configuration at all.
@@ -17,6 +18,11 @@
 //!   interprocess event, and stay alive as long as any wait on it or any graph that captured
 //!   it: the configuration borrows it. Either every rank passes an event or none does, and a
 //!   group may carry at most one per communicator.
+//!
+//! A configuration reaches NCCL through [`Operation::with_config`](crate::Operation::with_config):
+//! `comm.enqueue(Operation::all_reduce(&send, &mut recv, ReduceOp::Sum).with_config(&config))`,
+//! or the same operation in a [`Group`](crate::Group). It is checked with everything else
+//! when the operation is enqueued, and refused on send and receive.
 //!
 //! [`CollConfig::to_raw`] checks everything that can be checked on this rank and builds the
 //! struct for the loaded library: a 2.31 library gets the 2.31 layout and version, newer ones
@@ -150,6 +156,11 @@ impl<'e> CollConfig<'e> {
     /// The launch-completion event, if one is set (a group may carry one per communicator).
     pub fn launch_event(&self) -> Option<&'e CudaEvent> {
         self.launch_completion_event
+    }
+
+    /// The `cgaClusterSize` set, if any (a group needs the same one for every collective).
+    pub(crate) fn cga(&self) -> Option<u32> {
+        self.cga_cluster_size
     }
 
     /// Builds the raw struct for a call on `comm`, checking every field against the loaded

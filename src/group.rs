@@ -10,9 +10,24 @@
 //! it: a plain [`Comm::enqueue`] on the same thread is refused, because its buffers' cudarc
 //! events would be recorded before NCCL has actually enqueued the work. The group keeps every
 //! buffer borrowed, and records their events, only after `ncclGroupEnd`.
+//!
+//! # Per-collective configurations in a group
+//!
+//! Operations with a [`CollConfig`] may be grouped, with NCCL's rules
+//! (`ncclCollConfig_t` docs, NCCL 2.32):
+//!
+//! * At most one launch-completion event per communicator per group: a second one on the
+//!   same communicator is refused with [`Error::InvalidArgument`]. The event is recorded when
+//!   the group's fused launch happens, so wait on it only after [`Group::finish`] returned;
+//!   the group keeps it borrowed until then.
+//! * `cgaClusterSize` must be the same for every collective of a group; NCCL leaves anything
+//!   else undefined. Two configurations of one group that set different sizes are refused
+//!   here; an operation without a configuration (or one that leaves the size unset) uses its
+//!   communicator's size, which cannot be seen here: keep those consistent yourself.
 
 use cudarc::driver::{CudaStream, SyncOnDrop};
 
+use crate::coll_config::CollConfig;
 use crate::collectives::{dispatch, Operation};
 use crate::comm::{Comm, Membership};
 use crate::dtype::NcclType;
@@ -52,6 +67,71 @@ pub struct Group<'g> {
     // Dropped after `raw` was ended (see Drop), so the buffers' events are recorded after
     // NCCL has enqueued the fused operation.
     guards: InlineList<SyncOnDrop<'g>, 8>,
+    /// What NCCL allows once per group among the operations' configurations.
+    configs: GroupConfigs,
+}
+
+/// The per-group rules of [`CollConfig`]s: which communicators already carry a
+/// launch-completion event, and the first explicit `cgaClusterSize`. Empty (and without an
+/// allocation) in groups without configurations.
+#[derive(Debug, Default)]
+struct GroupConfigs {
+    /// Communicators (by their shared state's address) with a launch-completion event.
+    events: Vec<usize>,
+    cga_cluster_size: Option<u32>,
+}
+
+/// What the group rules look at in one configuration: whether it has a launch-completion
+/// event, and its `cgaClusterSize`.
+#[derive(Debug, Clone, Copy)]
+struct ConfigKey {
+    event: bool,
+    cga_cluster_size: Option<u32>,
+}
+
+impl From<&CollConfig<'_>> for ConfigKey {
+    fn from(config: &CollConfig<'_>) -> Self {
+        ConfigKey {
+            event: config.launch_event().is_some(),
+            cga_cluster_size: config.cga(),
+        }
+    }
+}
+
+impl GroupConfigs {
+    /// Checks a configuration for an operation on the communicator `comm_id` against what
+    /// the group already holds.
+    #[cold]
+    #[inline(never)]
+    fn check(&self, comm_id: usize, rank: usize, config: ConfigKey) -> Result<()> {
+        if config.event && self.events.contains(&comm_id) {
+            return Err(Error::invalid(format!(
+                "the group already holds a launch-completion event for rank {rank}'s \
+                 communicator; NCCL allows one per communicator per group"
+            )));
+        }
+        if let (Some(first), Some(this)) = (self.cga_cluster_size, config.cga_cluster_size) {
+            if first != this {
+                return Err(Error::invalid(format!(
+                    "cgaClusterSize {this} differs from the {first} of an earlier collective in \
+                     the group; NCCL leaves differing sizes within a group undefined"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a configuration, checked by [`GroupConfigs::check`] and enqueued.
+    #[cold]
+    #[inline(never)]
+    fn record(&mut self, comm_id: usize, config: ConfigKey) {
+        if config.event {
+            self.events.push(comm_id);
+        }
+        if self.cga_cluster_size.is_none() {
+            self.cga_cluster_size = config.cga_cluster_size;
+        }
+    }
 }
 
 impl std::fmt::Debug for Group<'_> {
@@ -72,6 +152,7 @@ impl<'g> Group<'g> {
             raw: RawGroup::start(library::get()?)?,
             membership: Membership::enter([]),
             guards: InlineList::new(),
+            configs: GroupConfigs::default(),
         })
     }
 
@@ -83,6 +164,7 @@ impl<'g> Group<'g> {
     /// Adds `call` on `stream` (on `comm`'s device) to the group.
     ///
     /// A call rejected by validation leaves the group as it was, and the group can go on.
+    /// Operations with a [`CollConfig`] follow the group rules in the [module docs](self).
     pub fn enqueue_on<T: NcclType>(
         &mut self,
         comm: &'g Comm,
@@ -99,6 +181,11 @@ impl<'g> Group<'g> {
                 ));
             }
         }
+        let config = call.config().map(ConfigKey::from);
+        let comm_id = comm.shared_ptr() as usize;
+        if let Some(config) = config {
+            self.configs.check(comm_id, comm.rank(), config)?;
+        }
         // Membership starts before NCCL sees the communicator, so no abort from another
         // thread can free it while it sits in this thread's NCCL group.
         self.membership.add(comm);
@@ -107,7 +194,11 @@ impl<'g> Group<'g> {
             for guard in new.into_iter().flatten() {
                 guards.push(guard);
             }
-        })
+        })?;
+        if let Some(config) = config {
+            self.configs.record(comm_id, config);
+        }
+        Ok(())
     }
 
     /// Ends the group (`ncclGroupEnd`), launching everything in it, and returns its error.
@@ -167,5 +258,61 @@ impl Drop for Group<'_> {
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         let _ = self.end();
         self.guards.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(event: bool, cga_cluster_size: Option<u32>) -> ConfigKey {
+        ConfigKey {
+            event,
+            cga_cluster_size,
+        }
+    }
+
+    fn refused(configs: &GroupConfigs, comm: usize, config: ConfigKey) -> String {
+        match configs.check(comm, 3, config) {
+            Err(Error::InvalidArgument(text)) => text,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_launch_event_per_communicator() {
+        let mut configs = GroupConfigs::default();
+        let (a, b) = (0x1000, 0x2000);
+        assert!(configs.check(a, 0, key(true, None)).is_ok());
+        configs.record(a, key(true, None));
+        // A second event on the same communicator is refused ...
+        let text = refused(&configs, a, key(true, None));
+        assert!(
+            text.contains("rank 3") && text.contains("one per communicator"),
+            "{text}"
+        );
+        // ... while configurations without one, and events on other communicators, pass.
+        assert!(configs.check(a, 0, key(false, None)).is_ok());
+        assert!(configs.check(b, 0, key(true, None)).is_ok());
+        configs.record(b, key(true, None));
+        assert!(configs.check(b, 0, key(true, None)).is_err());
+    }
+
+    #[test]
+    fn cga_cluster_sizes_agree_within_a_group() {
+        let mut configs = GroupConfigs::default();
+        configs.record(1, key(false, None));
+        assert!(configs.check(1, 0, key(false, Some(2))).is_ok());
+        configs.record(1, key(false, Some(2)));
+        assert!(configs.check(2, 0, key(false, Some(2))).is_ok());
+        assert!(configs.check(2, 0, key(false, None)).is_ok());
+        let text = refused(&configs, 2, key(false, Some(4)));
+        assert!(
+            text.contains("cgaClusterSize 4 differs from the 2"),
+            "{text}"
+        );
+        // The first explicit size stays the reference.
+        configs.record(2, key(false, Some(2)));
+        assert_eq!(configs.cga_cluster_size, Some(2));
     }
 }

@@ -39,7 +39,7 @@
 //! | unique id | [`id`] | [`UniqueId`] |
 //! | communicator: create, split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`] |
 //! | configuration | [`config`] | [`CommConfig`] |
-//! | per-collective configuration | [`coll_config`] | [`CollConfig`] |
+//! | per-collective configuration | [`coll_config`] | [`CollConfig`], [`Operation::with_config`] |
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
 //! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |

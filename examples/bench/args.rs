@@ -1,4 +1,4 @@
-//! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C`), plus
+//! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C -R`), plus
 //! this benchmark's own long options.
 
 use std::path::PathBuf;
@@ -56,6 +56,38 @@ pub enum Mode {
     /// Every call follows other host work (`--cold`): the call path as a program meets it,
     /// with the binding's code and data evicted from the caches.
     Cold,
+}
+
+/// How the benchmark's buffers are registered with NCCL (nccl-tests' `-R`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegisterMode {
+    /// `-R 0`: not registered (the default).
+    None,
+    /// `-R 1`: local registration, `ncclCommRegister` through `Comm::register`.
+    Local,
+    /// `-R 2`: symmetric windows, `ncclCommWindowRegister` with `NCCL_WIN_COLL_SYMMETRIC`
+    /// through `Comm::register_window` (NCCL 2.28.7 here).
+    Window,
+}
+
+impl RegisterMode {
+    /// nccl-tests' number for it.
+    pub fn flag(self) -> u8 {
+        match self {
+            RegisterMode::None => 0,
+            RegisterMode::Local => 1,
+            RegisterMode::Window => 2,
+        }
+    }
+
+    /// What it is, for the output.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RegisterMode::None => "not registered (-R 0)",
+            RegisterMode::Local => "registered locally with ncclCommRegister (-R 1)",
+            RegisterMode::Window => "symmetric windows, ncclCommWindowRegister (-R 2)",
+        }
+    }
 }
 
 /// Where device memory comes from.
@@ -123,6 +155,11 @@ pub struct Options {
     pub csv: Option<PathBuf>,
     /// Draw busbw against size as SVG here (`--plot`).
     pub plot: Option<PathBuf>,
+    /// Buffer registration (`-R`); `None` when not given.
+    pub register: Option<RegisterMode>,
+    /// Measure without registration and with symmetric windows, and print the speedup
+    /// (`--registration-compare`).
+    pub registration_compare: bool,
 }
 
 impl Default for Options {
@@ -154,6 +191,8 @@ impl Default for Options {
             json: None,
             csv: None,
             plot: None,
+            register: None,
+            registration_compare: false,
         }
     }
 }
@@ -169,6 +208,18 @@ impl Options {
             Mode::Graph
         } else {
             Mode::Host
+        }
+    }
+
+    /// The registrations to measure, in order: one, or without and with windows for
+    /// `--registration-compare`. The one-sided put ring always runs on windows.
+    pub fn registrations(&self) -> Vec<RegisterMode> {
+        if self.registration_compare {
+            vec![RegisterMode::None, RegisterMode::Window]
+        } else if self.coll == Coll::PutSignal {
+            vec![RegisterMode::Window]
+        } else {
+            vec![self.register.unwrap_or(RegisterMode::None)]
         }
     }
 
@@ -226,6 +277,14 @@ nccl-tests flags:
   -G, --cudagraph <n>          capture the iterations in a CUDA graph, replay it n times
   -a, --average <0|1|2|3>      combine per-rank times: rank 0, mean, min, max (default 1)
   -C, --report_cputime <0|1>   report the host time spent issuing (default 0)
+  -R, --local_register <0|1|2>
+                               0: buffers not registered (default); 1: registered with
+                               ncclCommRegister (Comm::register, NCCL 2.19); 2: symmetric
+                               windows (Comm::register_window with COLL_SYMMETRIC, send and
+                               receive buffer one window each, operations on window views;
+                               NCCL 2.28.7, below that the run says so and exits 0). The raw
+                               path uses the same registered memory and pointers. 1 and 2
+                               need --alloc nccl
 
 this benchmark's own:
       --raw                    issue through raw nccl-sys calls instead of the safe API
@@ -243,13 +302,23 @@ this benchmark's own:
       --event-tracking <0|1>   cudarc's event tracking on the buffers, active only with a
                                stream of its own (default 1; off in graph mode)
       --alloc <nccl|cuda>      ncclMemAlloc (default, as nccl-tests) or cudarc's allocator
+      --registration-compare   run everything without registration (-R 0) and then on
+                               symmetric windows (-R 2), and print the speedup of -R 2
+      --rma                    the put_signal ring instead of a collective (same as the
+                               collective put_signal): every rank puts size bytes from its
+                               send window into the next rank's receive window
+                               (Window::put_signal) and waits for the previous rank's signal
+                               (Window::wait_signal); busbw = algbw = size / time. Always on
+                               symmetric windows; NCCL 2.29
       --json <file>            write every measurement as JSON
       --csv <file>             write every measurement as CSV
       --plot <file.svg>        draw busbw against size
   -h, --help                   this text
 
 Sizes are bytes of the whole buffer as in nccl-tests: for all_gather the receive buffer, for
-reduce_scatter the send buffer, for alltoall either buffer.",
+reduce_scatter the send buffer, for alltoall either buffer, for put_signal the bytes each rank
+puts. With --registration-compare, --json, --csv and --plot files get -R0 and -R2 added to
+their names.",
         colls = colls.join(", "),
         types = types.join(", ")
     )
@@ -271,7 +340,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
         if !arg.starts_with('-') || arg == "-" {
             let coll = Coll::parse(&arg)
                 .ok_or_else(|| format!("unknown collective {arg:?} (try --help)"))?;
-            if coll_given {
+            if coll_given && coll != options.coll {
                 return Err(format!("only one collective per run (got {arg:?} as well)"));
             }
             options.coll = coll;
@@ -290,7 +359,12 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             (arg.clone(), None)
         };
         match name.as_str() {
-            "--raw" | "--compare" | "--latency" | "--control" => {
+            "--raw"
+            | "--compare"
+            | "--latency"
+            | "--control"
+            | "--rma"
+            | "--registration-compare" => {
                 if inline.is_some() {
                     return Err(format!("{name} takes no value"));
                 }
@@ -298,6 +372,17 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                     "--raw" => options.apis = Apis::Raw,
                     "--compare" => options.apis = Apis::Compare,
                     "--control" => options.control = true,
+                    "--registration-compare" => options.registration_compare = true,
+                    "--rma" => {
+                        if coll_given && options.coll != Coll::PutSignal {
+                            return Err(format!(
+                                "--rma runs the put_signal ring; it cannot be combined with {}",
+                                options.coll.name()
+                            ));
+                        }
+                        options.coll = Coll::PutSignal;
+                        coll_given = true;
+                    }
                     _ => options.latency = true,
                 }
                 continue;
@@ -370,12 +455,20 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                     other => return Err(format!("{name}: expected nccl or cuda, got {other:?}")),
                 }
             }
+            "-R" | "--local_register" => {
+                options.register = Some(match number(&name, &value()?)? {
+                    0 => RegisterMode::None,
+                    1 => RegisterMode::Local,
+                    2 => RegisterMode::Window,
+                    other => return Err(format!("{name}: expected 0, 1 or 2, got {other}")),
+                })
+            }
             "--json" => options.json = Some(value()?.into()),
             "--csv" => options.csv = Some(value()?.into()),
             "--plot" => options.plot = Some(value()?.into()),
             "-t" | "--nthreads" | "-g" | "--ngpus" | "-m" | "--agg_iters" | "-N"
             | "--run_cycles" | "-p" | "--parallel_init" | "-z" | "--blocking" | "-y"
-            | "--stream_null" | "-T" | "--timeout" | "-R" | "--local_register" => {
+            | "--stream_null" | "-T" | "--timeout" => {
                 return Err(format!(
                     "{name} is an nccl-tests flag this benchmark does not implement (one \
                      process per GPU; see --help)"
@@ -416,6 +509,30 @@ fn validate(options: &Options) -> Result<(), String> {
     }
     if options.cold_bytes > 0 && (options.latency || options.graph_launches > 0) {
         return Err("--cold times host calls; it cannot be combined with --latency or -G".into());
+    }
+    if options.registration_compare && options.register.is_some() {
+        return Err("--registration-compare measures -R 0 and -R 2 itself; drop -R".into());
+    }
+    if options.coll == Coll::PutSignal {
+        if options.registration_compare {
+            return Err("the put_signal ring (--rma) runs on windows only; \
+                        --registration-compare has nothing to compare it with"
+                .into());
+        }
+        if matches!(options.register, Some(r) if r != RegisterMode::Window) {
+            return Err("the put_signal ring (--rma) needs symmetric windows (-R 2)".into());
+        }
+    }
+    let registers = options
+        .registrations()
+        .iter()
+        .any(|&r| r != RegisterMode::None);
+    if registers && options.alloc != Alloc::Nccl {
+        return Err(
+            "registration (-R 1/2, --rma, --registration-compare) needs buffers from \
+                    ncclMemAlloc (--alloc nccl)"
+                .into(),
+        );
     }
     if options.ranks == Some(0) {
         return Err("--ranks must be at least 1".into());
@@ -467,5 +584,70 @@ fn flag(name: &str, text: &str) -> Result<bool, String> {
         "0" | "false" | "off" | "no" => Ok(false),
         "1" | "true" | "on" | "yes" => Ok(true),
         _ => Err(format!("{name}: expected 0 or 1, got {text:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(args: &[&str]) -> Result<Options, String> {
+        match parse(args.iter().map(|a| a.to_string()))? {
+            Parsed::Run(options) => Ok(*options),
+            Parsed::Help => Err("help".into()),
+        }
+    }
+
+    #[test]
+    fn registration_flags_select_what_is_measured() {
+        assert_eq!(run(&[]).unwrap().registrations(), [RegisterMode::None]);
+        for (text, mode) in [
+            ("0", RegisterMode::None),
+            ("1", RegisterMode::Local),
+            ("2", RegisterMode::Window),
+        ] {
+            let options = run(&["all_gather", "-R", text]).unwrap();
+            assert_eq!(options.registrations(), [mode]);
+            assert_eq!(mode.flag().to_string(), text);
+            let long = run(&[&format!("--local_register={text}")]).unwrap();
+            assert_eq!(long.register, Some(mode));
+        }
+        assert!(run(&["-R", "3"])
+            .unwrap_err()
+            .contains("expected 0, 1 or 2"));
+        let both = run(&["alltoall", "--registration-compare"]).unwrap();
+        assert_eq!(
+            both.registrations(),
+            [RegisterMode::None, RegisterMode::Window]
+        );
+        assert!(run(&["--registration-compare", "-R", "2"])
+            .unwrap_err()
+            .contains("drop -R"));
+        // Registered memory is ncclMemAlloc's.
+        for args in [
+            &["-R", "1", "--alloc", "cuda"][..],
+            &["--registration-compare", "--alloc", "cuda"],
+            &["--rma", "--alloc", "cuda"],
+        ] {
+            assert!(run(args).unwrap_err().contains("--alloc nccl"), "{args:?}");
+        }
+    }
+
+    #[test]
+    fn rma_is_the_put_signal_ring_on_windows() {
+        let options = run(&["--rma", "-b", "8", "-e", "1M", "-f", "2"]).unwrap();
+        assert_eq!(options.coll, Coll::PutSignal);
+        assert_eq!(options.registrations(), [RegisterMode::Window]);
+        assert_eq!(run(&["put_signal", "--rma"]).unwrap().coll, Coll::PutSignal);
+        assert_eq!(run(&["rma", "-R", "2"]).unwrap().coll, Coll::PutSignal);
+        assert!(run(&["all_reduce", "--rma"])
+            .unwrap_err()
+            .contains("cannot be combined"));
+        assert!(run(&["--rma", "all_reduce"])
+            .unwrap_err()
+            .contains("one collective"));
+        assert!(run(&["--rma", "-R", "1"]).unwrap_err().contains("-R 2"));
+        assert!(run(&["--rma", "--registration-compare"]).is_err());
+        assert!(usage().contains("--rma") && usage().contains("-R, --local_register"));
     }
 }

@@ -22,11 +22,14 @@ pub enum Coll {
     AllToAll,
     /// `sendrecv_perf`: every rank sends to the next and receives from the previous one
     SendRecv,
+    /// The one-sided ring (`--rma`, NCCL 2.29): every rank puts into the next rank's window
+    /// (`ncclPutSignal`) and waits for the previous rank's signal (`ncclWaitSignal`)
+    PutSignal,
 }
 
 impl Coll {
     /// Every collective.
-    pub const ALL: [Coll; 7] = [
+    pub const ALL: [Coll; 8] = [
         Coll::AllReduce,
         Coll::AllGather,
         Coll::ReduceScatter,
@@ -34,6 +37,7 @@ impl Coll {
         Coll::Reduce,
         Coll::AllToAll,
         Coll::SendRecv,
+        Coll::PutSignal,
     ];
 
     /// The name used on the command line and in the output.
@@ -46,6 +50,7 @@ impl Coll {
             Coll::Reduce => "reduce",
             Coll::AllToAll => "alltoall",
             Coll::SendRecv => "sendrecv",
+            Coll::PutSignal => "put_signal",
         }
     }
 
@@ -65,6 +70,7 @@ impl Coll {
             "reduce" => Coll::Reduce,
             "alltoall" | "a2a" => Coll::AllToAll,
             "sendrecv" | "p2p" => Coll::SendRecv,
+            "putsignal" | "rma" => Coll::PutSignal,
             _ => return None,
         })
     }
@@ -80,9 +86,10 @@ impl Coll {
     }
 
     /// Whether an in-place form exists (NCCL has none for all-to-all; a send/receive between
-    /// one buffer and itself cannot be expressed with the safe API's borrows).
+    /// one buffer and itself cannot be expressed with the safe API's borrows, nor a put from
+    /// a window into itself while it waits).
     pub fn has_in_place(self) -> bool {
-        !matches!(self, Coll::AllToAll | Coll::SendRecv)
+        !matches!(self, Coll::AllToAll | Coll::SendRecv | Coll::PutSignal)
     }
 
     /// nccl-tests' bus bandwidth factor for `n` ranks (doc/PERFORMANCE.md).
@@ -91,7 +98,7 @@ impl Coll {
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
             Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
-            Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
+            Coll::Broadcast | Coll::Reduce | Coll::SendRecv | Coll::PutSignal => 1.0,
         }
     }
 
@@ -103,7 +110,7 @@ impl Coll {
         let elements = bytes / elem_size;
         let per_rank = elements / n;
         let (count, send_len, recv_len) = match self {
-            Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv => {
+            Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::SendRecv | Coll::PutSignal => {
                 (elements, elements, elements)
             }
             Coll::AllGather => (per_rank, per_rank, per_rank * n),
@@ -249,7 +256,9 @@ impl Expect<'_> {
                 .pattern
                 .input(i / count, self.rank * self.layout.count + i % count),
             Coll::Broadcast => self.pattern.input(self.root, i),
-            Coll::SendRecv => self.pattern.input((self.rank + self.n - 1) % self.n, i),
+            Coll::SendRecv | Coll::PutSignal => {
+                self.pattern.input((self.rank + self.n - 1) % self.n, i)
+            }
         }
     }
 

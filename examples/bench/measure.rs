@@ -35,20 +35,20 @@ fn shift(buffer_len: usize, total: usize, iter: usize) -> usize {
 
 /// One API issuing one placement (out of place or in place) of one operation on `bufs`:
 /// what the timing methods and the check run.
-pub struct Op<'a, T: Elem> {
+pub struct Op<'a, 'c, T: Elem> {
     /// This rank.
-    pub rank: &'a mut Rank,
+    pub rank: &'a Rank,
     /// The operation at one size.
     pub issuer: &'a Issuer,
     /// The API that issues it.
     pub api: Api,
     /// The buffers it runs on.
-    pub bufs: &'a mut Buffers<T>,
+    pub bufs: &'a mut Buffers<'c, T>,
     /// In place or out of place.
     pub in_place: bool,
 }
 
-impl<T: Elem> Op<'_, T> {
+impl<T: Elem> Op<'_, '_, T> {
     /// Issues one operation on the buffers' elements from `offset`.
     fn issue(&mut self, offset: usize) -> BenchResult<()> {
         let Op {
@@ -223,6 +223,11 @@ impl<T: Elem> Op<'_, T> {
             stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
         }
         self.rank.wait()?;
+        if issuer.coll == Coll::PutSignal {
+            // The previous rank's put lands in this rank's window without this rank's
+            // stream ordering it: every rank must have zeroed its output first.
+            self.rank.barrier()?;
+        }
         self.settle()?;
 
         if issuer.coll == Coll::Reduce && me != issuer.root {
@@ -281,7 +286,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Fills both buffers with plausible data (the sum pattern) for the timed runs, in chunks so
 /// that large buffers need no host copy of their full size.
-pub fn fill<T: Elem>(rank: &Rank, bufs: &mut Buffers<T>, pattern: &Pattern) -> BenchResult<()> {
+pub fn fill<T: Elem>(rank: &Rank, bufs: &mut Buffers<'_, T>, pattern: &Pattern) -> BenchResult<()> {
     const CHUNK: usize = 1 << 22;
     let len = bufs.len();
     let chunk = pattern.host_input::<T>(rank.rank(), CHUNK.min(len));

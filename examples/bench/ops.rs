@@ -11,7 +11,10 @@ use cudarc::driver::{
     sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 use nccl::sys::{self, ncclComm_t, ncclResult_t, NcclLib};
-use nccl::{Comm, Group, NcclBuffer, Operation, ReduceOp, ResultCode};
+use nccl::{
+    Comm, Group, NcclBuffer, Operation, ReduceOp, Registration, ResultCode, Signal, SignalWait,
+    Window, WindowFlags, WindowView, WindowViewMut,
+};
 
 use crate::args::Alloc;
 use crate::coll::{Coll, Layout};
@@ -37,15 +40,21 @@ impl Api {
     }
 }
 
-/// Device memory from either allocator, usable wherever cudarc buffers are.
-pub enum Storage<T: Elem> {
+/// Device memory from either allocator, possibly registered with NCCL (`-R`), usable
+/// wherever cudarc buffers are. `'c` is the borrow of the communicator (and, for a local
+/// registration, of the buffer) that registered memory holds.
+pub enum Storage<'c, T: Elem> {
     /// cudarc's allocation.
     Cuda(CudaSlice<T>),
     /// `ncclMemAlloc`.
     Nccl(NcclBuffer<T>),
+    /// `ncclMemAlloc`, registered with `Comm::register` (`-R 1`).
+    Registered(Registration<'c, T>),
+    /// `ncclMemAlloc`, registered as a symmetric window (`-R 2`).
+    Window(Window<'c, T>),
 }
 
-impl<T: Elem> Storage<T> {
+impl<'c, T: Elem> Storage<'c, T> {
     /// `len` zeroed elements on the device of `stream`.
     pub fn alloc(stream: &Arc<CudaStream>, len: usize, alloc: Alloc) -> BenchResult<Self> {
         Ok(match alloc {
@@ -54,23 +63,30 @@ impl<T: Elem> Storage<T> {
         })
     }
 
-    /// Elements `offset..offset + len`, for reading.
+    /// Elements `offset..offset + len`, for reading: a window view on windows, as a program
+    /// using windows passes them.
     pub fn part(&self, offset: usize, len: usize) -> BenchResult<Part<'_, T>> {
         check_range(self.len(), offset, len)?;
-        Ok(Part {
-            buf: self,
-            offset,
-            len,
+        Ok(match self {
+            Storage::Window(window) => Part::Window(window.view(offset..offset + len)?),
+            _ => Part::Range {
+                buf: self,
+                offset,
+                len,
+            },
         })
     }
 
     /// Elements `offset..offset + len`, for writing.
-    pub fn part_mut(&mut self, offset: usize, len: usize) -> BenchResult<PartMut<'_, T>> {
+    pub fn part_mut(&mut self, offset: usize, len: usize) -> BenchResult<PartMut<'_, 'c, T>> {
         check_range(self.len(), offset, len)?;
-        Ok(PartMut {
-            buf: self,
-            offset,
-            len,
+        Ok(match self {
+            Storage::Window(window) => PartMut::Window(window.view_mut(offset..offset + len)?),
+            _ => PartMut::Range {
+                buf: self,
+                offset,
+                len,
+            },
         })
     }
 }
@@ -85,111 +101,196 @@ fn check_range(buffer: usize, offset: usize, len: usize) -> BenchResult<()> {
     }
 }
 
-impl<T: Elem> DeviceSlice<T> for Storage<T> {
-    fn len(&self) -> usize {
-        match self {
-            Storage::Cuda(b) => b.len(),
-            Storage::Nccl(b) => b.len(),
+/// Forwards a cudarc trait method to whichever buffer a [`Storage`] holds.
+macro_rules! each {
+    ($self:expr, $b:ident => $call:expr) => {
+        match $self {
+            Storage::Cuda($b) => $call,
+            Storage::Nccl($b) => $call,
+            Storage::Registered($b) => $call,
+            Storage::Window($b) => $call,
         }
+    };
+}
+
+impl<T: Elem> DeviceSlice<T> for Storage<'_, T> {
+    fn len(&self) -> usize {
+        each!(self, b => b.len())
     }
     fn stream(&self) -> &Arc<CudaStream> {
-        match self {
-            Storage::Cuda(b) => b.stream(),
-            Storage::Nccl(b) => b.stream(),
-        }
+        each!(self, b => b.stream())
     }
 }
 
-impl<T: Elem> DevicePtr<T> for Storage<T> {
+impl<T: Elem> DevicePtr<T> for Storage<'_, T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        match self {
-            Storage::Cuda(b) => b.device_ptr(stream),
-            Storage::Nccl(b) => b.device_ptr(stream),
-        }
+        each!(self, b => b.device_ptr(stream))
     }
 }
 
-impl<T: Elem> DevicePtrMut<T> for Storage<T> {
+impl<T: Elem> DevicePtrMut<T> for Storage<'_, T> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        match self {
-            Storage::Cuda(b) => b.device_ptr_mut(stream),
-            Storage::Nccl(b) => b.device_ptr_mut(stream),
-        }
+        each!(self, b => b.device_ptr_mut(stream))
     }
 }
 
-/// A range of a [`Storage`] for reading (`NcclBuffer` has no views of its own). Its uses
-/// are tracked by the whole buffer's events.
-pub struct Part<'a, T: Elem> {
-    buf: &'a Storage<T>,
-    offset: usize,
-    len: usize,
+/// A range of a [`Storage`] for reading (`NcclBuffer` has no views of its own; windows
+/// do). Uses of a range are tracked by the whole buffer's events.
+pub enum Part<'a, T: Elem> {
+    /// A range of any other buffer.
+    Range {
+        buf: &'a Storage<'a, T>,
+        offset: usize,
+        len: usize,
+    },
+    /// A view of a window.
+    Window(WindowView<'a, T>),
 }
 
 /// A range of a [`Storage`] for writing.
-pub struct PartMut<'a, T: Elem> {
-    buf: &'a mut Storage<T>,
-    offset: usize,
-    len: usize,
+pub enum PartMut<'a, 'c, T: Elem> {
+    /// A range of any other buffer.
+    Range {
+        buf: &'a mut Storage<'c, T>,
+        offset: usize,
+        len: usize,
+    },
+    /// A view of a window.
+    Window(WindowViewMut<'a, T>),
 }
 
 fn offset_bytes<T>(elements: usize) -> CUdeviceptr {
     (elements * std::mem::size_of::<T>()) as CUdeviceptr
 }
 
-/// The read side of both views: the range's length, stream and address.
-macro_rules! view {
-    ($($view:ident),*) => {$(
-        impl<T: Elem> DeviceSlice<T> for $view<'_, T> {
-            fn len(&self) -> usize {
-                self.len
-            }
-            fn stream(&self) -> &Arc<CudaStream> {
-                self.buf.stream()
-            }
+impl<T: Elem> DeviceSlice<T> for Part<'_, T> {
+    fn len(&self) -> usize {
+        match self {
+            Part::Range { len, .. } => *len,
+            Part::Window(view) => view.len(),
         }
-
-        impl<T: Elem> DevicePtr<T> for $view<'_, T> {
-            fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-                let (ptr, guard) = self.buf.device_ptr(stream);
-                (ptr + offset_bytes::<T>(self.offset), guard)
-            }
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            Part::Range { buf, .. } => buf.stream(),
+            Part::Window(view) => view.stream(),
         }
-    )*};
-}
-view!(Part, PartMut);
-
-impl<T: Elem> DevicePtrMut<T> for PartMut<'_, T> {
-    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        let (ptr, guard) = self.buf.device_ptr_mut(stream);
-        (ptr + offset_bytes::<T>(self.offset), guard)
     }
 }
 
-/// A rank's send and receive buffers (the same length), with their device addresses for the
-/// raw path.
-pub struct Buffers<T: Elem> {
-    /// The send buffer.
-    pub send: Storage<T>,
-    /// The receive buffer (also the buffer of in-place operations).
-    pub recv: Storage<T>,
-    send_ptr: CUdeviceptr,
-    recv_ptr: CUdeviceptr,
+impl<T: Elem> DevicePtr<T> for Part<'_, T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        match self {
+            Part::Range { buf, offset, .. } => {
+                let (ptr, guard) = buf.device_ptr(stream);
+                (ptr + offset_bytes::<T>(*offset), guard)
+            }
+            Part::Window(view) => view.device_ptr(stream),
+        }
+    }
 }
 
-impl<T: Elem> Buffers<T> {
-    /// Two zeroed buffers of `len` elements.
+impl<T: Elem> DeviceSlice<T> for PartMut<'_, '_, T> {
+    fn len(&self) -> usize {
+        match self {
+            PartMut::Range { len, .. } => *len,
+            PartMut::Window(view) => view.len(),
+        }
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        match self {
+            PartMut::Range { buf, .. } => buf.stream(),
+            PartMut::Window(view) => view.stream(),
+        }
+    }
+}
+
+impl<T: Elem> DevicePtr<T> for PartMut<'_, '_, T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        match self {
+            PartMut::Range { buf, offset, .. } => {
+                let (ptr, guard) = buf.device_ptr(stream);
+                (ptr + offset_bytes::<T>(*offset), guard)
+            }
+            PartMut::Window(view) => view.device_ptr(stream),
+        }
+    }
+}
+
+impl<T: Elem> DevicePtrMut<T> for PartMut<'_, '_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        match self {
+            PartMut::Range { buf, offset, .. } => {
+                let offset = offset_bytes::<T>(*offset);
+                let (ptr, guard) = buf.device_ptr_mut(stream);
+                (ptr + offset, guard)
+            }
+            PartMut::Window(view) => view.device_ptr_mut(stream),
+        }
+    }
+}
+
+/// A rank's send and receive buffers (the same length), with their device addresses (and
+/// the receive window's handle) for the raw path.
+pub struct Buffers<'c, T: Elem> {
+    /// The send buffer.
+    pub send: Storage<'c, T>,
+    /// The receive buffer (also the buffer of in-place operations).
+    pub recv: Storage<'c, T>,
+    send_ptr: CUdeviceptr,
+    recv_ptr: CUdeviceptr,
+    /// The receive window's handle with `-R 2`: where the raw path's puts go.
+    recv_window: Option<sys::ncclWindow_t>,
+}
+
+impl<'c, T: Elem> Buffers<'c, T> {
+    /// Two zeroed buffers of `len` elements, not registered.
     pub fn alloc(stream: &Arc<CudaStream>, len: usize, alloc: Alloc) -> BenchResult<Self> {
         let send = Storage::alloc(stream, len, alloc)?;
-        let mut recv = Storage::alloc(stream, len, alloc)?;
+        let recv = Storage::alloc(stream, len, alloc)?;
+        Ok(Self::new(stream, send, recv))
+    }
+
+    /// `send` and `recv` (from `ncclMemAlloc`) registered with `comm` (`-R 1`); they stay
+    /// borrowed while registered.
+    pub fn registered(
+        comm: &'c Comm,
+        send: &'c mut NcclBuffer<T>,
+        recv: &'c mut NcclBuffer<T>,
+    ) -> BenchResult<Self> {
+        let send = Storage::Registered(comm.register(send)?);
+        let recv = Storage::Registered(comm.register(recv)?);
+        Ok(Self::new(comm.stream(), send, recv))
+    }
+
+    /// Two zeroed buffers of `len` elements from `ncclMemAlloc`, each registered as a
+    /// symmetric window on `comm` (`-R 2`), as nccl-tests registers its send and receive
+    /// buffers.
+    pub fn windows(comm: &'c Comm, len: usize) -> BenchResult<Self> {
+        let window = |len| -> BenchResult<Window<'c, T>> {
+            let buffer = NcclBuffer::alloc_zeros(comm.stream(), len)?;
+            Ok(comm
+                .register_window(buffer, WindowFlags::COLL_SYMMETRIC)
+                .map_err(nccl::Error::from)?)
+        };
+        let send = window(len)?;
+        let recv = window(len)?;
+        let recv_window = Some(recv.as_raw());
+        let mut bufs = Self::new(comm.stream(), Storage::Window(send), Storage::Window(recv));
+        bufs.recv_window = recv_window;
+        Ok(bufs)
+    }
+
+    fn new(stream: &Arc<CudaStream>, send: Storage<'c, T>, mut recv: Storage<'c, T>) -> Self {
         let send_ptr = send.device_ptr(stream).0;
         let recv_ptr = recv.device_ptr_mut(stream).0;
-        Ok(Buffers {
+        Buffers {
             send,
             recv,
             send_ptr,
             recv_ptr,
-        })
+            recv_window: None,
+        }
     }
 
     /// Elements in each buffer.
@@ -253,7 +354,7 @@ impl Issuer {
         &self,
         api: Api,
         comm: &Comm,
-        bufs: &mut Buffers<T>,
+        bufs: &mut Buffers<'_, T>,
         in_place: bool,
         shift: usize,
     ) -> BenchResult<()> {
@@ -266,7 +367,7 @@ impl Issuer {
     fn issue_safe<T: Elem>(
         &self,
         comm: &Comm,
-        b: &mut Buffers<T>,
+        b: &mut Buffers<'_, T>,
         in_place: bool,
         shift: usize,
     ) -> BenchResult<()> {
@@ -339,11 +440,31 @@ impl Issuer {
                 )?;
                 group.finish()?
             }
+            (Coll::PutSignal, _) => {
+                let (next, prev) = ((self.rank + 1) % self.n, (self.rank + self.n - 1) % self.n);
+                let (Storage::Window(send), Storage::Window(recv)) = (&b.send, &mut b.recv) else {
+                    return Err("internal error: the put_signal ring runs on windows only".into());
+                };
+                // Into the next rank's receive window, named by this rank's handle of it,
+                // at the offset the source has in the send window.
+                recv.put_signal(
+                    &send.view(shift..shift + count)?,
+                    next,
+                    shift,
+                    Signal::default(),
+                )?;
+                recv.wait_signal(&[SignalWait::new(prev, 1)])?
+            }
         }
         Ok(())
     }
 
-    fn issue_raw<T: Elem>(&self, b: &Buffers<T>, in_place: bool, shift: usize) -> BenchResult<()> {
+    fn issue_raw<T: Elem>(
+        &self,
+        b: &Buffers<'_, T>,
+        in_place: bool,
+        shift: usize,
+    ) -> BenchResult<()> {
         let count = self.layout.count;
         let at = |base: CUdeviceptr, elements: usize| {
             (base + offset_bytes::<T>(elements)) as *mut c_void
@@ -371,7 +492,10 @@ impl Issuer {
         // `stream` its live stream; every pointer lies inside a buffer of this rank's device
         // that holds at least `count` elements (per peer where NCCL says so) past it, as
         // checked above; the buffers stay alive and untouched by anything else until the
-        // work completes, because the benchmark waits for the stream before using them.
+        // work completes, because the benchmark waits for the stream before using them. For
+        // the put ring, `window` is this rank's handle of the receive window, registered on
+        // `comm` with COLL_SYMMETRIC for as long as the buffers live, and the put's
+        // `count` elements at `shift` fit it (same length as the send window).
         let status = unsafe {
             match self.coll {
                 Coll::AllReduce => lib.ncclAllReduce(send, recv, count, dtype, op, comm, stream),
@@ -393,6 +517,34 @@ impl Issuer {
                     raw_check("ncclSend", sent)?;
                     raw_check("ncclRecv", received)?;
                     ended
+                }
+                Coll::PutSignal => {
+                    let window = b
+                        .recv_window
+                        .ok_or("internal error: the put_signal ring runs on windows only")?;
+                    let next = ((self.rank + 1) % self.n) as std::os::raw::c_int;
+                    let prev = ((self.rank + self.n - 1) % self.n) as std::os::raw::c_int;
+                    let put = lib.ncclPutSignal(
+                        send,
+                        count,
+                        dtype,
+                        next,
+                        window,
+                        offset_bytes::<T>(shift) as usize,
+                        0,
+                        0,
+                        0,
+                        comm,
+                        stream,
+                    );
+                    raw_check("ncclPutSignal", put)?;
+                    let mut wait = sys::ncclWaitSignalDesc_t {
+                        opCnt: 1,
+                        peer: prev,
+                        sigIdx: 0,
+                        ctx: 0,
+                    };
+                    lib.ncclWaitSignal(1, &mut wait, comm, stream)
                 }
             }
         };

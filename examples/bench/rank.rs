@@ -1,6 +1,7 @@
 //! One rank's communicator and stream, with the synchronisation helpers every measurement
 //! uses: waiting for the stream, barriers, and combining one number over all ranks.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
@@ -18,7 +19,9 @@ pub struct Rank {
     /// The CUDA device ordinal.
     pub device: usize,
     /// One `f64` for combining numbers over ranks and for barriers (outside timed regions).
-    scratch: CudaSlice<f64>,
+    /// In a cell so that every helper takes `&self`: registered buffers and windows borrow
+    /// the communicator for as long as the measurements that use them run.
+    scratch: RefCell<CudaSlice<f64>>,
 }
 
 impl Rank {
@@ -29,7 +32,7 @@ impl Rank {
             comm,
             stream,
             device,
-            scratch,
+            scratch: RefCell::new(scratch),
         })
     }
 
@@ -75,14 +78,14 @@ impl Rank {
     }
 
     /// A barrier over all ranks: a one-element all-reduce, waited for.
-    pub fn barrier(&mut self) -> BenchResult<()> {
+    pub fn barrier(&self) -> BenchResult<()> {
         self.comm
-            .all_reduce_in_place(&mut self.scratch, ReduceOp::Sum)?;
+            .all_reduce_in_place(&mut *self.scratch.borrow_mut(), ReduceOp::Sum)?;
         self.wait()
     }
 
     /// Combines `value` over all ranks with `how`; every rank gets the result.
-    pub fn combine(&mut self, value: f64, how: Average) -> BenchResult<f64> {
+    pub fn combine(&self, value: f64, how: Average) -> BenchResult<f64> {
         let combined = self.reduce(value, how)?;
         Ok(match how {
             Average::Mean => combined / self.size() as f64,
@@ -91,27 +94,23 @@ impl Rank {
     }
 
     /// The sum of `value` over all ranks.
-    pub fn sum(&mut self, value: f64) -> BenchResult<f64> {
+    pub fn sum(&self, value: f64) -> BenchResult<f64> {
         // The mean's reduction is the plain sum.
         self.reduce(value, Average::Mean)
     }
 
-    fn reduce(&mut self, value: f64, how: Average) -> BenchResult<f64> {
-        self.stream.memcpy_htod(&[value], &mut self.scratch)?;
+    fn reduce(&self, value: f64, how: Average) -> BenchResult<f64> {
+        let mut scratch = self.scratch.borrow_mut();
+        let scratch = &mut *scratch;
+        self.stream.memcpy_htod(&[value], scratch)?;
         match how {
-            Average::Rank0 => self.comm.broadcast_in_place(&mut self.scratch, 0)?,
-            Average::Mean => self
-                .comm
-                .all_reduce_in_place(&mut self.scratch, ReduceOp::Sum)?,
-            Average::Min => self
-                .comm
-                .all_reduce_in_place(&mut self.scratch, ReduceOp::Min)?,
-            Average::Max => self
-                .comm
-                .all_reduce_in_place(&mut self.scratch, ReduceOp::Max)?,
+            Average::Rank0 => self.comm.broadcast_in_place(scratch, 0)?,
+            Average::Mean => self.comm.all_reduce_in_place(scratch, ReduceOp::Sum)?,
+            Average::Min => self.comm.all_reduce_in_place(scratch, ReduceOp::Min)?,
+            Average::Max => self.comm.all_reduce_in_place(scratch, ReduceOp::Max)?,
         }
         self.wait()?;
-        Ok(self.stream.clone_dtoh(&self.scratch)?[0])
+        Ok(self.stream.clone_dtoh(&*scratch)?[0])
     }
 
     /// Every rank's `line` (at most 255 bytes of it), on every rank, in rank order.

@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::args::{Apis, Mode};
+use crate::args::{Apis, Mode, RegisterMode};
 use crate::coll::Coll;
 use crate::ops::Api;
 use crate::BenchResult;
@@ -51,6 +51,8 @@ pub struct Row {
 pub struct Report {
     /// The operation.
     pub coll: Coll,
+    /// How the buffers were registered (`-R`).
+    pub register: RegisterMode,
     /// The timing mode.
     pub mode: Mode,
     /// Which APIs were measured.
@@ -61,6 +63,58 @@ pub struct Report {
     pub cputime: bool,
     /// The rows so far.
     pub rows: Vec<Row>,
+}
+
+/// The speedup of `windows` (`-R 2`) over `base` (`-R 0`), row by row: time(-R 0) /
+/// time(-R 2) for every API and placement (above 1: windows are faster). Both reports must
+/// come from the same sweep (same sizes, types and reductions in the same order).
+pub fn speedup(base: &Report, windows: &Report) -> String {
+    let mut out = format!(
+        "#\n# Speedup of -R {} over -R {}: time(-R {}) / time(-R {}), above 1 is faster\n",
+        windows.register.flag(),
+        base.register.flag(),
+        base.register.flag(),
+        windows.register.flag()
+    );
+    let ratio = |a: &Measured, b: &Measured| {
+        if b.time_us > 0.0 {
+            format!("{:.3}", a.time_us / b.time_us)
+        } else {
+            "N/A".to_string()
+        }
+    };
+    let mut names = String::new();
+    for placement in ["out-of-place", "in-place"] {
+        for m in base
+            .rows
+            .first()
+            .map_or(&[][..], |row| &row.out_of_place[..])
+        {
+            let _ = write!(names, "  {:>18}", format!("{} {placement}", m.api.name()));
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# {:>10}  {:>8}  {:>6}{names}",
+        "size", "type", "redop"
+    );
+    for (b, w) in base.rows.iter().zip(&windows.rows) {
+        let _ = write!(out, "  {:>10}  {:>8}  {:>6}", b.size, b.dtype, b.redop);
+        for (bs, ws) in [
+            (&b.out_of_place, &w.out_of_place),
+            (&b.in_place, &w.in_place),
+        ] {
+            for i in 0..b.out_of_place.len() {
+                let cell = match (bs.get(i), ws.get(i)) {
+                    (Some(a), Some(c)) => ratio(a, c),
+                    _ => "N/A".to_string(),
+                };
+                let _ = write!(out, "  {cell:>18}");
+            }
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// nccl-tests' time format: fewer decimals for longer times.
@@ -484,6 +538,7 @@ pub mod tests {
             })
             .collect();
         Report {
+            register: RegisterMode::None,
             coll: Coll::AllReduce,
             mode,
             apis,
@@ -502,6 +557,33 @@ pub mod tests {
             "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       ",
         ];
         assert_eq!(header.lines().collect::<Vec<_>>(), expected);
+    }
+
+    #[test]
+    fn speedup_is_the_ratio_of_times_row_by_row() {
+        let base = sample(Apis::Compare, Mode::Host, false);
+        let mut windows = sample(Apis::Compare, Mode::Host, false);
+        windows.register = RegisterMode::Window;
+        for row in &mut windows.rows {
+            for m in row.out_of_place.iter_mut().chain(&mut row.in_place) {
+                m.time_us /= 2.0;
+            }
+        }
+        let text = speedup(&base, &windows);
+        assert!(text.contains("Speedup of -R 2 over -R 0"), "{text}");
+        assert!(
+            text.contains("safe out-of-place") && text.contains("raw in-place"),
+            "{text}"
+        );
+        let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(lines.len(), base.rows.len());
+        for line in &lines {
+            // Every measured cell is twice as fast; a row without in-place has N/A there.
+            let cells: Vec<&str> = line.split_whitespace().skip(3).collect();
+            assert_eq!(cells.len(), 4, "{line}");
+            assert!(cells.iter().all(|c| *c == "2.000" || *c == "N/A"), "{line}");
+            assert!(cells[..2].iter().all(|c| *c == "2.000"), "{line}");
+        }
     }
 
     #[test]

@@ -1,11 +1,22 @@
 //! The single path every operation takes to NCCL: validate completely, then call.
+//!
+//! An operation with a [`CollConfig`] takes the same path; only the last step differs (the
+//! `*Config` variant of the NCCL function, with the raw struct kept alive across the call),
+//! and it branches off on a cold path, so an operation without one pays a single `Option`
+//! check for the feature.
 
 use std::ffi::c_void;
+use std::os::raw::c_int;
 
 use cudarc::driver::{CudaStream, SyncOnDrop};
+use nccl_sys::{
+    cudaStream_t, ncclCollConfig_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t,
+    MissingSymbol, NcclLib,
+};
 
 use super::operation::{Kind, Operation};
-use super::rules::{check_plan, check_self_p2p, Ptr};
+use super::rules::{check_config_kind, check_plan, check_self_p2p, Ptr};
+use crate::coll_config::CollConfig;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::Result;
@@ -27,6 +38,51 @@ pub(crate) fn dispatch<'b, 'a: 'b, T: NcclType>(
     call: Operation<'a, T>,
     in_group: bool,
     keep: impl FnOnce(Guards<'b>),
+) -> Result<()> {
+    match call.config {
+        None => validate_and_launch(comm, stream, call, in_group, keep, Plain),
+        Some(config) => dispatch_configured(comm, stream, call, in_group, keep, config),
+    }
+}
+
+/// [`dispatch`] for an operation with a [`CollConfig`]: refuses it on send and receive,
+/// builds the raw struct for the loaded library (version gates and field checks live in
+/// [`CollConfig::to_raw`]) and keeps it alive until NCCL has returned.
+#[cold]
+#[inline(never)]
+fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
+    comm: &'b Comm,
+    stream: &'b CudaStream,
+    call: Operation<'a, T>,
+    in_group: bool,
+    keep: impl FnOnce(Guards<'b>),
+    config: &CollConfig<'_>,
+) -> Result<()> {
+    let kind = call.kind;
+    let name = check_config_kind(kind)
+        .map_err(|broken| broken.to_error(kind, comm.rank(), comm.size()))?;
+    let raw = config.to_raw(comm)?;
+    let launch = Configured {
+        name,
+        config: raw.as_ptr(),
+    };
+    let outcome = validate_and_launch(comm, stream, call, in_group, keep, launch);
+    // NCCL reads the struct (and the selection string it points to) during the call only.
+    drop(raw);
+    outcome
+}
+
+/// Validates `call` completely, enqueues it through `launch`, completes the call and hands
+/// the guards to `keep`: everything [`dispatch`] does, written once for both NCCL entry
+/// points.
+#[inline(always)]
+fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
+    comm: &'b Comm,
+    stream: &'b CudaStream,
+    call: Operation<'a, T>,
+    in_group: bool,
+    keep: impl FnOnce(Guards<'b>),
+    launch: impl Launch,
 ) -> Result<()> {
     let lib = comm.library();
     let kind = call.kind;
@@ -94,54 +150,173 @@ pub(crate) fn dispatch<'b, 'a: 'b, T: NcclType>(
         }
     };
     let (send, recv) = (address(plan.send) as *const c_void, address(plan.recv));
-    let count = plan.count;
-    let datatype = dtype.raw();
-    let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
+    let args = Args {
+        send,
+        recv,
+        count: plan.count,
+        datatype: dtype.raw(),
+        op,
+        stream: stream.cu_stream() as cudaStream_t,
+    };
     let api = lib.api();
-    // Roots and peers were checked against the communicator size, which fits a C int.
-    let int = |value: usize| value as std::os::raw::c_int;
+    let call_name = launch.name(kind);
 
-    let status = comm.with_raw(name, |raw| {
+    let status = comm.with_raw(call_name, |raw| {
         // SAFETY: every pointer lies inside a buffer on the communicator's device whose
         // length was checked against `count` and the rank/root offsets above; the buffers
         // stay borrowed (and alive) at least until the work is enqueued, and their events are
         // recorded afterwards by the guards; the handle is live under the comm's lock.
-        unsafe {
-            match kind {
-                Kind::AllReduce => {
-                    api.ncclAllReduce(send, recv, count, datatype, op, raw, cu_stream)
-                }
-                Kind::Broadcast { root } => {
-                    api.ncclBroadcast(send, recv, count, datatype, int(root), raw, cu_stream)
-                }
-                Kind::Reduce { root } => {
-                    api.ncclReduce(send, recv, count, datatype, op, int(root), raw, cu_stream)
-                }
-                Kind::AllGather => api.ncclAllGather(send, recv, count, datatype, raw, cu_stream),
-                Kind::ReduceScatter => {
-                    api.ncclReduceScatter(send, recv, count, datatype, op, raw, cu_stream)
-                }
-                Kind::AllToAll => api.ncclAlltoAll(send, recv, count, datatype, raw, cu_stream),
-                Kind::Gather { root } => {
-                    api.ncclGather(send, recv, count, datatype, int(root), raw, cu_stream)
-                }
-                Kind::Scatter { root } => {
-                    api.ncclScatter(send, recv, count, datatype, int(root), raw, cu_stream)
-                }
-                Kind::Send { peer } => {
-                    api.ncclSend(send, count, datatype, int(peer), raw, cu_stream)
-                }
-                Kind::Recv { peer } => {
-                    api.ncclRecv(recv, count, datatype, int(peer), raw, cu_stream)
-                }
-            }
-        }
+        unsafe { launch.launch(api, kind, args, raw) }
     })?;
     if in_group {
-        lib.check_pending(name, status)?;
+        lib.check_pending(call_name, status)?;
     } else {
-        comm.complete(name, status)?;
+        comm.complete(call_name, status)?;
     }
     keep([send_guard, recv_guard]);
     Ok(())
+}
+
+/// The arguments every NCCL operation call shares.
+#[derive(Clone, Copy)]
+struct Args {
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: ncclRedOp_t,
+    stream: cudaStream_t,
+}
+
+/// Which NCCL function a validated operation goes to.
+trait Launch {
+    /// The C name of the function called for `kind`, for errors.
+    fn name(&self, kind: Kind) -> &'static str;
+
+    /// Calls NCCL.
+    ///
+    /// # Safety
+    ///
+    /// `args` must have passed [`validate_and_launch`]'s checks for `kind`, with the buffers
+    /// alive; `comm` must be a live handle, held under the communicator's lock.
+    unsafe fn launch(
+        &self,
+        api: &NcclLib,
+        kind: Kind,
+        args: Args,
+        comm: ncclComm_t,
+    ) -> std::result::Result<ncclResult_t, MissingSymbol>;
+}
+
+/// Roots and peers were checked against the communicator size, which fits a C int.
+#[inline(always)]
+fn int(value: usize) -> c_int {
+    value as c_int
+}
+
+/// The plain functions: `ncclAllReduce` ... `ncclRecv`.
+struct Plain;
+
+impl Launch for Plain {
+    #[inline(always)]
+    fn name(&self, kind: Kind) -> &'static str {
+        kind.name()
+    }
+
+    #[inline(always)]
+    unsafe fn launch(
+        &self,
+        api: &NcclLib,
+        kind: Kind,
+        a: Args,
+        comm: ncclComm_t,
+    ) -> std::result::Result<ncclResult_t, MissingSymbol> {
+        let Args {
+            send,
+            recv,
+            count,
+            datatype: dt,
+            op,
+            stream: s,
+        } = a;
+        // SAFETY: forwarded from our caller (see the trait).
+        unsafe {
+            match kind {
+                Kind::AllReduce => api.ncclAllReduce(send, recv, count, dt, op, comm, s),
+                Kind::Broadcast { root } => {
+                    api.ncclBroadcast(send, recv, count, dt, int(root), comm, s)
+                }
+                Kind::Reduce { root } => {
+                    api.ncclReduce(send, recv, count, dt, op, int(root), comm, s)
+                }
+                Kind::AllGather => api.ncclAllGather(send, recv, count, dt, comm, s),
+                Kind::ReduceScatter => api.ncclReduceScatter(send, recv, count, dt, op, comm, s),
+                Kind::AllToAll => api.ncclAlltoAll(send, recv, count, dt, comm, s),
+                Kind::Gather { root } => api.ncclGather(send, recv, count, dt, int(root), comm, s),
+                Kind::Scatter { root } => {
+                    api.ncclScatter(send, recv, count, dt, int(root), comm, s)
+                }
+                Kind::Send { peer } => api.ncclSend(send, count, dt, int(peer), comm, s),
+                Kind::Recv { peer } => api.ncclRecv(recv, count, dt, int(peer), comm, s),
+            }
+        }
+    }
+}
+
+/// The `*Config` variants (NCCL 2.31), with a raw configuration that outlives the call.
+struct Configured {
+    /// The `*Config` function's name, from [`check_config_kind`].
+    name: &'static str,
+    config: *const ncclCollConfig_t,
+}
+
+impl Launch for Configured {
+    fn name(&self, _kind: Kind) -> &'static str {
+        self.name
+    }
+
+    unsafe fn launch(
+        &self,
+        api: &NcclLib,
+        kind: Kind,
+        a: Args,
+        comm: ncclComm_t,
+    ) -> std::result::Result<ncclResult_t, MissingSymbol> {
+        let Args {
+            send,
+            recv,
+            count,
+            datatype: dt,
+            op,
+            stream: s,
+        } = a;
+        let cfg = self.config;
+        // SAFETY: forwarded from our caller (see the trait); `cfg` points to a struct built
+        // by `CollConfig::to_raw` for the loaded library, alive until after this call.
+        unsafe {
+            match kind {
+                Kind::AllReduce => api.ncclAllReduceConfig(send, recv, count, dt, op, comm, s, cfg),
+                Kind::Broadcast { root } => {
+                    api.ncclBroadcastConfig(send, recv, count, dt, int(root), comm, s, cfg)
+                }
+                Kind::Reduce { root } => {
+                    api.ncclReduceConfig(send, recv, count, dt, op, int(root), comm, s, cfg)
+                }
+                Kind::AllGather => api.ncclAllGatherConfig(send, recv, count, dt, comm, s, cfg),
+                Kind::ReduceScatter => {
+                    api.ncclReduceScatterConfig(send, recv, count, dt, op, comm, s, cfg)
+                }
+                Kind::AllToAll => api.ncclAlltoAllConfig(send, recv, count, dt, comm, s, cfg),
+                Kind::Gather { root } => {
+                    api.ncclGatherConfig(send, recv, count, dt, int(root), comm, s, cfg)
+                }
+                Kind::Scatter { root } => {
+                    api.ncclScatterConfig(send, recv, count, dt, int(root), comm, s, cfg)
+                }
+                // Refused by `check_config_kind` before anything was taken; NCCL's own
+                // answer to a bad argument, should that ever change, rather than a panic.
+                Kind::Send { .. } | Kind::Recv { .. } => Ok(ncclResult_t::ncclInvalidArgument),
+            }
+        }
+    }
 }

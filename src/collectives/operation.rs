@@ -2,6 +2,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+use crate::coll_config::CollConfig;
 use crate::dtype::NcclType;
 use crate::library::Version;
 use crate::op::Reduction;
@@ -38,6 +39,22 @@ impl Kind {
         }
     }
 
+    /// The name of the `*Config` variant NCCL 2.31 has for the collective; none for send
+    /// and receive, which take no configuration.
+    pub(crate) fn config_name(self) -> Option<&'static str> {
+        Some(match self {
+            Kind::AllReduce => "ncclAllReduceConfig",
+            Kind::Broadcast { .. } => "ncclBroadcastConfig",
+            Kind::Reduce { .. } => "ncclReduceConfig",
+            Kind::AllGather => "ncclAllGatherConfig",
+            Kind::ReduceScatter => "ncclReduceScatterConfig",
+            Kind::AllToAll => "ncclAlltoAllConfig",
+            Kind::Gather { .. } => "ncclGatherConfig",
+            Kind::Scatter { .. } => "ncclScatterConfig",
+            Kind::Send { .. } | Kind::Recv { .. } => return None,
+        })
+    }
+
     pub(crate) fn min_version(self) -> Version {
         match self {
             Kind::AllToAll | Kind::Gather { .. } | Kind::Scatter { .. } => Version::new(2, 28, 0),
@@ -51,14 +68,29 @@ impl Kind {
 /// One NCCL operation, a collective or a point-to-point transfer, with its buffers, ready to
 /// be enqueued; see the [module docs](super).
 ///
-/// The lifetime `'a` covers the buffers (and a [`PreMulSum`](crate::PreMulSum) operator):
-/// they stay borrowed until the operation is enqueued, or until the group that holds it ends.
+/// The lifetime `'a` covers the buffers (and a [`PreMulSum`](crate::PreMulSum) operator, and
+/// a [`CollConfig`] with its launch-completion event): they stay borrowed until the operation
+/// is enqueued, or until the group that holds it ends.
+///
+/// A collective may carry a per-collective configuration ([`Operation::with_config`], NCCL
+/// 2.31), which sends it through NCCL's `*Config` variant of the call:
+///
+/// ```no_run
+/// # fn f(comm: &nccl::Comm, grads: &mut cudarc::driver::CudaSlice<f32>) -> nccl::Result<()> {
+/// use nccl::{CollConfig, Operation, ReduceOp};
+///
+/// let config = CollConfig::new().algorithm("ring").max_ctas(4);
+/// comm.enqueue(Operation::all_reduce_in_place(grads, ReduceOp::Sum).with_config(&config))?;
+/// # Ok(())
+/// # }
+/// ```
 pub struct Operation<'a, T: NcclType> {
     pub(crate) kind: Kind,
     pub(crate) op: Option<Reduction<'a, T>>,
     pub(crate) send: Option<&'a dyn DevicePtr<T>>,
     pub(crate) recv: Option<&'a mut dyn DevicePtrMut<T>>,
     pub(crate) in_place: bool,
+    pub(crate) config: Option<&'a CollConfig<'a>>,
 }
 
 impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
@@ -70,6 +102,7 @@ impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
             .field("send_len", &self.send.as_ref().map(|b| b.len()))
             .field("recv_len", &self.recv.as_ref().map(|b| b.len()))
             .field("in_place", &self.in_place)
+            .field("config", &self.config)
             .finish()
     }
 }
@@ -88,7 +121,27 @@ impl<'a, T: NcclType> Operation<'a, T> {
             send,
             recv,
             in_place,
+            config: None,
         }
+    }
+
+    /// Runs the collective with a per-collective configuration (`ncclAllReduceConfig` ...
+    /// `ncclScatterConfig`, NCCL 2.31; a launch-completion event needs 2.32): algorithm
+    /// selection, CTA limits and policy, profiler tag. See [`CollConfig`] for NCCL's rules.
+    ///
+    /// The configuration (and its event) stays borrowed until the operation is enqueued, or
+    /// until the group holding it ends. Checked when the operation is enqueued: on an older
+    /// library the call is [`Error::Unsupported`](crate::Error::Unsupported); on a send or
+    /// receive, which NCCL has no configured form of, it is
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument). Nothing is enqueued then.
+    pub fn with_config(mut self, config: &'a CollConfig<'a>) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// The configuration set by [`Operation::with_config`], if any.
+    pub fn config(&self) -> Option<&'a CollConfig<'a>> {
+        self.config
     }
 
     /// All-reduce: every rank ends with the reduction of all ranks' `send` in `recv`

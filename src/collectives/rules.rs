@@ -43,6 +43,9 @@ pub(crate) enum Broken {
     /// A send or receive to this rank itself outside a group: it waits for its own
     /// counterpart, which can only come in the same group.
     SelfOutsideGroup,
+    /// A per-collective configuration on a send or receive: NCCL has no configured form of
+    /// them.
+    ConfigOnPointToPoint,
 }
 
 /// How the send and receive lengths of an operation must relate.
@@ -111,6 +114,10 @@ impl Broken {
                 "{name} on rank {rank} to its own rank can never complete outside a group: \
                  issue the send and the matching receive in one Group"
             ),
+            Broken::ConfigOnPointToPoint => format!(
+                "{name} on rank {rank} takes no CollConfig: NCCL has configured variants of \
+                 the collectives only (ncclAllReduceConfig ... ncclScatterConfig)"
+            ),
         };
         Error::invalid(message)
     }
@@ -130,6 +137,13 @@ pub(crate) fn check_self_p2p(
         }
         _ => Ok(()),
     }
+}
+
+/// The name of NCCL's `*Config` variant of `kind`, for an operation that carries a
+/// [`CollConfig`](crate::CollConfig); send and receive have none.
+#[inline]
+pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static str, Broken> {
+    kind.config_name().ok_or(Broken::ConfigOnPointToPoint)
 }
 
 /// Applies NCCL's count and buffer rules to one rank's view of an operation.
@@ -542,6 +556,38 @@ mod tests {
             assert!(text.contains("one Group"), "{text}");
         }
         assert_eq!(check_self_p2p(Kind::AllGather, 0, false), Ok(()));
+    }
+
+    #[test]
+    fn configs_only_on_collectives() {
+        let collectives = [
+            (Kind::AllReduce, "ncclAllReduceConfig"),
+            (Kind::Broadcast { root: 0 }, "ncclBroadcastConfig"),
+            (Kind::Reduce { root: 1 }, "ncclReduceConfig"),
+            (Kind::AllGather, "ncclAllGatherConfig"),
+            (Kind::ReduceScatter, "ncclReduceScatterConfig"),
+            (Kind::AllToAll, "ncclAlltoAllConfig"),
+            (Kind::Gather { root: 0 }, "ncclGatherConfig"),
+            (Kind::Scatter { root: 1 }, "ncclScatterConfig"),
+        ];
+        for (kind, name) in collectives {
+            assert_eq!(check_config_kind(kind), Ok(name));
+            // Every configured name is the plain one with "Config" appended, and exported
+            // by the 2.32.3 header.
+            assert_eq!(name, format!("{}Config", kind.name()));
+            assert!(nccl_sys::FUNCTION_NAMES.contains(&name), "{name}");
+        }
+        for kind in [Kind::Send { peer: 1 }, Kind::Recv { peer: 0 }] {
+            let broken = check_config_kind(kind).unwrap_err();
+            assert_eq!(broken, Broken::ConfigOnPointToPoint);
+            match broken.to_error(kind, 0, 2) {
+                Error::InvalidArgument(text) => {
+                    assert!(text.contains(kind.name()), "{text}");
+                    assert!(text.contains("takes no CollConfig"), "{text}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -1,0 +1,436 @@
+//! Per-collective configuration (`Operation::with_config`, NCCL 2.31; launch-completion
+//! event 2.32) on real GPUs: every visible GPU is a rank (at least 2), each driven by its own
+//! thread; every collective runs with configurations (algorithm selection, CTA limits, CTA
+//! policy, profiler tag) on random data and is checked against a host reference. Older
+//! libraries must refuse every configured call with `Error::Unsupported`, enqueue nothing,
+//! and leave the communicator usable.
+//!
+//! Run on a GPU host with
+//! `cargo test --test gpu_coll_config -- --include-ignored --test-threads=1`, once per NCCL
+//! (2.28.3 and 2.32.3: `../shared/gpu/nccl 2.32.3`).
+
+use std::sync::{mpsc, Arc, Barrier, Once};
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use nccl::config::CtaPolicy;
+use nccl::{CollConfig, Comm, Error, Group, Operation, ReduceOp, UniqueId, Version};
+
+const V2_31: Version = nccl::coll_config::COLL_CONFIG_SINCE;
+const V2_32: Version = nccl::coll_config::LAUNCH_EVENT_SINCE;
+
+fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+    });
+}
+
+fn gpus() -> usize {
+    setup();
+    let count = CudaContext::device_count().expect("CUDA driver") as usize;
+    assert!(count >= 2, "these tests need 2 CUDA GPUs, found {count}");
+    count
+}
+
+fn version() -> Version {
+    nccl::version().expect("NCCL loads")
+}
+
+/// Aborts the process, naming the test, unless dropped within `limit` (a rank that fails
+/// while its peers wait in a collective would otherwise hang the run).
+struct Deadline(Option<mpsc::Sender<()>>);
+
+impl Deadline {
+    fn new(test: &'static str, limit: Duration) -> Self {
+        let (tx, rx) = mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+                eprintln!("{test}: no result after {limit:?} (see the panics above); aborting");
+                std::process::abort();
+            }
+        });
+        Deadline(Some(tx))
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// One communicator per GPU, each created by its own thread on a stream of its own.
+fn comms() -> Vec<Comm> {
+    let n = gpus();
+    let id = UniqueId::new().expect("ncclGetUniqueId");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                s.spawn(move || {
+                    let stream = CudaContext::new(rank)
+                        .and_then(|ctx| ctx.new_stream())
+                        .expect("stream");
+                    Comm::init_rank(stream, &id, rank, n)
+                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Runs `f` for every rank, each on its own thread owning its communicator.
+fn per_rank<R: Send>(comms: Vec<Comm>, f: impl Fn(Comm, &Barrier) -> R + Sync) -> Vec<R> {
+    let barrier = Barrier::new(comms.len());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (f, barrier) = (&f, &barrier);
+                s.spawn(move || f(comm, barrier))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Random small integers in [-8, 8], the same on every thread for a (seed, rank, len).
+fn data(seed: u64, rank: usize, len: usize) -> Vec<f32> {
+    let mut x = seed ^ ((rank as u64) << 32) ^ 0x9e37_79b9_7f4a_7c15;
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % 17) as f32 - 8.0
+        })
+        .collect()
+}
+
+/// The collectives, each with what it needs from the test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coll {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Gather,
+    Scatter,
+}
+
+const COLLS: [Coll; 8] = [
+    Coll::AllReduce,
+    Coll::Broadcast,
+    Coll::Reduce,
+    Coll::AllGather,
+    Coll::ReduceScatter,
+    Coll::AllToAll,
+    Coll::Gather,
+    Coll::Scatter,
+];
+
+impl Coll {
+    /// Whether NCCL has selectable algorithms for it (all-to-all, gather and scatter have
+    /// none, per the `ncclCollConfig_t` docs).
+    fn selectable(self) -> bool {
+        !matches!(self, Coll::AllToAll | Coll::Gather | Coll::Scatter)
+    }
+
+    /// Send and receive lengths on rank `r` for `c` elements per block.
+    fn lens(self, r: usize, root: usize, n: usize, c: usize) -> (usize, usize) {
+        match self {
+            Coll::AllReduce | Coll::Broadcast | Coll::Reduce => (c, c),
+            Coll::AllGather => (c, n * c),
+            Coll::ReduceScatter => (n * c, c),
+            Coll::AllToAll => (n * c, n * c),
+            Coll::Gather => (c, if r == root { n * c } else { 1 }),
+            Coll::Scatter => (if r == root { n * c } else { 1 }, c),
+        }
+    }
+
+    /// Rank `r`'s expected receive buffer (`None` where NCCL defines none), from every
+    /// rank's input.
+    fn expected(
+        self,
+        r: usize,
+        root: usize,
+        n: usize,
+        c: usize,
+        inputs: &[Vec<f32>],
+    ) -> Option<Vec<f32>> {
+        let sum = |i: usize| inputs.iter().map(|x| x[i]).sum::<f32>();
+        Some(match self {
+            Coll::AllReduce => (0..c).map(sum).collect(),
+            Coll::Broadcast => inputs[root].clone(),
+            Coll::Reduce if r == root => (0..c).map(sum).collect(),
+            Coll::AllGather => (0..n * c).map(|k| inputs[k / c][k % c]).collect(),
+            Coll::ReduceScatter => (0..c).map(|i| sum(r * c + i)).collect(),
+            Coll::AllToAll => (0..n * c).map(|k| inputs[k / c][r * c + k % c]).collect(),
+            Coll::Gather if r == root => (0..n * c).map(|k| inputs[k / c][k % c]).collect(),
+            Coll::Scatter => inputs[root][r * c..(r + 1) * c].to_vec(),
+            Coll::Reduce | Coll::Gather => return None,
+        })
+    }
+
+    /// The operation on `send` and `recv`.
+    fn operation<'a>(
+        self,
+        send: &'a CudaSlice<f32>,
+        recv: &'a mut CudaSlice<f32>,
+        r: usize,
+        root: usize,
+    ) -> Operation<'a, f32> {
+        let on_root = r == root;
+        match self {
+            Coll::AllReduce => Operation::all_reduce(send, recv, ReduceOp::Sum),
+            Coll::Broadcast => {
+                Operation::broadcast(on_root.then_some(send as &dyn DevicePtr<f32>), recv, root)
+            }
+            Coll::Reduce => Operation::reduce(
+                send,
+                on_root.then_some(recv as &mut dyn DevicePtrMut<f32>),
+                ReduceOp::Sum,
+                root,
+            ),
+            Coll::AllGather => Operation::all_gather(send, recv),
+            Coll::ReduceScatter => Operation::reduce_scatter(send, recv, ReduceOp::Sum),
+            Coll::AllToAll => Operation::all_to_all(send, recv),
+            Coll::Gather => Operation::gather(
+                send,
+                on_root.then_some(recv as &mut dyn DevicePtrMut<f32>),
+                root,
+            ),
+            Coll::Scatter => {
+                Operation::scatter(on_root.then_some(send as &dyn DevicePtr<f32>), recv, root)
+            }
+        }
+    }
+}
+
+/// The configurations every collective runs with; the algorithm selections only where NCCL
+/// has names for the collective. Ring implements every collective that has names.
+fn configs(coll: Coll) -> Vec<(&'static str, CollConfig<'static>)> {
+    let mut list = vec![
+        ("empty", CollConfig::new()),
+        ("ctas 1..2", CollConfig::new().min_ctas(1).max_ctas(2)),
+        (
+            "CtaPolicy::EFFICIENCY",
+            CollConfig::new().cta_policy(CtaPolicy::EFFICIENCY),
+        ),
+        ("profiler tag", CollConfig::new().profiler_tag(0x1234_5678)),
+    ];
+    if coll.selectable() {
+        list.push((
+            "ring, ctas 2..4",
+            CollConfig::new().algorithm("ring").min_ctas(2).max_ctas(4),
+        ));
+        list.push((
+            "^ring with fallback",
+            CollConfig::new()
+                .algorithm("^ring")
+                .allow_algorithm_fallback(true),
+        ));
+    }
+    list
+}
+
+fn enqueue_checked(
+    comm: &Comm,
+    stream: &Arc<CudaStream>,
+    coll: Coll,
+    config: &CollConfig<'_>,
+    seed: u64,
+) {
+    let (r, n) = (comm.rank(), comm.size());
+    let (root, c) = (n - 1, 1031);
+    let (send_len, recv_len) = coll.lens(r, root, n, c);
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|q| data(seed, q, coll.lens(q, root, n, c).0))
+        .collect();
+    let send = stream.clone_htod(&inputs[r]).unwrap();
+    assert_eq!(send.len(), send_len);
+    let mut recv = stream.alloc_zeros::<f32>(recv_len).unwrap();
+    comm.enqueue(
+        coll.operation(&send, &mut recv, r, root)
+            .with_config(config),
+    )
+    .unwrap_or_else(|e| panic!("rank {r}: {coll:?} with {config:?}: {e}"));
+    let got = stream.clone_dtoh(&recv).unwrap();
+    if let Some(want) = coll.expected(r, root, n, c, &inputs) {
+        assert_eq!(got, want, "rank {r}: {coll:?} with {config:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn every_collective_with_a_config_matches_the_host_reference() {
+    let _deadline = Deadline::new(
+        "every_collective_with_a_config_matches_the_host_reference",
+        Duration::from_secs(300),
+    );
+    let v = version();
+    let checked = per_rank(comms(), |comm, _| {
+        let stream = comm.stream().clone();
+        let r = comm.rank();
+        let mut checked = 0;
+        if v < V2_31 {
+            // Refused before anything is enqueued, with the type that names the version.
+            for coll in COLLS {
+                let send = stream.alloc_zeros::<f32>(4 * comm.size()).unwrap();
+                let mut recv = stream.alloc_zeros::<f32>(4 * comm.size()).unwrap();
+                let config = CollConfig::new().max_ctas(2);
+                let op = coll.operation(&send, &mut recv, r, 0).with_config(&config);
+                match comm.enqueue(op) {
+                    Err(Error::Unsupported { api, needs, found }) => {
+                        assert_eq!((api, needs, found), ("ncclCollConfig_t", V2_31, v));
+                    }
+                    other => panic!("rank {r}: {coll:?} on NCCL {v}: {other:?}"),
+                }
+            }
+            // The communicator is untouched: a plain collective still runs.
+            enqueue_checked_plain(&comm, &stream);
+            return 1;
+        }
+        for (seed, coll) in COLLS.into_iter().enumerate() {
+            for (name, config) in configs(coll) {
+                enqueue_checked(&comm, &stream, coll, &config, seed as u64 * 100 + checked);
+                checked += 1;
+                if r == 0 {
+                    println!("NCCL {v}: {coll:?} with {name}: right");
+                }
+            }
+        }
+        // In place, through the same path.
+        let c = 4099;
+        let inputs: Vec<Vec<f32>> = (0..comm.size()).map(|q| data(77, q, c)).collect();
+        let mut buf = stream.clone_htod(&inputs[r]).unwrap();
+        let config = CollConfig::new().algorithm("ring").max_ctas(2);
+        comm.enqueue(Operation::all_reduce_in_place(&mut buf, ReduceOp::Sum).with_config(&config))
+            .unwrap();
+        let want: Vec<f32> = (0..c).map(|i| inputs.iter().map(|x| x[i]).sum()).collect();
+        assert_eq!(stream.clone_dtoh(&buf).unwrap(), want, "rank {r}: in place");
+        checked + 1
+    });
+    assert!(checked.iter().all(|&k| k > 0), "{checked:?}");
+}
+
+fn enqueue_checked_plain(comm: &Comm, stream: &Arc<CudaStream>) {
+    let n = comm.size();
+    let inputs: Vec<Vec<f32>> = (0..n).map(|q| data(5, q, 513)).collect();
+    let send = stream.clone_htod(&inputs[comm.rank()]).unwrap();
+    let mut recv = stream.alloc_zeros::<f32>(513).unwrap();
+    comm.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap();
+    let want: Vec<f32> = (0..513)
+        .map(|i| inputs.iter().map(|x| x[i]).sum())
+        .collect();
+    assert_eq!(stream.clone_dtoh(&recv).unwrap(), want);
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn configs_are_refused_on_send_and_receive() {
+    let _deadline = Deadline::new(
+        "configs_are_refused_on_send_and_receive",
+        Duration::from_secs(120),
+    );
+    per_rank(comms(), |comm, _| {
+        let stream = comm.stream().clone();
+        let (r, n) = (comm.rank(), comm.size());
+        let send = stream.alloc_zeros::<f32>(8).unwrap();
+        let mut recv = stream.alloc_zeros::<f32>(8).unwrap();
+        let config = CollConfig::new();
+        let mut group = Group::start().unwrap();
+        for op in [
+            Operation::send(&send, (r + 1) % n).with_config(&config),
+            Operation::recv(&mut recv, (r + n - 1) % n).with_config(&config),
+        ] {
+            match group.enqueue(&comm, op) {
+                Err(Error::InvalidArgument(text)) => {
+                    assert!(text.contains("takes no CollConfig"), "{text}")
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
+        assert_eq!(group.buffer_count(), 0);
+        group.finish().unwrap();
+        enqueue_checked_plain(&comm, &stream);
+    });
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn launch_completion_event_is_recorded_and_waited() {
+    let _deadline = Deadline::new(
+        "launch_completion_event_is_recorded_and_waited",
+        Duration::from_secs(120),
+    );
+    let v = version();
+    per_rank(comms(), |comm, _| {
+        let stream = comm.stream().clone();
+        let (r, n) = (comm.rank(), comm.size());
+        let ctx = comm.context().clone();
+        let event = ctx.new_event(None).unwrap();
+        let c = 1 << 16;
+        let inputs: Vec<Vec<f32>> = (0..n).map(|q| data(9, q, c)).collect();
+        let send = stream.clone_htod(&inputs[r]).unwrap();
+        let mut recv = stream.alloc_zeros::<f32>(c).unwrap();
+        let config = CollConfig::new().launch_completion_event(&event);
+        let result = comm
+            .enqueue(Operation::all_reduce(&send, &mut recv, ReduceOp::Sum).with_config(&config));
+        if v < V2_32 {
+            match result {
+                Err(Error::Unsupported { needs, .. }) => assert!(needs == V2_31 || needs == V2_32),
+                other => panic!("rank {r}: NCCL {v}: {other:?}"),
+            }
+            return;
+        }
+        result.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        // The event marks the launch: another stream waits on it, and the host on it.
+        let other = ctx.new_stream().unwrap();
+        other.wait(&event).unwrap();
+        event.synchronize().unwrap();
+        other.synchronize().unwrap();
+        let want: Vec<f32> = (0..c).map(|i| inputs.iter().map(|x| x[i]).sum()).collect();
+        assert_eq!(stream.clone_dtoh(&recv).unwrap(), want, "rank {r}");
+
+        // In a group: one event per communicator; a second is refused and the group goes on.
+        let second = ctx.new_event(None).unwrap();
+        let with_second = CollConfig::new().launch_completion_event(&second);
+        let mut again = stream.alloc_zeros::<f32>(c).unwrap();
+        let mut more = stream.alloc_zeros::<f32>(c).unwrap();
+        let mut group = Group::start().unwrap();
+        group
+            .enqueue(
+                &comm,
+                Operation::all_reduce(&send, &mut again, ReduceOp::Sum).with_config(&config),
+            )
+            .unwrap();
+        match group.enqueue(
+            &comm,
+            Operation::all_reduce(&send, &mut more, ReduceOp::Sum).with_config(&with_second),
+        ) {
+            Err(Error::InvalidArgument(text)) => {
+                assert!(text.contains("one per communicator"), "{text}")
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+        group.finish().unwrap();
+        event.synchronize().unwrap();
+        assert_eq!(
+            stream.clone_dtoh(&again).unwrap(),
+            want,
+            "rank {r}: grouped"
+        );
+        if r == 0 {
+            println!("NCCL {v}: launch-completion events recorded and waited on {n} ranks");
+        }
+    });
+}
