@@ -26,7 +26,7 @@
 //! `multimemSupport`, where this layout has padding; later libraries asked with a 2.29.2 or
 //! 2.29.3 `version` report no GIN there. NCCL refuses a `version` newer than itself
 //! (`ncclInvalidUsage`), so pass the older of the library's version and
-//! [`NCCL_VERSION_CODE`](crate::NCCL_VERSION_CODE).
+//! [`NCCL_VERSION_CODE`].
 
 use core::ffi::{c_int, c_uint};
 use core::mem::size_of;
