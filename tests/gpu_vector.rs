@@ -4,6 +4,9 @@
 //! count exchange; the checked mode catching a mismatch on every rank; nonblocking
 //! communicators.
 //!
+//! Past 600 lines on purpose: each case keeps its expected result next to the call that
+//! produces it, which is what a reader checks.
+//!
 //! Run on a GPU host with `cargo test --test gpu_vector -- --include-ignored`.
 
 mod common;

@@ -4,6 +4,9 @@
 //! [`plan`] checks everything that can be checked locally and returns the [`Step`]s (one
 //! NCCL call each) that carry the operation out on this rank. A broken rule comes back as a
 //! small [`Broken`], which becomes a message only when it happens.
+//!
+//! Just past 600 lines (rustfmt's layout of the five plans): the plans share their helpers
+//! and are read side by side, so they stay in one file; the tests are in `rules/tests.rs`.
 
 use super::layout::Layout;
 use super::operation::Construction;
