@@ -151,6 +151,27 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// The ranks of a v-collective disagree on a count (found by its checked mode,
+    /// [`VOperation::checked`](crate::VOperation::checked)): rank `sender` sends `sent`
+    /// elements to rank `receiver`, which expects `expected`. Every rank gets the same error,
+    /// and nothing was enqueued on any of them.
+    #[error(
+        "{call}: rank {sender} sends {sent} elements to rank {receiver}, which expects \
+         {expected}; nothing was enqueued on any rank"
+    )]
+    CountMismatch {
+        /// The v-collective, e.g. `"all_to_all_v"`.
+        call: &'static str,
+        /// The rank whose send count disagrees (the first such pair in rank order).
+        sender: usize,
+        /// The rank whose receive count disagrees.
+        receiver: usize,
+        /// What `sender` sends to `receiver`, in elements.
+        sent: u64,
+        /// What `receiver` expects from `sender`, in elements.
+        expected: u64,
+    },
+
     /// The call is not allowed in the current state (e.g. a collective on a communicator that
     /// was aborted, or a plain call while a [`Group`](crate::Group) is open on this thread).
     #[error("invalid usage: {0}")]

@@ -28,7 +28,7 @@
 use cudarc::driver::{CudaStream, SyncOnDrop};
 
 use crate::coll_config::CollConfig;
-use crate::collectives::{dispatch, Operation};
+use crate::collectives::{dispatch, dispatch_v, Operation, VOperation};
 use crate::comm::{Comm, Membership};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
@@ -171,6 +171,53 @@ impl<'g> Group<'g> {
         stream: &'g CudaStream,
         call: Operation<'g, T>,
     ) -> Result<()> {
+        let config = call.config().map(ConfigKey::from);
+        let comm_id = comm.shared_ptr() as usize;
+        if let Some(config) = config {
+            self.configs.check(comm_id, comm.rank(), config)?;
+        }
+        self.admit(comm)?;
+        let guards = &mut self.guards;
+        dispatch(comm, stream, call, true, |new| {
+            for guard in new.into_iter().flatten() {
+                guards.push(guard);
+            }
+        })?;
+        if let Some(config) = config {
+            self.configs.record(comm_id, config);
+        }
+        Ok(())
+    }
+
+    /// Adds the v-collective `call` on `comm`'s own stream to the group; see
+    /// [`crate::collectives::vector`].
+    pub fn enqueue_v<'c: 'g, T: NcclType>(
+        &mut self,
+        comm: &'g Comm,
+        call: VOperation<'c, T>,
+    ) -> Result<()> {
+        self.enqueue_v_on(comm, comm.stream(), call)
+    }
+
+    /// Adds the v-collective `call` on `stream` (on `comm`'s device) to the group: its NCCL
+    /// calls join the group, and its buffers stay borrowed until the group ends.
+    ///
+    /// A call rejected by validation leaves the group as it was. The checked mode
+    /// ([`VOperation::checked`]) synchronises with the other ranks, so it is refused here.
+    pub fn enqueue_v_on<'c: 'g, T: NcclType>(
+        &mut self,
+        comm: &'g Comm,
+        stream: &'g CudaStream,
+        call: VOperation<'c, T>,
+    ) -> Result<()> {
+        self.admit(comm)?;
+        let guards = &mut self.guards;
+        dispatch_v(comm, stream, call, |guard| guards.push(guard))
+    }
+
+    /// Admits `comm` to the group before anything is enqueued on it.
+    #[inline]
+    fn admit(&mut self, comm: &'g Comm) -> Result<()> {
         if !self.raw.is_open() {
             return Err(Error::usage("the group has already ended"));
         }
@@ -181,23 +228,9 @@ impl<'g> Group<'g> {
                 ));
             }
         }
-        let config = call.config().map(ConfigKey::from);
-        let comm_id = comm.shared_ptr() as usize;
-        if let Some(config) = config {
-            self.configs.check(comm_id, comm.rank(), config)?;
-        }
         // Membership starts before NCCL sees the communicator, so no abort from another
         // thread can free it while it sits in this thread's NCCL group.
         self.membership.add(comm);
-        let guards = &mut self.guards;
-        dispatch(comm, stream, call, true, |new| {
-            for guard in new.into_iter().flatten() {
-                guards.push(guard);
-            }
-        })?;
-        if let Some(config) = config {
-            self.configs.record(comm_id, config);
-        }
         Ok(())
     }
 

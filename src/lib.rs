@@ -43,6 +43,7 @@
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
 //! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |
+//! | variable-count collectives | [`collectives::vector`] (`layout`, `operation`, `rules`, `dispatch`, `checked`) | [`VOperation`], [`Layout`], [`Comm::all_to_all_v`], [`Comm::exchange_counts`] |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups | [`group`] | [`Group`] |
 //! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |
@@ -58,6 +59,9 @@
 //! * **[`AbortHandle`]**: a clonable capability to abort a communicator from another thread.
 //! * **operation**: one NCCL call with its buffers ([`Operation`]): a collective (all-reduce,
 //!   broadcast, ...) or a point-to-point transfer (send, receive).
+//! * **v-collective**: a collective whose per-rank counts may differ ([`VOperation`]); it
+//!   expands into several operations in one group. Its **layout** ([`Layout`]) says where
+//!   each rank's **segment** (count and displacement, in elements) lies in a buffer.
 //! * **the communicator's stream**: where a [`Comm`]'s operations run unless a call names
 //!   another ([`Comm::stream`]). **A default stream** is only ever CUDA's: the stream a
 //!   context has without creating one (`CudaContext::default_stream`).
@@ -118,7 +122,7 @@ mod thread_group;
 pub mod window;
 
 pub use coll_config::CollConfig;
-pub use collectives::Operation;
+pub use collectives::{Construction, Layout, Operation, VOperation};
 pub use comm::Comm;
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};

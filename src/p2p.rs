@@ -27,6 +27,7 @@ use crate::dtype::NcclType;
 use crate::error::Result;
 
 enqueue_methods! {
+    Operation => enqueue;
     send(buf: &'a impl DevicePtr<T>, peer: usize);
     recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize);
 }

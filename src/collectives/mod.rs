@@ -35,11 +35,14 @@
 mod dispatch;
 mod operation;
 mod rules;
+pub mod vector;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 pub(crate) use dispatch::dispatch;
 pub use operation::Operation;
+pub(crate) use vector::dispatch_v;
+pub use vector::{Construction, Layout, VOperation};
 
 use crate::comm::Comm;
 use crate::dtype::NcclType;
@@ -65,19 +68,20 @@ impl Comm {
     }
 }
 
-/// Writes, for each [`Operation`] constructor named, the `Comm` method that enqueues it on the
-/// communicator's stream: one table instead of a hand-written copy of every signature.
+/// Writes, for each constructor of `$call` ([`Operation`] or [`VOperation`]) named, the
+/// `Comm` method that hands it to `$enqueue` on the communicator's stream: one table instead
+/// of a hand-written copy of every signature.
 macro_rules! enqueue_methods {
-    ($($name:ident($($arg:ident: $ty:ty),*);)*) => {
+    ($call:ident => $enqueue:ident; $($name:ident($($arg:ident: $ty:ty),*);)*) => {
         impl Comm {
             $(
                 #[doc = concat!(
-                    "Enqueues [`Operation::", stringify!($name),
+                    "Enqueues [`", stringify!($call), "::", stringify!($name),
                     "`] on the communicator's stream."
                 )]
                 #[allow(clippy::extra_unused_lifetimes)]
                 pub fn $name<'a, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
-                    self.enqueue(Operation::$name($($arg),*))
+                    self.$enqueue($call::$name($($arg),*))
                 }
             )*
         }
@@ -86,6 +90,7 @@ macro_rules! enqueue_methods {
 pub(crate) use enqueue_methods;
 
 enqueue_methods! {
+    Operation => enqueue;
     all_reduce(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
     all_reduce_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
     broadcast(send: Option<&'a dyn DevicePtr<T>>, recv: &'a mut impl DevicePtrMut<T>, root: usize);

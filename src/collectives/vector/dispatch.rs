@@ -1,0 +1,188 @@
+//! The path of every v-collective to NCCL: validate completely, then hand each planned step
+//! to the crate's one [`dispatch`] as an ordinary [`Operation`] inside the caller's group.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+
+use super::operation::VOperation;
+use super::rules::{built, plan, Buf, Seg, Step};
+use crate::collectives::{dispatch, Operation};
+use crate::comm::Comm;
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::library::Version;
+
+/// A segment of a buffer whose pointer was already taken: what one step hands to
+/// [`dispatch`]. Its guard does nothing, because the whole buffer's guard is held by the
+/// group (one event wait and one record per buffer, not per segment).
+struct Piece<'s, T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    /// The communicator's stream: the buffer was checked to be in its context already.
+    stream: &'s Arc<CudaStream>,
+    _type: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for Piece<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Piece<'_, T> {
+    fn device_ptr<'a>(&'a self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Piece<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+/// Validates `call` completely, then takes its buffers' pointers (ordering `stream` after
+/// earlier work on them), hands their guards to `keep` (the group holds them until it has
+/// ended) and dispatches each step inside the group that is open on this thread.
+///
+/// Nothing is enqueued when validation fails. An NCCL failure part-way leaves the steps
+/// before it in the group, like any failed call in a group: NCCL's errors there are fatal
+/// for the communicator.
+pub(crate) fn dispatch_v<'b, 'a: 'b, T: NcclType>(
+    comm: &'b Comm,
+    stream: &'b CudaStream,
+    call: VOperation<'a, T>,
+    mut keep: impl FnMut(SyncOnDrop<'b>),
+) -> Result<()> {
+    let kind = call.kind;
+    if call.check.is_some() {
+        return Err(Error::usage(format!(
+            "the checked mode of {} synchronises with the other ranks, so it cannot run \
+             inside a Group: enqueue it alone (Comm::enqueue_v)",
+            kind.name()
+        )));
+    }
+    let lib = comm.library();
+    let dtype = T::DATA_TYPE;
+    lib.require(dtype.name(), dtype.min_version())?;
+    comm.check_stream(stream, "the stream")?;
+    let (rank, size) = (comm.rank(), comm.size());
+    let steps = built(kind, call.construction)
+        .and_then(|built| plan(kind, built, &call.args(rank, size)))
+        .map_err(|broken| broken.to_error(kind, rank, size))?;
+    // Every step's own checks run again in `dispatch`; the ones that could differ between
+    // steps (the library version of each NCCL function) are settled here, so a call is
+    // either refused whole or enqueued whole.
+    for step in &steps {
+        let (name, since) = match step {
+            Step::Send { .. } => ("ncclSend", Version::new(2, 7, 0)),
+            Step::Recv { .. } => ("ncclRecv", Version::new(2, 7, 0)),
+            Step::Broadcast { .. } => ("ncclBroadcast", Version::new(2, 2, 0)),
+            Step::Reduce { .. } => ("ncclReduce", Version::new(2, 0, 0)),
+        };
+        lib.require(name, since)?;
+    }
+    let uses = |buf: Buf| {
+        steps.iter().any(|step| match *step {
+            Step::Send { from: seg, .. } | Step::Recv { into: seg, .. } => seg.buf == buf,
+            Step::Broadcast { send, recv, .. } => {
+                recv.buf == buf || send.is_some_and(|s| s.buf == buf)
+            }
+            Step::Reduce { send, recv, .. } => {
+                send.buf == buf || recv.is_some_and(|r| r.buf == buf)
+            }
+        })
+    };
+    let (send_used, recv_used) = (uses(Buf::Send), uses(Buf::Recv));
+    if let (true, Some(buf)) = (send_used, &call.send) {
+        comm.check_context(buf.stream().context(), "the send buffer")?;
+    }
+    if let (true, Some(buf)) = (recv_used, &call.recv) {
+        comm.check_context(buf.stream().context(), "the receive buffer")?;
+    }
+    if let Some(op) = &call.op {
+        op.raw_for(comm, stream)?;
+    }
+
+    // Validation is over.
+    let send_base = match (send_used, call.send) {
+        (true, Some(buf)) => {
+            let (ptr, guard) = buf.device_ptr(stream);
+            keep(guard);
+            ptr
+        }
+        _ => 0,
+    };
+    let recv_base = match (recv_used, call.recv) {
+        (true, Some(buf)) => {
+            let (ptr, guard) = buf.device_ptr_mut(stream);
+            keep(guard);
+            ptr
+        }
+        _ => 0,
+    };
+    let elem = std::mem::size_of::<T>() as u64;
+    let piece = |seg: Seg| Piece::<T> {
+        ptr: match seg.buf {
+            Buf::Send => send_base,
+            Buf::Recv => recv_base,
+        } + seg.offset as u64 * elem,
+        len: seg.count,
+        stream: comm.stream(),
+        _type: PhantomData,
+    };
+    let op = call.op;
+    for step in steps {
+        // The same pointer as source and destination is how NCCL works in place.
+        let call = match step {
+            Step::Send { peer, from } => dispatch(
+                comm,
+                stream,
+                Operation::send(&piece(from), peer),
+                true,
+                drop,
+            ),
+            Step::Recv { peer, into } => dispatch(
+                comm,
+                stream,
+                Operation::recv(&mut piece(into), peer),
+                true,
+                drop,
+            ),
+            Step::Broadcast { root, send, recv } => {
+                let send = send.map(piece);
+                let send = send.as_ref().map(|p| p as &dyn DevicePtr<T>);
+                let mut recv = piece(recv);
+                dispatch(
+                    comm,
+                    stream,
+                    Operation::broadcast(send, &mut recv, root),
+                    true,
+                    drop,
+                )
+            }
+            Step::Reduce { root, send, recv } => {
+                let mut recv = recv.map(piece);
+                let recv = recv.as_mut().map(|p| p as &mut dyn DevicePtrMut<T>);
+                // Reduce steps are only planned for reduce-scatter, which has a reduction.
+                let op = op.ok_or_else(|| Error::invalid("a reduce without a reduction"))?;
+                let send = piece(send);
+                dispatch(
+                    comm,
+                    stream,
+                    Operation::reduce(&send, recv, op, root),
+                    true,
+                    drop,
+                )
+            }
+        };
+        call?;
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! Variable-count collectives ("v-collectives"): [`all_to_all_v`](VOperation::all_to_all_v),
+//! [`all_gather_v`](VOperation::all_gather_v), [`reduce_scatter_v`](VOperation::reduce_scatter_v),
+//! [`gather_v`](VOperation::gather_v) and [`scatter_v`](VOperation::scatter_v): what
+//! mixture-of-experts dispatch, ragged batches and uneven shards run on.
+//!
+//! NCCL has no variable-count collectives; they are built, as every framework builds them,
+//! from NCCL calls in one group. The rooms: `layout.rs` ([`Layout`]: where each rank's
+//! segment lies), `operation.rs` ([`VOperation`] and its constructors), `rules.rs` (the
+//! checks and the expansion into NCCL calls, pure functions), `dispatch.rs` (the path to
+//! NCCL) and `checked.rs` (what crosses ranks: the checked mode and
+//! [`Comm::exchange_counts`]).
+//!
+//! # Using them
+//!
+//! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`], ...,
+//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`]
+//! (several GPUs driven from one thread, or fused with other operations),
+//! [`Group::enqueue_v`](crate::Group::enqueue_v) takes the same [`VOperation`]. Blocking and
+//! nonblocking communicators both work. Counts and displacements are in elements;
+//! displacements are optional ([`Layout::packed`], which plain count vectors convert into).
+//!
+//! # Constructions, and why
+//!
+//! * all-to-all-v, gather-v, scatter-v: grouped `ncclSend`/`ncclRecv`, one pair per pair of
+//!   ranks with data. This is NCCL's own recipe for all-to-all and (scatter/gather) what
+//!   torch's `all_to_all_single` with splits runs; NCCL schedules the grouped transfers over
+//!   all its channels. A rank's segment for itself is a send and receive to itself in the
+//!   same group (NCCL copies it locally; a `cudaMemcpyAsync` would be the alternative the
+//!   GPU bench can compare).
+//! * all-gather-v: one `ncclBroadcast` per root, grouped ([`Construction::Collective`], the
+//!   default): each broadcast uses NCCL's pipelined ring or tree, so a large segment is not
+//!   sent `size - 1` times from its root's links, and NCCL 2.29 recognises the pattern
+//!   ("allgatherv as a group of broadcasts") and optimises it. Grouped send/receive
+//!   ([`Construction::PointToPoint`]) is kept so the bench can compare both.
+//! * reduce-scatter-v: one `ncclReduce` per root with its segment, grouped: reductions need
+//!   NCCL's reduction kernels, which point-to-point calls do not have.
+//!
+//! Which is faster is for the GPU bench (`examples/bench`) to confirm on each machine.
+//!
+//! Transfers of zero elements are not issued at all (NCCL allows count 0, but a skipped call
+//! costs nothing): when the ranks' counts agree, both sides of a pair skip together.
+//!
+//! # What is checked
+//!
+//! Before anything is enqueued, on every rank: each layout has one count and one
+//! displacement per rank; every segment lies inside its buffer (its end computed without
+//! overflow, so every count and byte offset fits NCCL's `size_t`); segments that are written
+//! do not overlap (overlapping writes would corrupt each other silently); a rank's own
+//! contribution matches its own segment; root-only buffers and layouts are there on the
+//! root; the root is a rank; and everything an ordinary operation checks (library version,
+//! element type, streams and buffers in the communicator's context, a
+//! [`PreMulSum`](crate::PreMulSum) created on this communicator). A rejected call is an
+//! [`Error::InvalidArgument`](crate::Error::InvalidArgument) naming the rank and segment, and
+//! nothing is enqueued.
+//!
+//! What no rank can check alone is that the ranks agree: that rank `i`'s send count for
+//! rank `j` equals rank `j`'s receive count for rank `i` (and that all ranks run the same
+//! v-collective with the same root and construction). When they disagree NCCL transfers
+//! the wrong amounts, which corrupts data or hangs. [`VOperation::checked`] verifies it with
+//! one extra exchange and returns [`Error::CountMismatch`](crate::Error::CountMismatch),
+//! naming the first mismatching pair, on every rank.
+//!
+//! ```no_run
+//! # fn two_ranks(comm: &nccl::Comm) -> nccl::Result<()> {
+//! use nccl::{Layout, VOperation};
+//! let stream = comm.stream();
+//! // Rank r sends r + 1 elements to every rank (2 ranks).
+//! let mine = vec![1.0f32; comm.rank() + 1];
+//! let send = stream.clone_htod(&[mine.clone(), mine].concat())?;
+//! let recv_counts = vec![1, 2];
+//! let mut recv = stream.alloc_zeros::<f32>(3)?;
+//! let send_counts = vec![comm.rank() + 1; 2];
+//! comm.enqueue_v(
+//!     VOperation::all_to_all_v(&send, send_counts, &mut recv, Layout::packed(recv_counts))
+//!         .checked(),
+//! )?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod checked;
+mod dispatch;
+mod layout;
+mod operation;
+mod rules;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+
+pub(crate) use dispatch::dispatch_v;
+pub use layout::Layout;
+pub use operation::{Construction, VOperation, DEFAULT_CHECK_TIMEOUT};
+
+use super::enqueue_methods;
+use crate::comm::Comm;
+use crate::dtype::NcclType;
+use crate::error::Result;
+use crate::group::Group;
+use crate::op::Reduction;
+use crate::thread_group;
+
+impl Comm {
+    /// Runs `call` on the communicator's stream: its NCCL calls are issued in one group of
+    /// their own (after the checked mode's exchange, if asked for).
+    pub fn enqueue_v<T: NcclType>(&self, call: VOperation<'_, T>) -> Result<()> {
+        self.enqueue_v_on(self.stream(), call)
+    }
+
+    /// Runs `call` on `stream` (in the communicator's CUDA context) instead of the
+    /// communicator's own stream.
+    pub fn enqueue_v_on<T: NcclType>(
+        &self,
+        stream: &CudaStream,
+        mut call: VOperation<'_, T>,
+    ) -> Result<()> {
+        thread_group::ensure_outside(call.kind.name())?;
+        if let Some(timeout) = call.check.take() {
+            self.check_stream(stream, "the stream")?;
+            checked::verify(self, &call, timeout)?;
+        }
+        let mut group = Group::start()?;
+        group.enqueue_v_on(self, stream, call)?;
+        group.finish()
+    }
+}
+
+enqueue_methods! {
+    VOperation => enqueue_v;
+    all_to_all_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>);
+    all_gather_v(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>);
+    all_gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>);
+    reduce_scatter_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
+    reduce_scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>, op: impl Into<Reduction<'a, T>>);
+    gather_v(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, recv_layout: Option<Layout>, root: usize);
+    gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize);
+    scatter_v(send: Option<&'a dyn DevicePtr<T>>, send_layout: Option<Layout>, recv: &'a mut impl DevicePtrMut<T>, root: usize);
+    scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize);
+}
