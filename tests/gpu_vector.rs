@@ -676,13 +676,25 @@ fn checked_mode_reports_a_mismatch_on_every_rank_and_enqueues_nothing() {
             let call =
                 VOperation::all_to_all_v(&send, send_counts, &mut recv, vec![8; n]).checked();
             let invalid = comm.enqueue_v(call).unwrap_err();
-            (first, invalid)
+            // So is a rank whose buffer only the enqueue itself would refuse (it lives in
+            // another device's context): it takes part in the exchange instead of failing
+            // alone after it while the others enqueue.
+            let mut foreign = if rank == 0 {
+                let other = CudaContext::new(1).unwrap().new_stream().unwrap();
+                other.alloc_zeros::<f32>(8 * n).unwrap()
+            } else {
+                stream.alloc_zeros::<f32>(8 * n).unwrap()
+            };
+            let call =
+                VOperation::all_to_all_v(&send, vec![8; n], &mut foreign, vec![8; n]).checked();
+            let refused = comm.enqueue_v(call).unwrap_err();
+            (first, invalid, refused)
         },
     ) else {
         return;
     };
     let n = results.len();
-    for (rank, (first, invalid)) in results.iter().enumerate() {
+    for (rank, (first, invalid, refused)) in results.iter().enumerate() {
         match first {
             Error::CountMismatch {
                 call,
@@ -704,6 +716,12 @@ fn checked_mode_reports_a_mismatch_on_every_rank_and_enqueues_nothing() {
         let text = invalid.to_string();
         if rank == 0 {
             assert!(text.contains("send layout has"), "{text}");
+        } else {
+            assert!(text.contains("rank 0 rejected its own arguments"), "{text}");
+        }
+        let text = refused.to_string();
+        if rank == 0 {
+            assert!(text.contains("the receive buffer is on device 1"), "{text}");
         } else {
             assert!(text.contains("rank 0 rejected its own arguments"), "{text}");
         }

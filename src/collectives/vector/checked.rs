@@ -6,9 +6,12 @@
 
 use std::time::Duration;
 
+use cudarc::driver::CudaStream;
+
+use super::dispatch::validate;
 use super::layout::Layout;
 use super::operation::VOperation;
-use super::rules::{built, pair_counts, plan, Built, VKind};
+use super::rules::{built, pair_counts, Built, VKind};
 use crate::collectives::Operation;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
@@ -78,30 +81,38 @@ pub(crate) fn judge(name: &'static str, size: usize, all: &[u64]) -> Result<()> 
 }
 
 /// The checked mode: every rank's counts are all-gathered and compared, and every rank
-/// returns the same verdict before anything of `call` is enqueued (on any stream). This rank's own invalid
-/// arguments are reported after the exchange, so the others are not left waiting.
+/// returns the same verdict before anything of `call` is enqueued (on any stream). This
+/// rank's own invalid arguments (anything the enqueue itself would refuse: counts, layouts,
+/// `stream`, buffer contexts, the reduction) are reported after the exchange, so the others
+/// are not left waiting, nor enqueue without this rank.
 pub(crate) fn verify<T: NcclType>(
     comm: &Comm,
+    stream: &CudaStream,
     call: &VOperation<'_, T>,
     timeout: Duration,
 ) -> Result<()> {
     let (kind, rank, size) = (call.kind, comm.rank(), comm.size());
     let args = call.args(rank, size);
-    let local = built(kind, call.construction).and_then(|b| plan(kind, b, &args).map(|_| b));
+    let local = validate(comm, stream, call)
+        .and_then(|_| built(kind, call.construction).map_err(|b| b.to_error(kind, rank, size)));
     let counts = local.is_ok().then(|| pair_counts(kind, &args));
-    let mine = record(kind, T::DATA_TYPE, local.ok(), counts, size);
+    let mine = record(
+        kind,
+        T::DATA_TYPE,
+        local.as_ref().ok().copied(),
+        counts,
+        size,
+    );
 
     // On the communicator's own stream, whichever stream the operation itself runs on: the
     // exchange is waited for before the operation is enqueued.
-    let stream = comm.stream();
-    let send = stream.clone_htod(&mine)?;
-    let mut all = stream.alloc_zeros::<u64>(mine.len() * size)?;
-    comm.enqueue_on(stream, Operation::all_gather(&send, &mut all))?;
-    comm.wait_stream(stream, Some(timeout))?;
-    let all = stream.clone_dtoh(&all)?;
-    if let Err(broken) = local {
-        return Err(broken.to_error(kind, rank, size));
-    }
+    let own = comm.stream();
+    let send = own.clone_htod(&mine)?;
+    let mut all = own.alloc_zeros::<u64>(mine.len() * size)?;
+    comm.enqueue_on(own, Operation::all_gather(&send, &mut all))?;
+    comm.wait_stream(own, Some(timeout))?;
+    let all = own.clone_dtoh(&all)?;
+    local?;
     judge(kind.name(), size, &all)
 }
 

@@ -60,55 +60,18 @@ pub(crate) fn dispatch_v<'b, 'a: 'b, T: NcclType>(
     call: VOperation<'a, T>,
     mut keep: impl FnMut(SyncOnDrop<'b>),
 ) -> Result<()> {
-    let kind = call.kind;
     if call.check.is_some() {
         return Err(Error::usage(format!(
             "the checked mode of {} synchronises with the other ranks, so it cannot run \
              inside a Group: enqueue it alone (Comm::enqueue_v)",
-            kind.name()
+            call.kind.name()
         )));
     }
-    let lib = comm.library();
-    let dtype = T::DATA_TYPE;
-    lib.require(dtype.name(), dtype.min_version())?;
-    comm.check_stream(stream, "the stream")?;
-    let (rank, size) = (comm.rank(), comm.size());
-    let steps = built(kind, call.construction)
-        .and_then(|built| plan(kind, built, &call.args(rank, size)))
-        .map_err(|broken| broken.to_error(kind, rank, size))?;
-    // Every step's own checks run again in `dispatch`; the ones that could differ between
-    // steps (the library version of each NCCL function) are settled here, so a call is
-    // either refused whole or enqueued whole.
-    for step in &steps {
-        let (name, since) = match step {
-            Step::Send { .. } => ("ncclSend", Version::new(2, 7, 0)),
-            Step::Recv { .. } => ("ncclRecv", Version::new(2, 7, 0)),
-            Step::Broadcast { .. } => ("ncclBroadcast", Version::new(2, 2, 0)),
-            Step::Reduce { .. } => ("ncclReduce", Version::new(2, 0, 0)),
-        };
-        lib.require(name, since)?;
-    }
-    let uses = |buf: Buf| {
-        steps.iter().any(|step| match *step {
-            Step::Send { from: seg, .. } | Step::Recv { into: seg, .. } => seg.buf == buf,
-            Step::Broadcast { send, recv, .. } => {
-                recv.buf == buf || send.is_some_and(|s| s.buf == buf)
-            }
-            Step::Reduce { send, recv, .. } => {
-                send.buf == buf || recv.is_some_and(|r| r.buf == buf)
-            }
-        })
-    };
-    let (send_used, recv_used) = (uses(Buf::Send), uses(Buf::Recv));
-    if let (true, Some(buf)) = (send_used, &call.send) {
-        comm.check_context(buf.stream().context(), "the send buffer")?;
-    }
-    if let (true, Some(buf)) = (recv_used, &call.recv) {
-        comm.check_context(buf.stream().context(), "the receive buffer")?;
-    }
-    if let Some(op) = &call.op {
-        op.raw_for(comm, stream)?;
-    }
+    let Validated {
+        steps,
+        send_used,
+        recv_used,
+    } = validate(comm, stream, &call)?;
 
     // Validation is over.
     let send_base = match (send_used, call.send) {
@@ -185,4 +148,69 @@ pub(crate) fn dispatch_v<'b, 'a: 'b, T: NcclType>(
         call?;
     }
     Ok(())
+}
+
+/// A v-collective that passed every local check: its steps, and which buffers they use.
+pub(crate) struct Validated {
+    steps: Vec<Step>,
+    send_used: bool,
+    recv_used: bool,
+}
+
+/// Every check this rank can make alone, before anything is enqueued: the rules of
+/// [`plan`], the library version of each NCCL function used, the stream, the buffers'
+/// contexts and the reduction. The checked mode runs it before its exchange, so a rank that
+/// would fail here tells the others instead of leaving them to enqueue without it.
+pub(crate) fn validate<T: NcclType>(
+    comm: &Comm,
+    stream: &CudaStream,
+    call: &VOperation<'_, T>,
+) -> Result<Validated> {
+    let kind = call.kind;
+    let lib = comm.library();
+    let dtype = T::DATA_TYPE;
+    lib.require(dtype.name(), dtype.min_version())?;
+    comm.check_stream(stream, "the stream")?;
+    let (rank, size) = (comm.rank(), comm.size());
+    let steps = built(kind, call.construction)
+        .and_then(|built| plan(kind, built, &call.args(rank, size)))
+        .map_err(|broken| broken.to_error(kind, rank, size))?;
+    // Every step's own checks run again in `dispatch`; the ones that could differ between
+    // steps (the library version of each NCCL function) are settled here, so a call is
+    // either refused whole or enqueued whole.
+    for step in &steps {
+        let (name, since) = match step {
+            Step::Send { .. } => ("ncclSend", Version::new(2, 7, 0)),
+            Step::Recv { .. } => ("ncclRecv", Version::new(2, 7, 0)),
+            Step::Broadcast { .. } => ("ncclBroadcast", Version::new(2, 2, 0)),
+            Step::Reduce { .. } => ("ncclReduce", Version::new(2, 0, 0)),
+        };
+        lib.require(name, since)?;
+    }
+    let uses = |buf: Buf| {
+        steps.iter().any(|step| match *step {
+            Step::Send { from: seg, .. } | Step::Recv { into: seg, .. } => seg.buf == buf,
+            Step::Broadcast { send, recv, .. } => {
+                recv.buf == buf || send.is_some_and(|s| s.buf == buf)
+            }
+            Step::Reduce { send, recv, .. } => {
+                send.buf == buf || recv.is_some_and(|r| r.buf == buf)
+            }
+        })
+    };
+    let (send_used, recv_used) = (uses(Buf::Send), uses(Buf::Recv));
+    if let (true, Some(buf)) = (send_used, &call.send) {
+        comm.check_context(buf.stream().context(), "the send buffer")?;
+    }
+    if let (true, Some(buf)) = (recv_used, &call.recv) {
+        comm.check_context(buf.stream().context(), "the receive buffer")?;
+    }
+    if let Some(op) = &call.op {
+        op.raw_for(comm, stream)?;
+    }
+    Ok(Validated {
+        steps,
+        send_used,
+        recv_used,
+    })
 }

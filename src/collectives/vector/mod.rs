@@ -114,8 +114,7 @@ impl Comm {
     ) -> Result<()> {
         thread_group::ensure_outside(call.kind.name())?;
         if let Some(timeout) = call.check.take() {
-            self.check_stream(stream, "the stream")?;
-            checked::verify(self, &call, timeout)?;
+            checked::verify(self, stream, &call, timeout)?;
         }
         let mut group = Group::start()?;
         group.enqueue_v_on(self, stream, call)?;
