@@ -191,6 +191,12 @@ impl Comm {
         let mut group = thread_group::RawGroup::start(lib)?;
         // Aborts from other threads wait until the group has ended (see `crate::fault`).
         let _entered = Membership::enter(comms.iter());
+        // Every parent must be live before the first split joins the group: with aborts
+        // deferred from here on, none can be released below, so no split is left out of a
+        // group whose other splits wait for it (a blocking group end would never return).
+        for comm in comms {
+            comm.shared.lock().usable_for("ncclCommSplit", comm.rank)?;
+        }
         for (i, comm) in comms.iter().enumerate() {
             let child = &mut children[i];
             let status = comm.with_raw("ncclCommSplit", |raw| {
@@ -204,6 +210,9 @@ impl Comm {
             let checked = status.and_then(|status| lib.check_pending("ncclCommSplit", status));
             if let Err(err) = checked {
                 group.end_ignoring_errors();
+                // The splits already in the group may still be finished by NCCL's jobs,
+                // which write their slots: leaked, as below, rather than freed under them.
+                std::mem::forget(children);
                 return Err(err);
             }
         }
@@ -230,7 +239,8 @@ impl Comm {
                 out.push(None);
                 continue;
             }
-            let config = CommConfig::default().blocking(parent.shared.blocking);
+            // A null config was passed: the child inherits the parent's configuration.
+            let config = parent.child_config(None);
             match Comm::adopt(
                 lib,
                 raw,
