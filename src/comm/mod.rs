@@ -226,7 +226,8 @@ impl Comm {
     /// The one rule for streams and buffers handed to this communicator: they must belong to
     /// its CUDA context (the same device, and the same context on it: a stream or an
     /// allocation of another context is not usable from the kernels NCCL launches there).
-    /// Streams and buffers of the communicator's own stream or context settle it by pointer.
+    /// Streams and buffers of the communicator's own stream or context pass by a pointer
+    /// comparison.
     #[inline]
     pub(crate) fn check_context(&self, ctx: &Arc<CudaContext>, what: &str) -> Result<()> {
         if Arc::ptr_eq(ctx, self.context()) || ctx.cu_ctx() == self.context().cu_ctx() {

@@ -60,7 +60,7 @@ pub(crate) struct State {
     pub(crate) open_groups: u32,
     /// An abort or revoke requested while a group was open, run when the last one ends.
     pub(crate) deferred: Option<Action>,
-    /// Why the communicator can no longer run work, if it cannot. Boxed so the handle stays
+    /// Why the communicator can no longer run work, if it cannot. Boxed so the state stays
     /// small: every enqueue reads it next to the lock word and the pointer.
     pub(crate) failure: Option<Box<Failure>>,
 }

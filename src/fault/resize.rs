@@ -55,7 +55,6 @@ impl ShrinkMode {
     }
 }
 
-/// Checks a shrink's exclusion list and converts it for NCCL (sorted, as NCCL wants it).
 /// This rank's place among the survivors when the ranks in `failed` are gone: ranks keep
 /// their order, as `ncclCommShrink` numbers them.
 fn survivor_of(rank: usize, size: usize, failed: &[usize]) -> Result<Survivor> {
@@ -66,6 +65,7 @@ fn survivor_of(rank: usize, size: usize, failed: &[usize]) -> Result<Survivor> {
     })
 }
 
+/// Checks a shrink's exclusion list and converts it for NCCL (sorted, as NCCL wants it).
 pub(crate) fn exclude_list(exclude: &[usize], rank: usize, size: usize) -> Result<Vec<c_int>> {
     if exclude.is_empty() {
         return Err(Error::invalid(
