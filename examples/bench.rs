@@ -114,6 +114,10 @@ mod plot;
 mod rank;
 #[path = "bench/report.rs"]
 mod report;
+#[path = "bench/splits.rs"]
+mod splits;
+#[path = "bench/vops.rs"]
+mod vops;
 
 use std::process::ExitCode;
 use std::sync::OnceLock;
@@ -254,15 +258,16 @@ fn unsupported(rank: &Rank, coll: Coll, register: RegisterMode) -> Option<String
     why
 }
 
-/// `path` with `-R<flag>` before its extension, for the files of `--registration-compare`.
-fn suffixed(path: &std::path::Path, register: RegisterMode, compare: bool) -> std::path::PathBuf {
-    if !compare {
+/// `path` with `-<suffix>` before its extension, for the files of a run that measures two
+/// sweeps (`--registration-compare`: `R0`, `R2`; `--versus`: the collective's name).
+fn suffixed(path: &std::path::Path, suffix: Option<&str>) -> std::path::PathBuf {
+    let Some(suffix) = suffix else {
         return path.to_path_buf();
-    }
+    };
     let stem = path.file_stem().unwrap_or_default().to_string_lossy();
     let name = match path.extension() {
-        Some(ext) => format!("{stem}-R{}.{}", register.flag(), ext.to_string_lossy()),
-        None => format!("{stem}-R{}", register.flag()),
+        Some(ext) => format!("{stem}-{suffix}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{suffix}"),
     };
     path.with_file_name(name)
 }
@@ -270,6 +275,9 @@ fn suffixed(path: &std::path::Path, register: RegisterMode, compare: bool) -> st
 /// Runs every registration (`-R`, or both of `--registration-compare`), type and
 /// reduction; prints and writes the results on rank 0.
 fn benchmark(rank: &Rank, options: &Options, tracking: bool, spawned: usize) -> BenchResult<bool> {
+    if let Some(versus) = options.versus {
+        return benchmark_versus(rank, options, versus, tracking, spawned);
+    }
     let mut reports = Vec::new();
     for register in options.registrations() {
         if let Some(why) = unsupported(rank, options.coll, register) {
@@ -278,13 +286,76 @@ fn benchmark(rank: &Rank, options: &Options, tracking: bool, spawned: usize) -> 
             }
             continue;
         }
+        let suffix = options
+            .registration_compare
+            .then(|| format!("R{}", register.flag()));
         reports.push(benchmark_registered(
-            rank, options, tracking, spawned, register,
+            rank,
+            options,
+            tracking,
+            spawned,
+            register,
+            suffix.as_deref(),
         )?);
     }
     if let [base, windows] = &reports[..] {
         if rank.rank() == 0 {
-            print!("{}", report::speedup(base, windows));
+            print!(
+                "{}",
+                report::speedup(
+                    base,
+                    windows,
+                    "-R 0",
+                    &format!("-R {}", windows.register.flag())
+                )
+            );
+        }
+    }
+    Ok(reports.iter().all(|report| report.failures() == 0))
+}
+
+/// `--versus`: the fixed-size collective `versus` and then the one asked for, on the same
+/// sizes, types and buffers' registration, and the ratio of their times row by row (for
+/// `all_to_all_v --splits even --versus alltoall`: what the variable-size path costs at
+/// equal bytes).
+fn benchmark_versus(
+    rank: &Rank,
+    options: &Options,
+    versus: Coll,
+    tracking: bool,
+    spawned: usize,
+) -> BenchResult<bool> {
+    let reference = Options {
+        coll: versus,
+        versus: None,
+        construction: nccl::Construction::Auto,
+        ..options.clone()
+    };
+    let register = options.register.unwrap_or(RegisterMode::None);
+    let mut reports = Vec::new();
+    for options in [&reference, options] {
+        if let Some(why) = unsupported(rank, options.coll, register) {
+            if rank.rank() == 0 {
+                println!("# {why}: not measured");
+            }
+            return Ok(true);
+        }
+        let name = options.coll.name();
+        reports.push(benchmark_registered(
+            rank,
+            options,
+            tracking,
+            spawned,
+            register,
+            Some(name),
+        )?);
+    }
+    if let [base, it] = &reports[..] {
+        if rank.rank() == 0 {
+            print!(
+                "{}",
+                report::speedup(base, it, versus.name(), options.coll.name())
+            );
         }
     }
     Ok(reports.iter().all(|report| report.failures() == 0))
@@ -298,8 +369,8 @@ fn benchmark_registered(
     tracking: bool,
     spawned: usize,
     register: RegisterMode,
+    file_suffix: Option<&str>,
 ) -> BenchResult<Report> {
-    let compare = options.registration_compare;
     let (me, n) = (rank.rank(), rank.size());
     let own_stream = options.own_stream || options.mode() == Mode::Graph;
     if options.coll.has_root() && options.root >= n {
@@ -363,6 +434,13 @@ fn benchmark_registered(
             }
         );
         println!("# buffers {}", register.describe());
+        if options.coll.is_v() {
+            println!(
+                "# splits {} seed {} construction {:?}; busbw = bytes the busiest rank sends \
+                 to or receives from the others / time",
+                options.splits, options.seed, options.construction
+            );
+        }
         if options.control {
             println!(
                 "# control run (--control): the \"safe\" column issues raw calls too; the \
@@ -428,6 +506,12 @@ fn benchmark_registered(
             "nccl_rs_version": env!("CARGO_PKG_VERSION"),
             "alloc": format!("{alloc:?}").to_lowercase(),
             "registration": register.flag(),
+            "splits": options.coll.is_v().then(|| options.splits.to_string()),
+            "seed": options.coll.is_v().then_some(options.seed),
+            "construction": options
+                .coll
+                .is_v()
+                .then(|| format!("{:?}", options.construction).to_lowercase()),
             "event_tracking": tracking,
             "own_stream": own_stream,
             "min_bytes": options.min_bytes,
@@ -442,10 +526,10 @@ fn benchmark_registered(
             "devices": devices,
         });
         if let Some(path) = &options.json {
-            report::write_file(&suffixed(path, register, compare), &report.json(meta))?;
+            report::write_file(&suffixed(path, file_suffix), &report.json(meta))?;
         }
         if let Some(path) = &options.csv {
-            report::write_file(&suffixed(path, register, compare), &report.csv())?;
+            report::write_file(&suffixed(path, file_suffix), &report.csv())?;
         }
         if let Some(path) = &options.plot {
             let title = format!(
@@ -455,10 +539,7 @@ fn benchmark_registered(
                 register.flag(),
                 lib.version()
             );
-            report::write_file(
-                &suffixed(path, register, compare),
-                &plot::svg(&report, &title)?,
-            )?;
+            report::write_file(&suffixed(path, file_suffix), &plot::svg(&report, &title)?)?;
         }
     }
     Ok(report)
@@ -500,8 +581,13 @@ impl TypeVisitor for TypeRun<'_> {
         let (Some(&smallest), Some(&largest)) = (sizes.first(), sizes.last()) else {
             return Ok(());
         };
-        let buffer_len = (max_bytes / elem_size)
-            .max(coll.layout(largest, elem_size, n).total)
+        let split = options.split_spec();
+        let layout = |size: usize| coll.layout(size, elem_size, n, me, split);
+        // Under Zipf splits a rank may receive more than a size's total.
+        let buffer_len = sizes
+            .iter()
+            .map(|&size| layout(size).span)
+            .fold(max_bytes / elem_size, usize::max)
             .max(1);
         // A local registration borrows its buffer: the buffers live outside `bufs`, and
         // longer (dropped after it, so deregistered before they are freed).
@@ -532,14 +618,9 @@ impl TypeVisitor for TypeRun<'_> {
             let root = if coll.has_root() { options.root } else { 0 };
             // nccl-tests warms up at the largest size, then at the smallest.
             for size in [largest, smallest] {
-                let mut issuer = Issuer::new(
-                    &rank.comm,
-                    coll,
-                    coll.layout(size, elem_size, n),
-                    redop,
-                    root,
-                );
+                let mut issuer = Issuer::new(&rank.comm, coll, layout(size), redop, root);
                 issuer.control = options.control;
+                issuer.construction = options.construction;
                 for &api in apis {
                     let mut op = Op {
                         rank,
@@ -553,9 +634,7 @@ impl TypeVisitor for TypeRun<'_> {
             }
             let pattern = (options.check > 0).then(|| Pattern::new(n, op, 0x5eed));
             for &size in &sizes {
-                let layout = coll.layout(size, elem_size, n);
-                let mut issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
-                issuer.control = options.control;
+                let layout = layout(size);
                 let mut row = Row {
                     size: layout.total * elem_size,
                     count: layout.count,
@@ -565,6 +644,9 @@ impl TypeVisitor for TypeRun<'_> {
                     out_of_place: Vec::new(),
                     in_place: Vec::new(),
                 };
+                let mut issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
+                issuer.control = options.control;
+                issuer.construction = options.construction;
                 for in_place in [false, true] {
                     if in_place && !coll.has_in_place() {
                         continue;
@@ -650,7 +732,7 @@ impl Cell<'_> {
         }
 
         let bytes = (issuer.layout.total * std::mem::size_of::<T>()) as f64;
-        let factor = issuer.coll.bus_factor(issuer.n);
+        let factor = issuer.layout.bus_factor;
         let mut out = Vec::with_capacity(apis.len());
         for (i, &api) in apis.iter().enumerate() {
             let middle = |f: fn(&Timing) -> f64| {
