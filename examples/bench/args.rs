@@ -763,4 +763,43 @@ mod tests {
         assert!(run(&["--rma", "--registration-compare"]).is_err());
         assert!(usage().contains("--rma") && usage().contains("-R, --local_register"));
     }
+
+    #[test]
+    fn split_flags_belong_to_the_v_collectives() {
+        let options = run(&["all_to_all_v", "--splits", "zipf:1.1", "--seed", "7"]).unwrap();
+        assert_eq!(options.coll, Coll::AllToAllV);
+        assert_eq!(options.splits, Splits::Zipf(1.1));
+        assert_eq!(options.seed, 7);
+        assert_eq!(run(&["a2av"]).unwrap().splits, Splits::Even);
+        assert!(run(&["alltoall", "--splits", "zipf:1.1"])
+            .unwrap_err()
+            .contains("--splits applies"));
+        assert!(run(&["all_to_all_v", "--splits", "zipf:-1"]).is_err());
+        let gather = run(&["all_gather_v", "--construction", "p2p"]).unwrap();
+        assert_eq!(gather.construction, Construction::PointToPoint);
+        assert!(run(&["all_to_all_v", "--construction", "p2p"])
+            .unwrap_err()
+            .contains("only all_gather_v"));
+        assert!(run(&["all_gather_v", "--construction", "ring"]).is_err());
+        let versus = run(&["all_to_all_v", "--versus", "alltoall"]).unwrap();
+        assert_eq!(versus.versus, Some(Coll::AllToAll));
+        assert!(run(&["alltoall", "--versus", "alltoall"]).is_err());
+        assert!(run(&["alltoall", "--versus", "all_to_all_v"]).is_err());
+        assert!(run(&[
+            "all_to_all_v",
+            "--versus",
+            "alltoall",
+            "--registration-compare"
+        ])
+        .is_err());
+        for name in [
+            "all_to_all_v",
+            "all_gather_v",
+            "reduce_scatter_v",
+            "--splits",
+            "--versus",
+        ] {
+            assert!(usage().contains(name), "{name}");
+        }
+    }
 }

@@ -414,3 +414,103 @@ impl Expect<'_> {
             .count() as u64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::splits::Splits;
+
+    fn spec(splits: Splits) -> SplitSpec {
+        SplitSpec { splits, seed: 3 }
+    }
+
+    #[test]
+    fn even_all_to_all_v_is_alltoall_at_equal_bytes() {
+        for (bytes, n) in [(1 << 20, 2), (1000, 3), (8, 8)] {
+            let fixed = Coll::AllToAll.layout(bytes, 4, n, 0, spec(Splits::Even));
+            for rank in 0..n {
+                let v = Coll::AllToAllV.layout(bytes, 4, n, rank, spec(Splits::Even));
+                assert_eq!(
+                    (v.count, v.send_len, v.recv_len, v.total, v.span),
+                    (
+                        fixed.count,
+                        fixed.send_len,
+                        fixed.recv_len,
+                        fixed.total,
+                        fixed.span
+                    )
+                );
+                assert!((v.bus_factor - fixed.bus_factor).abs() < 1e-12 || v.total == 0);
+            }
+        }
+    }
+
+    /// What every rank receives, computed by moving the inputs as the matrix says (not with
+    /// `Expect`'s formulas), must pass `Expect`'s check; one wrong element must not.
+    #[test]
+    fn the_check_expects_what_the_matrix_moves() {
+        let n = 3;
+        let pattern = Pattern::new(n, None, 11);
+        let layouts: Vec<Layout> = (0..n)
+            .map(|r| Coll::AllToAllV.layout(4000, 4, n, r, spec(Splits::Zipf(1.2))))
+            .collect();
+        let matrix = layouts[0].v.as_ref().unwrap().matrix.clone();
+        let inputs: Vec<Vec<f32>> = (0..n)
+            .map(|r| pattern.host_input(r, layouts[r].send_len))
+            .collect();
+        for (me, layout) in layouts.iter().enumerate() {
+            let mut got = Vec::new();
+            for (from, input) in inputs.iter().enumerate() {
+                let start: usize = matrix[from][..me].iter().sum();
+                got.extend_from_slice(&input[start..start + matrix[from][me]]);
+            }
+            assert_eq!(got.len(), layout.recv_len);
+            let expect = Expect {
+                pattern: &pattern,
+                coll: Coll::AllToAllV,
+                op: ReduceOp::Sum,
+                root: 0,
+                rank: me,
+                n,
+                layout,
+            };
+            assert_eq!(expect.count_wrong(&got), 0, "rank {me}");
+            got[layout.recv_len / 2] += 1.0;
+            assert_eq!(expect.count_wrong(&got), 1, "rank {me}");
+        }
+
+        // all_gather_v: every rank's whole input, in rank order.
+        let gather = Coll::AllGatherV.layout(4000, 4, n, 1, spec(Splits::Zipf(1.2)));
+        let counts = gather.v.as_ref().unwrap().matrix[0].clone();
+        let got: Vec<f32> = (0..n)
+            .flat_map(|r| pattern.host_input::<f32>(r, counts[r]))
+            .collect();
+        let expect = Expect {
+            pattern: &pattern,
+            coll: Coll::AllGatherV,
+            op: ReduceOp::Sum,
+            root: 0,
+            rank: 1,
+            n,
+            layout: &gather,
+        };
+        assert_eq!(gather.send_len, counts[1]);
+        assert_eq!(expect.count_wrong(&got), 0);
+
+        // reduce_scatter_v: this rank's segment of the reduction.
+        let scatter = Coll::ReduceScatterV.layout(4000, 4, n, 2, spec(Splits::Zipf(1.2)));
+        let start: usize = counts[..2].iter().sum();
+        let got: Vec<f32> = (start..start + counts[2])
+            .map(|i| pattern.reduced(i) as f32)
+            .collect();
+        let expect = Expect {
+            coll: Coll::ReduceScatterV,
+            rank: 2,
+            layout: &scatter,
+            ..expect
+        };
+        assert_eq!(scatter.recv_len, counts[2]);
+        assert_eq!(expect.count_wrong(&got), 0);
+        assert!(expect.count_wrong(&got[1..]) > 0 || counts[2] < 2);
+    }
+}
