@@ -2,6 +2,10 @@
 //! process per GPU, and the same operations issued through raw nccl-sys calls for a baseline
 //! measured in the same process.
 //!
+//! Past 600 lines: about a third is this manual; the rest is the run's orchestration (job,
+//! registrations, --versus, types, cells), one flow read top to bottom. The pieces live in
+//! `bench/`.
+//!
 //! ```text
 //! cargo run --release --example bench -- all_reduce -b 8 -e 1G -f 2       # every local GPU
 //! cargo run --release --example bench -- all_reduce -b 8 -e 1G -f 2 --compare --rounds 3
@@ -11,6 +15,9 @@
 //! cargo run --release --example bench -- all_reduce -b 8 -e 64M -f 2 -R 2 --compare
 //! cargo run --release --example bench -- alltoall -b 8 -e 64M -f 2 --registration-compare
 //! cargo run --release --example bench -- --rma -b 8 -e 64M -f 2 --compare
+//! cargo run --release --example bench -- all_to_all_v -b 8 -e 512M -f 2 --splits zipf:1.1 --compare
+//! cargo run --release --example bench -- all_to_all_v -b 8 -e 512M -f 2 --splits even --versus alltoall
+//! cargo run --release --example bench -- all_gather_v -b 1M -e 512M -f 4 --splits zipf:1.1 --construction p2p --compare
 //! mpirun -np 4 target/release/examples/bench all_reduce -b 8 -e 1G -f 2
 //! ```
 //!
@@ -88,6 +95,16 @@
 //! alltoall is NCCL's own `ncclAlltoAll` (NCCL 2.28) rather than nccl-tests' send/receive
 //! loop; alltoall, sendrecv and put_signal have no in-place columns (NCCL has no in-place
 //! all-to-all, and the safe API cannot send from and receive into one buffer at once).
+//!
+//! # Variable-size collectives
+//!
+//! `all_to_all_v`, `all_gather_v` and `reduce_scatter_v` take the sizes of alltoall,
+//! all_gather and reduce_scatter; `--splits even|zipf:S` and `--seed` give the split matrix
+//! (`bench/splits.rs`, the same on every rank and in `benches/torch_all_to_all_single.py`).
+//! busbw = B / time, B the bytes the busiest rank sends to or receives from the other ranks
+//! (with even splits: size × (n−1)/n, the fixed-size collective's busbw). The raw path
+//! builds the same NCCL calls in one group (`bench/vops.rs`); `--versus alltoall` measures
+//! alltoall first on the same sizes and prints time(alltoall) / time(all_to_all_v).
 //!
 //! # Check
 //!

@@ -1,5 +1,8 @@
 //! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C -R`), plus
 //! this benchmark's own long options.
+//!
+//! Past 600 lines: the help text, the parser and the checks between flags are one table read
+//! side by side, with their tests; splitting them would scatter each flag over three files.
 
 use std::path::PathBuf;
 
