@@ -2,6 +2,10 @@
 //! process per GPU, and the same operations issued through raw nccl-sys calls for a baseline
 //! measured in the same process.
 //!
+//! Past 600 lines: about a third is this manual; the rest is the run's orchestration (job,
+//! registrations, --versus, types, cells), one flow read top to bottom. The pieces live in
+//! `bench/`.
+//!
 //! ```text
 //! cargo run --release --example bench -- all_reduce -b 8 -e 1G -f 2       # every local GPU
 //! cargo run --release --example bench -- all_reduce -b 8 -e 1G -f 2 --compare --rounds 3
@@ -11,6 +15,9 @@
 //! cargo run --release --example bench -- all_reduce -b 8 -e 64M -f 2 -R 2 --compare
 //! cargo run --release --example bench -- alltoall -b 8 -e 64M -f 2 --registration-compare
 //! cargo run --release --example bench -- --rma -b 8 -e 64M -f 2 --compare
+//! cargo run --release --example bench -- all_to_all_v -b 8 -e 512M -f 2 --splits zipf:1.1 --compare
+//! cargo run --release --example bench -- all_to_all_v -b 8 -e 512M -f 2 --splits even --versus alltoall
+//! cargo run --release --example bench -- all_gather_v -b 1M -e 512M -f 4 --splits zipf:1.1 --construction p2p --compare
 //! mpirun -np 4 target/release/examples/bench all_reduce -b 8 -e 1G -f 2
 //! ```
 //!
@@ -89,6 +96,16 @@
 //! loop; alltoall, sendrecv and put_signal have no in-place columns (NCCL has no in-place
 //! all-to-all, and the safe API cannot send from and receive into one buffer at once).
 //!
+//! # Variable-size collectives
+//!
+//! `all_to_all_v`, `all_gather_v` and `reduce_scatter_v` take the sizes of alltoall,
+//! all_gather and reduce_scatter; `--splits even|zipf:S` and `--seed` give the split matrix
+//! (`bench/splits.rs`, the same on every rank and in `benches/torch_all_to_all_single.py`).
+//! busbw = B / time, B the bytes the busiest rank sends to or receives from the other ranks
+//! (with even splits: size × (n−1)/n, the fixed-size collective's busbw). The raw path
+//! builds the same NCCL calls in one group (`bench/vops.rs`); `--versus alltoall` measures
+//! alltoall first on the same sizes and prints time(alltoall) / time(all_to_all_v).
+//!
 //! # Check
 //!
 //! With `-c N` (default 1), after the timing of every cell the operation runs once more on
@@ -114,6 +131,10 @@ mod plot;
 mod rank;
 #[path = "bench/report.rs"]
 mod report;
+#[path = "bench/splits.rs"]
+mod splits;
+#[path = "bench/vops.rs"]
+mod vops;
 
 use std::process::ExitCode;
 use std::sync::OnceLock;
@@ -254,15 +275,16 @@ fn unsupported(rank: &Rank, coll: Coll, register: RegisterMode) -> Option<String
     why
 }
 
-/// `path` with `-R<flag>` before its extension, for the files of `--registration-compare`.
-fn suffixed(path: &std::path::Path, register: RegisterMode, compare: bool) -> std::path::PathBuf {
-    if !compare {
+/// `path` with `-<suffix>` before its extension, for the files of a run that measures two
+/// sweeps (`--registration-compare`: `R0`, `R2`; `--versus`: the collective's name).
+fn suffixed(path: &std::path::Path, suffix: Option<&str>) -> std::path::PathBuf {
+    let Some(suffix) = suffix else {
         return path.to_path_buf();
-    }
+    };
     let stem = path.file_stem().unwrap_or_default().to_string_lossy();
     let name = match path.extension() {
-        Some(ext) => format!("{stem}-R{}.{}", register.flag(), ext.to_string_lossy()),
-        None => format!("{stem}-R{}", register.flag()),
+        Some(ext) => format!("{stem}-{suffix}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{suffix}"),
     };
     path.with_file_name(name)
 }
@@ -270,6 +292,9 @@ fn suffixed(path: &std::path::Path, register: RegisterMode, compare: bool) -> st
 /// Runs every registration (`-R`, or both of `--registration-compare`), type and
 /// reduction; prints and writes the results on rank 0.
 fn benchmark(rank: &Rank, options: &Options, tracking: bool, spawned: usize) -> BenchResult<bool> {
+    if let Some(versus) = options.versus {
+        return benchmark_versus(rank, options, versus, tracking, spawned);
+    }
     let mut reports = Vec::new();
     for register in options.registrations() {
         if let Some(why) = unsupported(rank, options.coll, register) {
@@ -278,13 +303,76 @@ fn benchmark(rank: &Rank, options: &Options, tracking: bool, spawned: usize) -> 
             }
             continue;
         }
+        let suffix = options
+            .registration_compare
+            .then(|| format!("R{}", register.flag()));
         reports.push(benchmark_registered(
-            rank, options, tracking, spawned, register,
+            rank,
+            options,
+            tracking,
+            spawned,
+            register,
+            suffix.as_deref(),
         )?);
     }
     if let [base, windows] = &reports[..] {
         if rank.rank() == 0 {
-            print!("{}", report::speedup(base, windows));
+            print!(
+                "{}",
+                report::speedup(
+                    base,
+                    windows,
+                    "-R 0",
+                    &format!("-R {}", windows.register.flag())
+                )
+            );
+        }
+    }
+    Ok(reports.iter().all(|report| report.failures() == 0))
+}
+
+/// `--versus`: the fixed-size collective `versus` and then the one asked for, on the same
+/// sizes, types and buffers' registration, and the ratio of their times row by row (for
+/// `all_to_all_v --splits even --versus alltoall`: what the variable-size path costs at
+/// equal bytes).
+fn benchmark_versus(
+    rank: &Rank,
+    options: &Options,
+    versus: Coll,
+    tracking: bool,
+    spawned: usize,
+) -> BenchResult<bool> {
+    let reference = Options {
+        coll: versus,
+        versus: None,
+        construction: nccl::Construction::Auto,
+        ..options.clone()
+    };
+    let register = options.register.unwrap_or(RegisterMode::None);
+    let mut reports = Vec::new();
+    for options in [&reference, options] {
+        if let Some(why) = unsupported(rank, options.coll, register) {
+            if rank.rank() == 0 {
+                println!("# {why}: not measured");
+            }
+            return Ok(true);
+        }
+        let name = options.coll.name();
+        reports.push(benchmark_registered(
+            rank,
+            options,
+            tracking,
+            spawned,
+            register,
+            Some(name),
+        )?);
+    }
+    if let [base, it] = &reports[..] {
+        if rank.rank() == 0 {
+            print!(
+                "{}",
+                report::speedup(base, it, versus.name(), options.coll.name())
+            );
         }
     }
     Ok(reports.iter().all(|report| report.failures() == 0))
@@ -298,8 +386,8 @@ fn benchmark_registered(
     tracking: bool,
     spawned: usize,
     register: RegisterMode,
+    file_suffix: Option<&str>,
 ) -> BenchResult<Report> {
-    let compare = options.registration_compare;
     let (me, n) = (rank.rank(), rank.size());
     let own_stream = options.own_stream || options.mode() == Mode::Graph;
     if options.coll.has_root() && options.root >= n {
@@ -363,6 +451,13 @@ fn benchmark_registered(
             }
         );
         println!("# buffers {}", register.describe());
+        if options.coll.is_v() {
+            println!(
+                "# splits {} seed {} construction {:?}; busbw = bytes the busiest rank sends \
+                 to or receives from the others / time",
+                options.splits, options.seed, options.construction
+            );
+        }
         if options.control {
             println!(
                 "# control run (--control): the \"safe\" column issues raw calls too; the \
@@ -428,6 +523,12 @@ fn benchmark_registered(
             "nccl_rs_version": env!("CARGO_PKG_VERSION"),
             "alloc": format!("{alloc:?}").to_lowercase(),
             "registration": register.flag(),
+            "splits": options.coll.is_v().then(|| options.splits.to_string()),
+            "seed": options.coll.is_v().then_some(options.seed),
+            "construction": options
+                .coll
+                .is_v()
+                .then(|| format!("{:?}", options.construction).to_lowercase()),
             "event_tracking": tracking,
             "own_stream": own_stream,
             "min_bytes": options.min_bytes,
@@ -442,10 +543,10 @@ fn benchmark_registered(
             "devices": devices,
         });
         if let Some(path) = &options.json {
-            report::write_file(&suffixed(path, register, compare), &report.json(meta))?;
+            report::write_file(&suffixed(path, file_suffix), &report.json(meta))?;
         }
         if let Some(path) = &options.csv {
-            report::write_file(&suffixed(path, register, compare), &report.csv())?;
+            report::write_file(&suffixed(path, file_suffix), &report.csv())?;
         }
         if let Some(path) = &options.plot {
             let title = format!(
@@ -455,10 +556,7 @@ fn benchmark_registered(
                 register.flag(),
                 lib.version()
             );
-            report::write_file(
-                &suffixed(path, register, compare),
-                &plot::svg(&report, &title)?,
-            )?;
+            report::write_file(&suffixed(path, file_suffix), &plot::svg(&report, &title)?)?;
         }
     }
     Ok(report)
@@ -500,8 +598,13 @@ impl TypeVisitor for TypeRun<'_> {
         let (Some(&smallest), Some(&largest)) = (sizes.first(), sizes.last()) else {
             return Ok(());
         };
-        let buffer_len = (max_bytes / elem_size)
-            .max(coll.layout(largest, elem_size, n).total)
+        let split = options.split_spec();
+        let layout = |size: usize| coll.layout(size, elem_size, n, me, split);
+        // Under Zipf splits a rank may receive more than a size's total.
+        let buffer_len = sizes
+            .iter()
+            .map(|&size| layout(size).span)
+            .fold(max_bytes / elem_size, usize::max)
             .max(1);
         // A local registration borrows its buffer: the buffers live outside `bufs`, and
         // longer (dropped after it, so deregistered before they are freed).
@@ -532,14 +635,9 @@ impl TypeVisitor for TypeRun<'_> {
             let root = if coll.has_root() { options.root } else { 0 };
             // nccl-tests warms up at the largest size, then at the smallest.
             for size in [largest, smallest] {
-                let mut issuer = Issuer::new(
-                    &rank.comm,
-                    coll,
-                    coll.layout(size, elem_size, n),
-                    redop,
-                    root,
-                );
+                let mut issuer = Issuer::new(&rank.comm, coll, layout(size), redop, root);
                 issuer.control = options.control;
+                issuer.construction = options.construction;
                 for &api in apis {
                     let mut op = Op {
                         rank,
@@ -553,9 +651,7 @@ impl TypeVisitor for TypeRun<'_> {
             }
             let pattern = (options.check > 0).then(|| Pattern::new(n, op, 0x5eed));
             for &size in &sizes {
-                let layout = coll.layout(size, elem_size, n);
-                let mut issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
-                issuer.control = options.control;
+                let layout = layout(size);
                 let mut row = Row {
                     size: layout.total * elem_size,
                     count: layout.count,
@@ -565,6 +661,9 @@ impl TypeVisitor for TypeRun<'_> {
                     out_of_place: Vec::new(),
                     in_place: Vec::new(),
                 };
+                let mut issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
+                issuer.control = options.control;
+                issuer.construction = options.construction;
                 for in_place in [false, true] {
                     if in_place && !coll.has_in_place() {
                         continue;
@@ -650,7 +749,7 @@ impl Cell<'_> {
         }
 
         let bytes = (issuer.layout.total * std::mem::size_of::<T>()) as f64;
-        let factor = issuer.coll.bus_factor(issuer.n);
+        let factor = issuer.layout.bus_factor;
         let mut out = Vec::with_capacity(apis.len());
         for (i, &api) in apis.iter().enumerate() {
             let middle = |f: fn(&Timing) -> f64| {

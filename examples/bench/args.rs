@@ -1,13 +1,17 @@
 //! Command-line flags, after nccl-tests' (`-b -e -i -f -n -w -c -o -d -r -a -G -C -R`), plus
 //! this benchmark's own long options.
+//!
+//! Past 600 lines: the help text, the parser and the checks between flags are one table read
+//! side by side, with their tests; splitting them would scatter each flag over three files.
 
 use std::path::PathBuf;
 
-use nccl::{DataType, ReduceOp};
+use nccl::{Construction, DataType, ReduceOp};
 
-use crate::coll::Coll;
+use crate::coll::{Coll, SplitSpec};
 use crate::elem;
 use crate::ops::Api;
+use crate::splits::{Splits, DEFAULT_SEED};
 
 /// How the per-rank times of one measurement are combined (nccl-tests' `-a`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +164,15 @@ pub struct Options {
     /// Measure without registration and with symmetric windows, and print the speedup
     /// (`--registration-compare`).
     pub registration_compare: bool,
+    /// How the v-collectives split their totals (`--splits`).
+    pub splits: Splits,
+    /// The split matrix's seed (`--seed`).
+    pub seed: u64,
+    /// all_gather_v's construction (`--construction`).
+    pub construction: Construction,
+    /// A collective measured first on the same sizes, with the ratio of times printed after
+    /// (`--versus`).
+    pub versus: Option<Coll>,
 }
 
 impl Default for Options {
@@ -193,11 +206,23 @@ impl Default for Options {
             plot: None,
             register: None,
             registration_compare: false,
+            splits: Splits::Even,
+            seed: DEFAULT_SEED,
+            construction: Construction::Auto,
+            versus: None,
         }
     }
 }
 
 impl Options {
+    /// How the v-collectives split their totals.
+    pub fn split_spec(&self) -> SplitSpec {
+        SplitSpec {
+            splits: self.splits,
+            seed: self.seed,
+        }
+    }
+
     /// The timing mode the flags select.
     pub fn mode(&self) -> Mode {
         if self.latency {
@@ -310,6 +335,35 @@ this benchmark's own:
                                (Window::put_signal) and waits for the previous rank's signal
                                (Window::wait_signal); busbw = algbw = size / time. Always on
                                symmetric windows; NCCL 2.29
+      --versus <collective>    measure this fixed-size collective first on the same sizes,
+                               then the one asked for, and print time(versus) / time(it)
+                               for every row (above 1: it is faster), e.g.
+                               all_to_all_v --splits even --versus alltoall
+
+variable-size collectives (all_to_all_v, all_gather_v, reduce_scatter_v):
+      --splits <even|zipf:S>   how each total is split over the ranks (default even): equal
+                               parts, or parts proportional to 1/k^S (k = 1..n, a destination's
+                               rank in each sender's own seeded order; e.g. zipf:1.1). Exact:
+                               every row sums to its total. all_to_all_v: an n x n matrix,
+                               row i what rank i sends to each rank; all_gather_v and
+                               reduce_scatter_v: one row, each rank's segment
+      --seed <n>               the split matrix's seed, the same on every rank (default 1);
+                               benches/torch_all_to_all_single.py builds the same matrix
+      --construction <auto|collective|p2p>
+                               all_gather_v only: grouped broadcasts (collective, the
+                               default) or grouped send/receive (p2p); --compare's raw path
+                               builds the same one
+  The raw path (--raw, --compare) issues the same NCCL calls in one group (ncclSend/ncclRecv
+  per peer, ncclBroadcast or ncclReduce per root), so safe/raw isolates the binding.
+  Sizes are those of the fixed-size counterpart (all_to_all_v: each rank's send buffer, as
+  alltoall; all_gather_v: the receive buffer; reduce_scatter_v: the send buffer), rounded to
+  n elements, so all_to_all_v --splits even moves exactly what alltoall moves. algbw = size
+  / time. busbw = B / time, B the bytes the busiest rank sends to or receives from the other
+  ranks (its own segment stays local): all_to_all_v max over r of max(sum over j!=r of M[r][j],
+  sum over i!=r of M[i][r]); all_gather_v and reduce_scatter_v max over r of (total - c_r). With
+  even splits B = size x (n-1)/n: the fixed-size collective's busbw. The check compares each
+  rank's output with a host reference of what the matrix says it receives.
+
       --json <file>            write every measurement as JSON
       --csv <file>             write every measurement as CSV
       --plot <file.svg>        draw busbw against size
@@ -318,7 +372,7 @@ this benchmark's own:
 Sizes are bytes of the whole buffer as in nccl-tests: for all_gather the receive buffer, for
 reduce_scatter the send buffer, for alltoall either buffer, for put_signal the bytes each rank
 puts. With --registration-compare, --json, --csv and --plot files get -R0 and -R2 added to
-their names.",
+their names; with --versus, the collective's name.",
         colls = colls.join(", "),
         types = types.join(", ")
     )
@@ -463,6 +517,27 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                     other => return Err(format!("{name}: expected 0, 1 or 2, got {other}")),
                 })
             }
+            "--splits" => options.splits = Splits::parse(&value()?)?,
+            "--seed" => options.seed = number(&name, &value()?)? as u64,
+            "--construction" => {
+                options.construction = match value()?.to_ascii_lowercase().as_str() {
+                    "auto" => Construction::Auto,
+                    "collective" => Construction::Collective,
+                    "p2p" | "point-to-point" => Construction::PointToPoint,
+                    other => {
+                        return Err(format!(
+                            "{name}: expected auto, collective or p2p, got {other:?}"
+                        ))
+                    }
+                }
+            }
+            "--versus" => {
+                let text = value()?;
+                options.versus = Some(
+                    Coll::parse(&text)
+                        .ok_or_else(|| format!("{name}: unknown collective {text:?}"))?,
+                );
+            }
             "--json" => options.json = Some(value()?.into()),
             "--csv" => options.csv = Some(value()?.into()),
             "--plot" => options.plot = Some(value()?.into()),
@@ -533,6 +608,47 @@ fn validate(options: &Options) -> Result<(), String> {
                     ncclMemAlloc (--alloc nccl)"
                 .into(),
         );
+    }
+    if !options.coll.is_v() {
+        let v_flag = if options.splits != Splits::Even {
+            Some("--splits")
+        } else if options.seed != DEFAULT_SEED {
+            Some("--seed")
+        } else if options.construction != Construction::Auto {
+            Some("--construction")
+        } else {
+            None
+        };
+        if let Some(flag) = v_flag {
+            return Err(format!(
+                "{flag} applies to all_to_all_v, all_gather_v and reduce_scatter_v, not {}",
+                options.coll.name()
+            ));
+        }
+    }
+    if options.construction != Construction::Auto && options.coll != Coll::AllGatherV {
+        return Err(format!(
+            "--construction: only all_gather_v has more than one construction ({} has one)",
+            options.coll.name()
+        ));
+    }
+    if let Some(versus) = options.versus {
+        if versus == options.coll {
+            return Err("--versus needs a collective other than the one measured".into());
+        }
+        if versus == Coll::PutSignal || options.coll == Coll::PutSignal {
+            return Err("--versus cannot be combined with the put_signal ring (--rma)".into());
+        }
+        if versus.is_v() {
+            return Err(format!(
+                "--versus {}: the reference must be a fixed-size collective (the splits \
+                 apply to the measured one)",
+                versus.name()
+            ));
+        }
+        if options.registration_compare {
+            return Err("--versus and --registration-compare cannot be combined".into());
+        }
     }
     if options.ranks == Some(0) {
         return Err("--ranks must be at least 1".into());
@@ -649,5 +765,44 @@ mod tests {
         assert!(run(&["--rma", "-R", "1"]).unwrap_err().contains("-R 2"));
         assert!(run(&["--rma", "--registration-compare"]).is_err());
         assert!(usage().contains("--rma") && usage().contains("-R, --local_register"));
+    }
+
+    #[test]
+    fn split_flags_belong_to_the_v_collectives() {
+        let options = run(&["all_to_all_v", "--splits", "zipf:1.1", "--seed", "7"]).unwrap();
+        assert_eq!(options.coll, Coll::AllToAllV);
+        assert_eq!(options.splits, Splits::Zipf(1.1));
+        assert_eq!(options.seed, 7);
+        assert_eq!(run(&["a2av"]).unwrap().splits, Splits::Even);
+        assert!(run(&["alltoall", "--splits", "zipf:1.1"])
+            .unwrap_err()
+            .contains("--splits applies"));
+        assert!(run(&["all_to_all_v", "--splits", "zipf:-1"]).is_err());
+        let gather = run(&["all_gather_v", "--construction", "p2p"]).unwrap();
+        assert_eq!(gather.construction, Construction::PointToPoint);
+        assert!(run(&["all_to_all_v", "--construction", "p2p"])
+            .unwrap_err()
+            .contains("only all_gather_v"));
+        assert!(run(&["all_gather_v", "--construction", "ring"]).is_err());
+        let versus = run(&["all_to_all_v", "--versus", "alltoall"]).unwrap();
+        assert_eq!(versus.versus, Some(Coll::AllToAll));
+        assert!(run(&["alltoall", "--versus", "alltoall"]).is_err());
+        assert!(run(&["alltoall", "--versus", "all_to_all_v"]).is_err());
+        assert!(run(&[
+            "all_to_all_v",
+            "--versus",
+            "alltoall",
+            "--registration-compare"
+        ])
+        .is_err());
+        for name in [
+            "all_to_all_v",
+            "all_gather_v",
+            "reduce_scatter_v",
+            "--splits",
+            "--versus",
+        ] {
+            assert!(usage().contains(name), "{name}");
+        }
     }
 }

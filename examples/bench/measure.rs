@@ -24,7 +24,8 @@ pub struct Timing {
 }
 
 /// The offset of iteration `iter`'s buffers, as nccl-tests moves them through the whole
-/// allocation to avoid cache effects: `total * (iter % (buffer / total))`.
+/// allocation to avoid cache effects: `total * (iter % (buffer / total))`, `total` being
+/// the elements one operation touches (`Layout::span`).
 fn shift(buffer_len: usize, total: usize, iter: usize) -> usize {
     if total == 0 {
         return 0;
@@ -63,7 +64,7 @@ impl<T: Elem> Op<'_, '_, T> {
 
     /// Issues `count` operations back to back, on buffers shifted as nccl-tests shifts them.
     fn issue_shifted(&mut self, count: usize) -> BenchResult<()> {
-        let (len, total) = (self.bufs.len(), self.issuer.layout.total);
+        let (len, total) = (self.bufs.len(), self.issuer.layout.span);
         (0..count).try_for_each(|iter| self.issue(shift(len, total, iter)))
     }
 
@@ -144,7 +145,7 @@ impl<T: Elem> Op<'_, '_, T> {
             })
             .collect::<Result<Vec<(CudaEvent, CudaEvent)>, DriverError>>()?;
         self.settle()?;
-        let (len, total) = (self.bufs.len(), self.issuer.layout.total);
+        let (len, total) = (self.bufs.len(), self.issuer.layout.span);
         let (_, cpu_us) = self.timed(iters, |op| {
             for (iter, (before, after)) in events.iter().enumerate() {
                 before.record(&op.rank.stream)?;
@@ -173,7 +174,7 @@ impl<T: Elem> Op<'_, '_, T> {
     pub fn cold(&mut self, iters: usize, traffic_bytes: usize) -> BenchResult<Timing> {
         let mut scratch = vec![0u64; traffic_bytes.div_ceil(8).max(1)];
         self.settle()?;
-        let (len, total) = (self.bufs.len(), self.issuer.layout.total);
+        let (len, total) = (self.bufs.len(), self.issuer.layout.span);
         let mut in_calls = Duration::ZERO;
         let (time_us, _) = self.timed(iters, |op| {
             for iter in 0..iters {
@@ -195,14 +196,35 @@ impl<T: Elem> Op<'_, '_, T> {
     /// output (0 for a rank whose output is not defined, off the root of a reduce).
     pub fn check(&mut self, pattern: &Pattern) -> BenchResult<u64> {
         let (issuer, in_place) = (self.issuer, self.in_place);
-        let layout = issuer.layout;
+        let layout = &issuer.layout;
         let (me, n, count) = (issuer.rank, issuer.n, layout.count);
         let stream = self.rank.stream.clone();
         let bufs = &mut *self.bufs;
+        // This rank's own segment of an in-place v-collective's buffer.
+        let own = layout
+            .v
+            .as_deref()
+            .and_then(|v| match issuer.coll {
+                Coll::AllGatherV => v.recv.segment(me),
+                _ => v.send.segment(me),
+            })
+            .unwrap_or(0..0);
         // Inputs where the operation reads them; zeros where it writes, so that an output it
         // never wrote cannot pass (no input or result value is 0).
         if in_place {
             match issuer.coll {
+                Coll::AllGatherV => {
+                    stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+                    let input = pattern.host_input::<T>(me, own.len());
+                    if !input.is_empty() {
+                        let mut part = bufs.recv.part_mut(own.start, own.len())?;
+                        stream.memcpy_htod(&input, &mut part)?;
+                    }
+                }
+                Coll::ReduceScatterV => {
+                    let input = pattern.host_input::<T>(me, layout.send_len);
+                    stream.memcpy_htod(&input, &mut bufs.recv.part_mut(0, layout.send_len)?)?;
+                }
                 Coll::AllGather => {
                     stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
                     let input = pattern.host_input::<T>(me, count);
@@ -218,9 +240,14 @@ impl<T: Elem> Op<'_, '_, T> {
                 }
             }
         } else {
-            let input = pattern.host_input::<T>(me, layout.send_len);
-            stream.memcpy_htod(&input, &mut bufs.send.part_mut(0, layout.send_len)?)?;
-            stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+            // A v-collective's rank may send or receive nothing.
+            if layout.send_len > 0 {
+                let input = pattern.host_input::<T>(me, layout.send_len);
+                stream.memcpy_htod(&input, &mut bufs.send.part_mut(0, layout.send_len)?)?;
+            }
+            if layout.recv_len > 0 {
+                stream.memset_zeros(&mut bufs.recv.part_mut(0, layout.recv_len)?)?;
+            }
         }
         self.rank.wait()?;
         if issuer.coll == Coll::PutSignal {
@@ -234,11 +261,16 @@ impl<T: Elem> Op<'_, '_, T> {
             return Ok(0);
         }
         let (offset, len) = match (issuer.coll, in_place) {
+            (Coll::ReduceScatterV, true) => (own.start, own.len()),
+            (Coll::AllGatherV, true) => (0, layout.recv_len),
             (Coll::ReduceScatter, true) => (me * count, count),
             (Coll::AllGather, true) => (0, layout.recv_len),
             (_, true) => (0, count),
             (_, false) => (0, layout.recv_len),
         };
+        if len == 0 {
+            return Ok(0);
+        }
         let got = stream.clone_dtoh(&self.bufs.recv.part(offset, len)?)?;
         let expect = Expect {
             pattern,

@@ -12,13 +12,14 @@ use cudarc::driver::{
 };
 use nccl::sys::{self, ncclComm_t, ncclResult_t, NcclLib};
 use nccl::{
-    Comm, Group, NcclBuffer, Operation, ReduceOp, Registration, ResultCode, Signal, SignalWait,
-    Window, WindowFlags, WindowView, WindowViewMut,
+    Comm, Construction, Group, NcclBuffer, Operation, ReduceOp, Registration, ResultCode, Signal,
+    SignalWait, Window, WindowFlags, WindowView, WindowViewMut,
 };
 
 use crate::args::Alloc;
 use crate::coll::{Coll, Layout};
 use crate::elem::Elem;
+use crate::vops;
 use crate::BenchResult;
 
 /// Which API issues an operation.
@@ -91,7 +92,7 @@ impl<'c, T: Elem> Storage<'c, T> {
     }
 }
 
-fn check_range(buffer: usize, offset: usize, len: usize) -> BenchResult<()> {
+pub fn check_range(buffer: usize, offset: usize, len: usize) -> BenchResult<()> {
     match offset.checked_add(len) {
         Some(end) if end <= buffer => Ok(()),
         _ => Err(format!(
@@ -159,7 +160,7 @@ pub enum PartMut<'a, 'c, T: Elem> {
     Window(WindowViewMut<'a, T>),
 }
 
-fn offset_bytes<T>(elements: usize) -> CUdeviceptr {
+pub fn offset_bytes<T>(elements: usize) -> CUdeviceptr {
     (elements * std::mem::size_of::<T>()) as CUdeviceptr
 }
 
@@ -297,6 +298,11 @@ impl<'c, T: Elem> Buffers<'c, T> {
     pub fn len(&self) -> usize {
         self.send.len()
     }
+
+    /// The device addresses of the send and receive buffers, for raw calls.
+    pub fn raw_ptrs(&self) -> (CUdeviceptr, CUdeviceptr) {
+        (self.send_ptr, self.recv_ptr)
+    }
 }
 
 /// One operation as both APIs issue it: the collective, its layout and arguments.
@@ -315,14 +321,20 @@ pub struct Issuer {
     pub n: usize,
     /// Issue raw calls for [`Api::Safe`] too (`--control`).
     pub control: bool,
+    /// The construction of all_gather_v (`--construction`).
+    pub construction: Construction,
     raw: RawComm,
 }
 
 /// What the raw path needs, fetched once outside the timed loops.
-struct RawComm {
-    lib: &'static NcclLib,
-    comm: ncclComm_t,
-    stream: sys::cudaStream_t,
+#[derive(Clone, Copy)]
+pub struct RawComm {
+    /// The library's functions.
+    pub lib: &'static NcclLib,
+    /// The communicator's raw handle.
+    pub comm: ncclComm_t,
+    /// Its stream.
+    pub stream: sys::cudaStream_t,
 }
 
 impl Issuer {
@@ -340,12 +352,18 @@ impl Issuer {
             rank: comm.rank(),
             n: comm.size(),
             control: false,
+            construction: Construction::Auto,
             raw: RawComm {
                 lib: comm.library().api(),
                 comm: raw_comm,
                 stream: comm.stream().cu_stream() as sys::cudaStream_t,
             },
         }
+    }
+
+    /// What the raw path needs.
+    pub fn raw(&self) -> &RawComm {
+        &self.raw
     }
 
     /// Issues the operation on `comm`'s stream, in place or not, with every buffer starting
@@ -378,6 +396,9 @@ impl Issuer {
             ..
         } = self.layout;
         let (op, root) = (self.op, self.root);
+        if self.coll.is_v() {
+            return vops::issue_safe(self, comm, b, in_place, shift);
+        }
         match (self.coll, in_place) {
             (Coll::AllReduce, false) => comm.all_reduce(
                 &b.send.part(shift, count)?,
@@ -440,6 +461,9 @@ impl Issuer {
                 )?;
                 group.finish()?
             }
+            (Coll::AllToAllV | Coll::AllGatherV | Coll::ReduceScatterV, _) => {
+                return Err("internal error: a v-collective on the fixed-size path".into())
+            }
             (Coll::PutSignal, _) => {
                 let (next, prev) = ((self.rank + 1) % self.n, (self.rank + self.n - 1) % self.n);
                 let (Storage::Window(send), Storage::Window(recv)) = (&b.send, &mut b.recv) else {
@@ -465,13 +489,16 @@ impl Issuer {
         in_place: bool,
         shift: usize,
     ) -> BenchResult<()> {
+        if self.coll.is_v() {
+            return vops::issue_raw(self, b, in_place, shift);
+        }
         let count = self.layout.count;
         let at = |base: CUdeviceptr, elements: usize| {
             (base + offset_bytes::<T>(elements)) as *mut c_void
         };
         // Every operation stays within `total` elements from `shift` (in place too), which
         // `check_range` confirms, as the safe path's validation does.
-        check_range(b.len(), shift, self.layout.total)?;
+        check_range(b.len(), shift, self.layout.span)?;
         // The pointers the safe API computes (and nccl-tests uses) for each in-place form.
         let (send, recv) = if in_place {
             let base = at(b.recv_ptr, shift);
@@ -546,6 +573,10 @@ impl Issuer {
                     };
                     lib.ncclWaitSignal(1, &mut wait, comm, stream)
                 }
+                // Issued by `vops` above.
+                Coll::AllToAllV | Coll::AllGatherV | Coll::ReduceScatterV => {
+                    return Err("internal error: a v-collective on the fixed-size path".into())
+                }
             }
         };
         raw_check(self.coll.name(), status)
@@ -553,7 +584,7 @@ impl Issuer {
 }
 
 /// Turns a raw call's outcome into a result.
-fn raw_check(call: &str, status: Result<ncclResult_t, sys::MissingSymbol>) -> BenchResult<()> {
+pub fn raw_check(call: &str, status: Result<ncclResult_t, sys::MissingSymbol>) -> BenchResult<()> {
     match status {
         Ok(ncclResult_t::ncclSuccess) => Ok(()),
         Ok(code) => Err(format!("{call} (raw) failed: {}", ResultCode::from_raw(code)).into()),

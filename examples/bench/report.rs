@@ -65,16 +65,14 @@ pub struct Report {
     pub rows: Vec<Row>,
 }
 
-/// The speedup of `windows` (`-R 2`) over `base` (`-R 0`), row by row: time(-R 0) /
-/// time(-R 2) for every API and placement (above 1: windows are faster). Both reports must
-/// come from the same sweep (same sizes, types and reductions in the same order).
-pub fn speedup(base: &Report, windows: &Report) -> String {
+/// The speedup of `other` over `base`, row by row: time(base) / time(other) for every API
+/// and placement (above 1: `other` is faster). Both reports must come from the same sweep
+/// (same sizes, types and reductions in the same order); `base_label` and `other_label`
+/// name them (`-R 0` and `-R 2`, or two collectives).
+pub fn speedup(base: &Report, other: &Report, base_label: &str, other_label: &str) -> String {
     let mut out = format!(
-        "#\n# Speedup of -R {} over -R {}: time(-R {}) / time(-R {}), above 1 is faster\n",
-        windows.register.flag(),
-        base.register.flag(),
-        base.register.flag(),
-        windows.register.flag()
+        "#\n# Speedup of {other_label} over {base_label}: time({base_label}) / \
+         time({other_label}), above 1 is faster\n"
     );
     let ratio = |a: &Measured, b: &Measured| {
         if b.time_us > 0.0 {
@@ -98,7 +96,7 @@ pub fn speedup(base: &Report, windows: &Report) -> String {
         "# {:>10}  {:>8}  {:>6}{names}",
         "size", "type", "redop"
     );
-    for (b, w) in base.rows.iter().zip(&windows.rows) {
+    for (b, w) in base.rows.iter().zip(&other.rows) {
         let _ = write!(out, "  {:>10}  {:>8}  {:>6}", b.size, b.dtype, b.redop);
         for (bs, ws) in [
             (&b.out_of_place, &w.out_of_place),
@@ -569,7 +567,7 @@ pub mod tests {
                 m.time_us /= 2.0;
             }
         }
-        let text = speedup(&base, &windows);
+        let text = speedup(&base, &windows, "-R 0", "-R 2");
         assert!(text.contains("Speedup of -R 2 over -R 0"), "{text}");
         assert!(
             text.contains("safe out-of-place") && text.contains("raw in-place"),
