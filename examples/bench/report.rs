@@ -1,4 +1,7 @@
 //! Output: nccl-tests' table, the closing lines, and the optional JSON and CSV files.
+//!
+//! Just past 600 lines with its tests: every output format reads the same measurement rows,
+//! and keeping them together keeps the columns of the table, JSON and CSV in step.
 
 use std::fmt::Write as _;
 use std::path::Path;
