@@ -1027,7 +1027,7 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
         return;
     }
     let devices = gpus();
-    per_rank(comms(&CommConfig::new()), |comm, _| {
+    per_rank(comms(&CommConfig::new()), |comm, barrier| {
         let (r, n) = (comm.rank(), comm.size());
         let next = (r + 1) % n;
         let invalid = |err: &Error, what: &str| {
@@ -1095,14 +1095,20 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
                 );
             }
             eprintln!("misuse rank {r}: dropping the child's window");
+            // Deregistration is local (no bootstrap call in `ncclCommWindowDeregister`).
             drop(other);
-            // Ended in order: on NCCL 2.32.3 an abort (what drop does) of this child after its
-            // window was deregistered stalled on one rank of our 2-GPU host.
             eprintln!("misuse rank {r}: finalizing the child");
             child.finalize().unwrap();
             child
                 .destroy()
                 .unwrap_or_else(|(_, e)| panic!("rank {r}: destroying the child: {e}"));
+            // Ending a communicator is collective over the ranks in this process: NCCL's
+            // `commReclaim` returns at once on every rank but the last to end it, which then
+            // frees every rank's child (windows included) with device-synchronising frees.
+            // Without this barrier a rank that ended first enqueues the all-reduce below,
+            // whose kernel waits for the last rank, while that rank's cleanup waits for the
+            // kernel: the stall seen on NCCL 2.32.3 (with drop/abort as well as destroy).
+            barrier.wait();
         }
         eprintln!("misuse rank {r}: all-reduce on sym");
         // None of that touched the communicator.

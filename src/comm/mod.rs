@@ -26,6 +26,15 @@
 //! timed out, the others abort at once, so dropping all of them takes one drop timeout.
 //! [`Comm::destroy`] that fails gives the communicator back with the error (as rusqlite's
 //! `Connection::close` does), so it is never left neither destroyed nor aborted.
+//!
+//! With several ranks of one communicator in one process (threads, or [`Comm::init_all`]),
+//! NCCL frees them together: `ncclCommDestroy` and `ncclCommAbort` (`commReclaim` in
+//! `src/init.cc`, 2.28 to 2.30.7) return at once on every rank but the last to call, which
+//! then frees all of them, windows included, with frees that synchronise each rank's GPU.
+//! So until every rank in the process has ended (destroyed, aborted or dropped) a
+//! communicator, no rank may enqueue work that waits for a peer, such as a collective on
+//! another communicator: the last rank's cleanup would wait for that work, and the work for
+//! the last rank. A barrier between the ranks after ending it is enough.
 
 /// One NCCL call on a communicator's handle, in one line: the handle is lent to the call
 /// under the communicator's lock (failing first, with the reason, if the communicator was

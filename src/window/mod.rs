@@ -44,8 +44,10 @@
 //! * The window borrows the communicator, so the communicator cannot be destroyed or
 //!   aborted by value while a window lives. An [`AbortHandle`](crate::AbortHandle) or a
 //!   [`Watchdog`](crate::Watchdog) can still abort it from another thread; NCCL then frees the
-//!   window itself, and the window checks, under the communicator's lock, that the
-//!   communicator is still alive before deregistering.
+//!   window itself (`ncclDevrFinalize`, when the communicator's resources are freed: at once
+//!   with one rank per process, else when the process's last rank of it ends it), and the
+//!   window checks, under the communicator's lock, that the communicator is still alive
+//!   before deregistering. It never deregisters after an abort or destroy.
 //! * Deregistration is local and must not race work that uses the buffer: closing or
 //!   dropping a window first waits, for at most [`Comm::drop_timeout`], until the work
 //!   recorded on the buffer (its cudarc events), and everything enqueued so far on the
@@ -58,6 +60,24 @@
 //!   maps is never freed behind NCCL either.
 //! * As for every cudarc buffer, a CUDA graph that captured work on a window keeps only its
 //!   address: do not launch it after the window is closed or dropped.
+//!
+//! # Closing, and ending the communicator
+//!
+//! `ncclCommWindowDeregister` is local in NCCL 2.28.7 to 2.30.7 (it unmaps the peers'
+//! memory and frees NCCL's records; no bootstrap call), so a rank never waits for the
+//! others to close. Peers, however, write into this rank's window (collectives on symmetric
+//! windows, [`Window::put_signal`]), and only local work is waited for: close a window
+//! only once every rank is past its last operation that uses it, e.g. in the same order on
+//! every rank after the last collective on it, or after a [`Window::wait_signal`] for
+//! every put aimed at it.
+//!
+//! Ending the communicator is collective, and more so with several of its ranks in one
+//! process (see [`crate::comm`]): `ncclCommDestroy` and `ncclCommAbort` return at once on
+//! each of those ranks but the last to call, which then frees all of them (their windows
+//! too) with frees that synchronise each rank's GPU. Until every rank in the process has
+//! ended the communicator, no rank may enqueue work that waits for a peer (a collective on
+//! another communicator), or the last rank's cleanup waits for that work while the work
+//! waits for the last rank.
 //!
 //! ```compile_fail
 //! // The buffer belongs to the window: it cannot be used (or dropped) while registered.
@@ -226,6 +246,13 @@ impl BitOr for WindowFlags {
 
 /// An [`NcclBuffer`] registered as a window on every rank of a communicator; see the
 /// [module docs](self).
+///
+/// Close (or drop) windows only once every rank is done with them (peers write into this
+/// rank's window), e.g. in the same order on every rank after the last collective on
+/// them; deregistration itself is local. Ending the communicator is collective: with
+/// several of its ranks in one process, the last to end it frees every rank's windows and
+/// synchronises their GPUs, so end it on every rank before enqueuing work that waits for a
+/// peer (see [Closing](self#closing-and-ending-the-communicator)).
 pub struct Window<'c, T: NcclType> {
     comm: &'c Comm,
     /// The NCCL handle; null once deregistered (or freed by NCCL with the communicator).
