@@ -19,15 +19,21 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
-use crate::comm::{comm_call, Comm};
+use crate::comm::{comm_call, Backoff, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::library::{self, Library, Version};
+
+/// How long dropping an [`NcclBuffer`] (or deregistering it) waits for the work queued on it.
+/// Work still running then will not finish (a collective whose peer died): the memory is
+/// leaked rather than freed under the GPU.
+pub const BUFFER_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Device memory allocated by `ncclMemAlloc`; see the [module docs](self).
 pub struct NcclBuffer<T: NcclType> {
@@ -110,18 +116,33 @@ impl<T: NcclType> NcclBuffer<T> {
         self.len == 0
     }
 
-    /// Waits until no queued work uses the buffer: its last recorded read and write, or, in a
-    /// context without event tracking, everything on its stream.
-    fn wait_idle(&self) -> Result<()> {
+    /// Waits, for at most `limit`, until no queued work uses the buffer: its last recorded
+    /// read and write (work on other streams), and everything queued on its own stream.
+    /// Polls rather than blocks, so a collective whose peer never comes (work that will not
+    /// finish) ends in [`Error::Timeout`] instead of a hang.
+    fn wait_idle(&self, limit: Duration) -> Result<()> {
         let ctx = self.stream.context();
         ctx.bind_to_thread()?;
-        if ctx.is_event_tracking() {
-            for event in [&self.read, &self.write].into_iter().flatten() {
-                event.synchronize()?;
+        let queued = self.stream.record_event(None)?;
+        let pending = [self.read.as_ref(), self.write.as_ref(), Some(&queued)];
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        loop {
+            let mut idle = true;
+            for event in pending.into_iter().flatten() {
+                idle &= event.try_is_complete()?;
             }
+            if idle {
+                return Ok(());
+            }
+            if start.elapsed() >= limit {
+                return Err(Error::Timeout {
+                    what: "the work queued on an NcclBuffer to finish".into(),
+                    waited: start.elapsed(),
+                });
+            }
+            backoff.wait();
         }
-        self.stream.synchronize()?;
-        Ok(())
     }
 }
 
@@ -177,8 +198,9 @@ impl<T: NcclType> DevicePtrMut<T> for NcclBuffer<T> {
 
 impl<T: NcclType> Drop for NcclBuffer<T> {
     fn drop(&mut self) {
-        // Every recorded use must be finished before the memory goes back to NCCL.
-        let idle = self.wait_idle();
+        // Every recorded use must be finished before the memory goes back to NCCL; work
+        // that does not finish in time (a peer that never came) keeps it forever.
+        let idle = self.wait_idle(BUFFER_DROP_TIMEOUT);
         if self.leaked || idle.is_err() {
             // NCCL may still map it, or queued work may still use it: leak, never free.
             return;
@@ -261,7 +283,7 @@ impl<'a, T: NcclType> Registration<'a, T> {
             return Ok(());
         }
         // Deregistration must not race work still queued on the buffer.
-        self.buffer.wait_idle()?;
+        self.buffer.wait_idle(BUFFER_DROP_TIMEOUT)?;
         let lib = self.comm.library();
         let handle = self.handle;
         // An aborted or destroyed communicator freed its registrations: nothing to call, and
