@@ -9,9 +9,12 @@
 //! `cargo test --test gpu_coll_config -- --include-ignored --test-threads=1`, once per NCCL
 //! (2.28.3 and 2.32.3: `../shared/gpu/nccl 2.32.3`).
 
-use std::sync::{mpsc, Arc, Barrier, Once};
+mod common;
+
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use common::guard::{nvls_off, Deadline};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
 use nccl::{CollConfig, Comm, Error, Group, Operation, ReduceOp, UniqueId, Version};
@@ -19,17 +22,8 @@ use nccl::{CollConfig, Comm, Error, Group, Operation, ReduceOp, UniqueId, Versio
 const V2_31: Version = nccl::coll_config::COLL_CONFIG_SINCE;
 const V2_32: Version = nccl::coll_config::LAUNCH_EVENT_SINCE;
 
-fn setup() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-            std::env::set_var("NCCL_NVLS_ENABLE", "0");
-        }
-    });
-}
-
 fn gpus() -> usize {
-    setup();
+    nvls_off();
     let count = CudaContext::device_count().expect("CUDA driver") as usize;
     assert!(count >= 2, "these tests need 2 CUDA GPUs, found {count}");
     count
@@ -37,31 +31,6 @@ fn gpus() -> usize {
 
 fn version() -> Version {
     nccl::version().expect("NCCL loads")
-}
-
-/// Aborts the process, naming the test, unless dropped within `limit` (a rank that fails
-/// while its peers wait in a collective would otherwise hang the run).
-struct Deadline(Option<mpsc::Sender<()>>);
-
-impl Deadline {
-    fn new(test: &'static str, limit: Duration) -> Self {
-        let (tx, rx) = mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
-                eprintln!("{test}: no result after {limit:?} (see the panics above); aborting");
-                std::process::abort();
-            }
-        });
-        Deadline(Some(tx))
-    }
-}
-
-impl Drop for Deadline {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
 }
 
 /// One communicator per GPU, each created by its own thread on a stream of its own.
@@ -270,8 +239,16 @@ fn enqueue_checked(
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn every_collective_with_a_config_matches_the_host_reference() {
+    if common::procs::gpus_or_skip(
+        "every_collective_with_a_config_matches_the_host_reference",
+        2,
+    )
+    .is_none()
+    {
+        return;
+    }
     let _deadline = Deadline::new(
         "every_collective_with_a_config_matches_the_host_reference",
         Duration::from_secs(300),
@@ -335,8 +312,11 @@ fn enqueue_checked_plain(comm: &Comm, stream: &Arc<CudaStream>) {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn configs_are_refused_on_send_and_receive() {
+    if common::procs::gpus_or_skip("configs_are_refused_on_send_and_receive", 2).is_none() {
+        return;
+    }
     let _deadline = Deadline::new(
         "configs_are_refused_on_send_and_receive",
         Duration::from_secs(120),
@@ -366,8 +346,11 @@ fn configs_are_refused_on_send_and_receive() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn launch_completion_event_is_recorded_and_waited() {
+    if common::procs::gpus_or_skip("launch_completion_event_is_recorded_and_waited", 2).is_none() {
+        return;
+    }
     let _deadline = Deadline::new(
         "launch_completion_event_is_recorded_and_waited",
         Duration::from_secs(120),

@@ -10,12 +10,14 @@
 //! Longer than 600 lines: it is one harness (ranks in threads, deadline, child processes,
 //! reference data) shared by every window test; split, each part would repeat it.
 
+mod common;
+
 use std::ops::Range;
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Barrier, Once};
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use common::guard::{nvls_off, Deadline};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
@@ -31,18 +33,8 @@ const SYNC: Duration = Duration::from_secs(60);
 // Harness
 // ---------------------------------------------------------------------------------------
 
-/// Multicast stays off in anything that launches NCCL (the runner sets it too).
-fn setup() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-            std::env::set_var("NCCL_NVLS_ENABLE", "0");
-        }
-    });
-}
-
 fn gpus() -> usize {
-    setup();
+    nvls_off();
     let count = CudaContext::device_count().expect("CUDA driver") as usize;
     assert!(count >= 2, "these tests need 2 CUDA GPUs, found {count}");
     count
@@ -50,34 +42,6 @@ fn gpus() -> usize {
 
 fn version() -> Version {
     nccl::version().expect("NCCL loads")
-}
-
-/// Aborts the whole process, saying which test hung, unless dropped within `limit`: a rank
-/// that fails while its peers wait in a collective would otherwise hang the run.
-struct Deadline(Option<mpsc::Sender<()>>);
-
-impl Deadline {
-    fn new(test: &'static str, limit: Duration) -> Self {
-        let (tx, rx) = mpsc::channel::<()>();
-        std::thread::spawn(move || {
-            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
-                eprintln!(
-                    "{test}: no result after {limit:?}; a rank probably failed while its peers \
-                     wait in a collective (see the panics above). Aborting the process."
-                );
-                std::process::abort();
-            }
-        });
-        Deadline(Some(tx))
-    }
-}
-
-impl Drop for Deadline {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
 }
 
 fn stream(device: usize) -> Arc<CudaStream> {
@@ -488,8 +452,16 @@ const V2_32: Version = Version::new(2, 32, 0);
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn every_collective_on_windows_at_offsets_in_and_out_of_place() {
+    if common::procs::gpus_or_skip(
+        "every_collective_on_windows_at_offsets_in_and_out_of_place",
+        2,
+    )
+    .is_none()
+    {
+        return;
+    }
     let _deadline = Deadline::new(
         "every_collective_on_windows_at_offsets_in_and_out_of_place",
         Duration::from_secs(600),
@@ -531,8 +503,11 @@ fn every_collective_on_windows_at_offsets_in_and_out_of_place() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn rma_ring_with_contexts_and_signals() {
+    if common::procs::gpus_or_skip("rma_ring_with_contexts_and_signals", 2).is_none() {
+        return;
+    }
     let _deadline = Deadline::new(
         "rma_ring_with_contexts_and_signals",
         Duration::from_secs(300),
@@ -628,8 +603,12 @@ fn rma_ring_with_contexts_and_signals() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn rma_mismatched_counts_time_out_instead_of_hanging() {
+    if common::procs::gpus_or_skip("rma_mismatched_counts_time_out_instead_of_hanging", 2).is_none()
+    {
+        return;
+    }
     let _deadline = Deadline::new(
         "rma_mismatched_counts_time_out_instead_of_hanging",
         Duration::from_secs(300),
@@ -672,8 +651,13 @@ fn rma_mismatched_counts_time_out_instead_of_hanging() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn null_window_is_unavailable_and_gives_the_buffer_back() {
+    if common::procs::gpus_or_skip("null_window_is_unavailable_and_gives_the_buffer_back", 2)
+        .is_none()
+    {
+        return;
+    }
     gpus();
     // NCCL reads its parameters once per process: a fresh one, with windows disabled.
     run_child(
@@ -732,8 +716,16 @@ fn child_null_window() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn registration_in_a_group_and_on_nonblocking_communicators() {
+    if common::procs::gpus_or_skip(
+        "registration_in_a_group_and_on_nonblocking_communicators",
+        2,
+    )
+    .is_none()
+    {
+        return;
+    }
     let _deadline = Deadline::new(
         "registration_in_a_group_and_on_nonblocking_communicators",
         Duration::from_secs(300),
@@ -821,8 +813,11 @@ fn registration_in_a_group_and_on_nonblocking_communicators() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn windows_outlive_an_abort_of_their_communicator() {
+    if common::procs::gpus_or_skip("windows_outlive_an_abort_of_their_communicator", 2).is_none() {
+        return;
+    }
     let _deadline = Deadline::new(
         "windows_outlive_an_abort_of_their_communicator",
         Duration::from_secs(300),
@@ -865,8 +860,11 @@ fn windows_outlive_an_abort_of_their_communicator() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn rma_captured_in_a_cuda_graph_replays() {
+    if common::procs::gpus_or_skip("rma_captured_in_a_cuda_graph_replays", 2).is_none() {
+        return;
+    }
     gpus();
     // Captured work must not wait for events recorded outside the capture: the child turns
     // cudarc's event tracking off, which must not leak into other tests.
@@ -931,8 +929,11 @@ fn child_rma_graph() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn properties_and_version_gates_follow_the_library() {
+    if common::procs::gpus_or_skip("properties_and_version_gates_follow_the_library", 2).is_none() {
+        return;
+    }
     let _deadline = Deadline::new(
         "properties_and_version_gates_follow_the_library",
         Duration::from_secs(300),
@@ -1015,8 +1016,16 @@ fn properties_and_version_gates_follow_the_library() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
+    if common::procs::gpus_or_skip(
+        "misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable",
+        2,
+    )
+    .is_none()
+    {
+        return;
+    }
     let _deadline = Deadline::new(
         "misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable",
         Duration::from_secs(300),
@@ -1122,8 +1131,12 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs CUDA GPUs"]
 fn zero_cta_policy_collectives_on_symmetric_windows() {
+    if common::procs::gpus_or_skip("zero_cta_policy_collectives_on_symmetric_windows", 2).is_none()
+    {
+        return;
+    }
     let _deadline = Deadline::new(
         "zero_cta_policy_collectives_on_symmetric_windows",
         Duration::from_secs(300),

@@ -11,6 +11,7 @@
 
 #![allow(dead_code)]
 
+pub mod guard;
 pub mod procs;
 
 use std::sync::Arc;
