@@ -261,7 +261,9 @@ impl Comm {
 impl<'a, T: NcclType> Registration<'a, T> {
     /// Deregisters now (`ncclCommDeregister`), after the buffer's queued work, reporting
     /// what `Drop` would ignore. On failure the registration comes back with the error, as
-    /// rusqlite's `close` does: try again, or drop it (the buffer is then never freed).
+    /// rusqlite's `close` does: try again, or drop it (the buffer is then never freed). A
+    /// communicator that was aborted or destroyed already released its registrations: that
+    /// is `Ok`, as for [`Window::close`](crate::Window::close).
     #[allow(clippy::result_large_err)] // rusqlite's shape; called once per registration
     pub fn deregister(mut self) -> std::result::Result<(), (Self, Error)> {
         match self.deregister_raw() {
@@ -294,9 +296,11 @@ impl<'a, T: NcclType> Registration<'a, T> {
             unsafe { lib.api().ncclCommDeregister(raw, handle) }
         }) {
             Ok(status) => status,
-            Err(err) if self.comm.shared().lock().ptr.is_null() => {
+            // Released (aborted or destroyed, possibly from another thread): NCCL dropped the
+            // registration with the communicator, so there is nothing left to undo.
+            Err(_) if self.comm.shared().lock().ptr.is_null() => {
                 self.handle = std::ptr::null_mut();
-                return Err(err);
+                return Ok(());
             }
             Err(err) => return Err(err),
         };
