@@ -11,13 +11,13 @@
 
 mod common;
 
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::guard::{nvls_off, Deadline};
+use common::threaded::{init_threaded, nvls_off, per_rank, Deadline};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
-use nccl::{CollConfig, Comm, Error, Group, Operation, ReduceOp, UniqueId, Version};
+use nccl::{CollConfig, Comm, CommConfig, Error, Group, Operation, ReduceOp, Version};
 
 const V2_31: Version = nccl::coll_config::COLL_CONFIG_SINCE;
 const V2_32: Version = nccl::coll_config::LAUNCH_EVENT_SINCE;
@@ -35,37 +35,14 @@ fn version() -> Version {
 
 /// One communicator per GPU, each created by its own thread on a stream of its own.
 fn comms() -> Vec<Comm> {
-    let n = gpus();
-    let id = UniqueId::new().expect("ncclGetUniqueId");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                s.spawn(move || {
-                    let stream = CudaContext::new(rank)
-                        .and_then(|ctx| ctx.new_stream())
-                        .expect("stream");
-                    Comm::init_rank(stream, &id, rank, n)
-                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
-/// Runs `f` for every rank, each on its own thread owning its communicator.
-fn per_rank<R: Send>(comms: Vec<Comm>, f: impl Fn(Comm, &Barrier) -> R + Sync) -> Vec<R> {
-    let barrier = Barrier::new(comms.len());
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (f, barrier) = (&f, &barrier);
-                s.spawn(move || f(comm, barrier))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    let streams = (0..gpus())
+        .map(|rank| {
+            CudaContext::new(rank)
+                .and_then(|ctx| ctx.new_stream())
+                .expect("stream")
+        })
+        .collect();
+    init_threaded(streams, &CommConfig::new())
 }
 
 /// Random small integers in [-8, 8], the same on every thread for a (seed, rank, len).

@@ -14,16 +14,16 @@ mod common;
 
 use std::ops::Range;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::guard::{nvls_off, Deadline};
+use common::threaded::{init_threaded, nvls_off, per_rank, Deadline};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
 use nccl::{
     Comm, CommConfig, Error, Group, NcclBuffer, NcclType, Operation, ReduceOp, Signal, SignalWait,
-    UniqueId, Version, Window, WindowFlags,
+    Version, Window, WindowFlags,
 };
 
 const CHILD_ENV: &str = "NCCL_RS_WINDOWS_CHILD";
@@ -52,41 +52,7 @@ fn stream(device: usize) -> Arc<CudaStream> {
 
 /// One communicator per GPU, each created by its own thread with `config`.
 fn comms(config: &CommConfig) -> Vec<Comm> {
-    comms_on((0..gpus()).map(stream).collect(), config)
-}
-
-/// One communicator per stream (stream `i` on GPU `i`), each created by its own thread.
-fn comms_on(streams: Vec<Arc<CudaStream>>, config: &CommConfig) -> Vec<Comm> {
-    let n = streams.len();
-    let id = UniqueId::new().expect("ncclGetUniqueId");
-    std::thread::scope(|s| {
-        let handles: Vec<_> = streams
-            .into_iter()
-            .enumerate()
-            .map(|(rank, stream)| {
-                s.spawn(move || {
-                    Comm::init_rank_with_config(stream, &id, rank, n, config)
-                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
-
-/// Runs `f` for every rank, each on its own thread owning its communicator.
-fn per_rank<R: Send>(comms: Vec<Comm>, f: impl Fn(Comm, &Barrier) -> R + Sync) -> Vec<R> {
-    let barrier = Barrier::new(comms.len());
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (f, barrier) = (&f, &barrier);
-                s.spawn(move || f(comm, barrier))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    init_threaded((0..gpus()).map(stream).collect(), config)
 }
 
 /// Re-executes this binary to run `test` with `env` added, and fails if it fails.
@@ -892,40 +858,44 @@ fn child_rma_graph() {
             ctx.new_stream().unwrap()
         })
         .collect();
-    per_rank(comms_on(streams, &CommConfig::new()), |comm, barrier| {
-        let (r, n) = (comm.rank(), comm.size());
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let m = 8192;
-        let mut win = window::<f32>(&comm, 2 * m, WindowFlags::COLL_SYMMETRIC);
-        let capture = comm.context().new_stream().unwrap();
-        comm.synchronize_timeout(SYNC).unwrap();
-        capture
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .unwrap();
-        let source = win.view(0..m).unwrap();
-        let put = win.put_signal_on(&capture, &source, next, m, Signal::default());
-        let captured = put.and_then(|()| win.wait_signal_on(&capture, &[SignalWait::new(prev, 1)]));
-        let graph = capture.end_capture(CUgraphInstantiate_flags(0));
-        if v < V2_30_3 {
-            unsupported(captured, "RMA during graph capture");
-            return;
-        }
-        captured.unwrap_or_else(|e| panic!("rank {r}: capturing RMA on NCCL {v}: {e}"));
-        let graph = graph.unwrap().expect("a captured graph");
-        for round in 0..4u64 {
-            let values = |rank: usize| cast::<f32>(&data(1000 + round, rank, m));
+    per_rank(
+        init_threaded(streams, &CommConfig::new()),
+        |comm, barrier| {
+            let (r, n) = (comm.rank(), comm.size());
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            let m = 8192;
+            let mut win = window::<f32>(&comm, 2 * m, WindowFlags::COLL_SYMMETRIC);
+            let capture = comm.context().new_stream().unwrap();
+            comm.synchronize_timeout(SYNC).unwrap();
             capture
-                .memcpy_htod(&values(r), &mut win.view_mut(0..m).unwrap())
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .unwrap();
-            drain(&capture, "upload");
-            barrier.wait();
-            graph.launch().unwrap();
-            drain(&capture, &format!("rank {r}: replay {round}"));
-            let got = capture.clone_dtoh(&win.view(m..2 * m).unwrap()).unwrap();
-            assert_same(&got, &values(prev), &format!("rank {r}, replay {round}"));
-            barrier.wait();
-        }
-    });
+            let source = win.view(0..m).unwrap();
+            let put = win.put_signal_on(&capture, &source, next, m, Signal::default());
+            let captured =
+                put.and_then(|()| win.wait_signal_on(&capture, &[SignalWait::new(prev, 1)]));
+            let graph = capture.end_capture(CUgraphInstantiate_flags(0));
+            if v < V2_30_3 {
+                unsupported(captured, "RMA during graph capture");
+                return;
+            }
+            captured.unwrap_or_else(|e| panic!("rank {r}: capturing RMA on NCCL {v}: {e}"));
+            let graph = graph.unwrap().expect("a captured graph");
+            for round in 0..4u64 {
+                let values = |rank: usize| cast::<f32>(&data(1000 + round, rank, m));
+                capture
+                    .memcpy_htod(&values(r), &mut win.view_mut(0..m).unwrap())
+                    .unwrap();
+                drain(&capture, "upload");
+                barrier.wait();
+                graph.launch().unwrap();
+                drain(&capture, &format!("rank {r}: replay {round}"));
+                let got = capture.clone_dtoh(&win.view(m..2 * m).unwrap()).unwrap();
+                assert_same(&got, &values(prev), &format!("rank {r}, replay {round}"));
+                barrier.wait();
+            }
+        },
+    );
 }
 
 #[test]

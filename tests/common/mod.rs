@@ -11,8 +11,8 @@
 
 #![allow(dead_code)]
 
-pub mod guard;
 pub mod procs;
+pub mod threaded;
 
 use std::sync::Arc;
 use std::time::Duration;
