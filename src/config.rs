@@ -47,6 +47,31 @@ impl std::ops::BitOr for CtaPolicy {
     }
 }
 
+/// `NCCL_CTA_POLICY` as NCCL reads it: a single digit 0, 1 or 2 (the older form), or
+/// `DEFAULT|EFFICIENCY|ZERO` names joined by `|`, any case; `None` where NCCL would ignore it.
+fn parse_cta_policy(text: &str) -> Option<u32> {
+    let text = text.trim();
+    if text.starts_with(|c: char| c.is_ascii_digit()) {
+        return match text.as_bytes()[0] {
+            b'0' => Some(CtaPolicy::DEFAULT.0),
+            b'1' => Some(CtaPolicy::EFFICIENCY.0),
+            b'2' => Some(CtaPolicy::ZERO.0),
+            _ => None,
+        };
+    }
+    let mut policy = None;
+    for token in text.split('|') {
+        let bits = match token.trim().to_ascii_uppercase().as_str() {
+            "DEFAULT" => CtaPolicy::DEFAULT.0,
+            "EFFICIENCY" => CtaPolicy::EFFICIENCY.0,
+            "ZERO" => CtaPolicy::ZERO.0,
+            _ => continue,
+        };
+        policy = Some(policy.unwrap_or(0) | bits);
+    }
+    policy
+}
+
 /// How the communicator will be used with CUDA graphs (`graphUsageMode`, NCCL 2.29).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GraphUsageMode {
@@ -335,6 +360,21 @@ impl CommConfig {
     /// Whether the communicator will be blocking (unset means blocking, NCCL's default).
     pub fn is_blocking(&self) -> bool {
         self.blocking.unwrap_or(true)
+    }
+
+    /// Whether NCCL (from 2.28) may run this communicator's all-gather, all-to-all, gather
+    /// and scatter on copy engines: its CTA policy includes `ZERO`. `NCCL_CTA_POLICY`, when
+    /// set, replaces the config's policy (NCCL's init.cc), so it is read the same way.
+    pub(crate) fn copy_engine(&self, version: Version) -> bool {
+        if version < Version::new(2, 28, 0) {
+            return false;
+        }
+        let env = std::env::var("NCCL_CTA_POLICY").ok();
+        let policy = env
+            .as_deref()
+            .and_then(parse_cta_policy)
+            .or(self.cta_policy.map(|policy| policy.0));
+        policy.is_some_and(|bits| bits & CtaPolicy::ZERO.0 != 0)
     }
 
     /// The configuration a child inherits when none is given: this one's blocking mode.

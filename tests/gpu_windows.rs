@@ -285,6 +285,8 @@ fn collectives_on_windows<T: Elem>(
                         // NCCL has no in-place all-to-all, and neither has the API.
                         continue;
                     }
+                    // Shown with --nocapture: where a stalled run stopped.
+                    println!("step: {what}");
                     let input = |q: usize| data(seed, q, op.input_len(in_place, q, root, n, c));
                     let mine = input(r);
                     let out_len = if in_place {
@@ -1120,12 +1122,26 @@ fn zero_cta_policy_collectives_on_symmetric_windows() {
     // 12.5 driver and this policy (NCCL's buffer registration docs); NCCL_DEBUG=INFO shows
     // which path each collective took.
     let config = CommConfig::new().cta_policy(CtaPolicy::ZERO);
+    println!("step: creating communicators with CtaPolicy::ZERO");
     let comms = comms(&config);
     let n = comms.len();
     let c = 1 << 18;
     let checked = per_rank(comms, |comm, _| {
+        println!("step: registering windows on rank {}", comm.rank());
         let mut a = window::<f32>(&comm, n * c, WindowFlags::COLL_SYMMETRIC);
         let mut b = window::<f32>(&comm, n * c, WindowFlags::COLL_SYMMETRIC);
+        assert!(comm.copy_engine(), "CtaPolicy::ZERO on NCCL {v}");
+        // Off the root a gather without a receive buffer would take the kernel path while
+        // the root takes the copy engines, and both would wait forever: refused up front.
+        let root = n - 1;
+        if comm.rank() != root {
+            let src = a.view(0..c).unwrap();
+            let err = comm.gather(&src, None, root).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("pass the receive buffer")),
+                "{err}"
+            );
+        }
         collectives_on_windows(&comm, &mut a, &mut b, &[c], &[0])
     });
     println!(

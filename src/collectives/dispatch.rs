@@ -100,6 +100,7 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
         call.send.as_ref().map(|b| b.len()),
         call.recv.as_ref().map(|b| b.len()),
         call.in_place,
+        comm.copy_engine(),
     )
     .and_then(|plan| check_self_p2p(kind, rank, in_group).map(|()| plan))
     .map_err(|broken| broken.to_error(kind, rank, size))?;

@@ -259,7 +259,12 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Gather (NCCL 2.28): the root's `recv` (`size * send.len()` elements) receives rank
-    /// `i`'s `send` at `i * send.len()`. `recv` is required on the root, ignored elsewhere.
+    /// `i`'s `send` at `i * send.len()`. `recv` is required on the root; elsewhere NCCL
+    /// writes nothing into it, and it may be `None` unless the communicator may use copy
+    /// engines ([`Comm::copy_engine`](crate::Comm::copy_engine)): there NCCL picks the path
+    /// per rank from whether `recv` lies in a symmetric window, and ranks off the root
+    /// address the root's window through their own `recv`'s offset, so every rank passes a
+    /// view at the root's window offset (a missing one is refused, not left to hang).
     pub fn gather(
         send: &'a impl DevicePtr<T>,
         recv: Option<&'a mut dyn DevicePtrMut<T>>,
@@ -275,7 +280,9 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Scatter (NCCL 2.28): block `i` of the root's `send` (`size * recv.len()` elements)
-    /// goes to rank `i`'s `recv`. `send` is required on the root, ignored elsewhere.
+    /// goes to rank `i`'s `recv`. `send` is required on the root, ignored elsewhere (there
+    /// `recv` is handed to NCCL in its place, so that on a copy-engine communicator every
+    /// rank's choice of path follows its receive buffer).
     pub fn scatter(
         send: Option<&'a dyn DevicePtr<T>>,
         recv: &'a mut impl DevicePtrMut<T>,

@@ -46,6 +46,9 @@ pub(crate) enum Broken {
     /// A per-collective configuration on a send or receive: NCCL has no configured form of
     /// them.
     ConfigOnPointToPoint,
+    /// A gather without a receive buffer off the root, on a communicator whose CTA policy
+    /// lets NCCL pick copy engines (see [`check_plan`]).
+    CopyEngineGatherWithoutReceive,
 }
 
 /// How the send and receive lengths of an operation must relate.
@@ -114,6 +117,14 @@ impl Broken {
                 "{name} on rank {rank} to its own rank can never complete outside a group: \
                  issue the send and the matching receive in one Group"
             ),
+            Broken::CopyEngineGatherWithoutReceive => format!(
+                "{name} on rank {rank}: this communicator's CTA policy includes ZERO, so NCCL \
+                 decides on each rank whether the gather runs on copy engines, from whether \
+                 that rank's receive buffer lies in a symmetric window, and the ranks off the \
+                 root write through their receive buffer's window offset into the root's; \
+                 pass the receive buffer on every rank (the same window offset as the root's), \
+                 or ranks would disagree and wait for each other forever"
+            ),
             Broken::ConfigOnPointToPoint => format!(
                 "{name} on rank {rank} takes no CollConfig: NCCL has configured variants of \
                  the collectives only (ncclAllReduceConfig ... ncclScatterConfig)"
@@ -151,6 +162,17 @@ pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static str,
 /// `send_len`/`recv_len` are the lengths of the buffers given (in place, only `recv_len`:
 /// the single buffer). Everything NCCL would read or write must lie inside them. A broken
 /// rule comes back as a [`Broken`], which becomes an error message only when it happens.
+///
+/// Off the root, NCCL ignores a gather's receive and a scatter's send buffer, except for one
+/// decision: with `NCCL_CTA_POLICY_ZERO` (`copy_engine`), each rank picks the copy-engine
+/// path (2.28+) from whether *its own* send and receive pointers lie in symmetric windows
+/// (`ncclGetSymRegType`/`ncclCeAvailable` in NCCL's enqueue.cc; 2.28 wants both, 2.29+ the
+/// receive one), and a copy-engine gather off the root writes into the root's window at its
+/// own receive pointer's window offset (`ncclCeGather`). Ranks that decide differently wait
+/// for each other forever. So off the root a scatter passes its receive buffer as the send
+/// pointer too (never read there, and then every rank decides as its receive buffer says);
+/// a gather passes the receive buffer when one is given, and must be given one when
+/// `copy_engine`.
 #[inline]
 pub(crate) fn check_plan(
     kind: Kind,
@@ -159,6 +181,7 @@ pub(crate) fn check_plan(
     send_len: Option<usize>,
     recv_len: Option<usize>,
     in_place: bool,
+    copy_engine: bool,
 ) -> std::result::Result<Plan, Broken> {
     let need = |len: Option<usize>, what: &'static str| len.ok_or(Broken::Missing(what));
     let check_rank = |value: usize, what: &'static str| {
@@ -257,7 +280,11 @@ pub(crate) fn check_plan(
             check_rank(root, "root")?;
             let s = need(send_len, "send")?;
             if rank != root {
-                return plan(s, Ptr::Send(0), Ptr::Null);
+                return match recv_len {
+                    Some(_) => plan(s, Ptr::Send(0), Ptr::Recv(0)),
+                    None if copy_engine => Err(Broken::CopyEngineGatherWithoutReceive),
+                    None => plan(s, Ptr::Send(0), Ptr::Null),
+                };
             }
             let r = need(recv_len, "receive (root)")?;
             holds_all(LengthRule::RootRecvHoldsAll, r, s, s, r)?;
@@ -267,7 +294,7 @@ pub(crate) fn check_plan(
             check_rank(root, "root")?;
             let len = need(recv_len, "in-place")?;
             if rank != root {
-                return plan(len, Ptr::Recv(0), Ptr::Null);
+                return plan(len, Ptr::Recv(0), Ptr::Recv(0));
             }
             let count = divisible(len, "root's in-place")?;
             plan(count, Ptr::Recv(root * count), Ptr::Recv(0))
@@ -276,7 +303,7 @@ pub(crate) fn check_plan(
             check_rank(root, "root")?;
             let r = need(recv_len, "receive")?;
             if rank != root {
-                return plan(r, Ptr::Null, Ptr::Recv(0));
+                return plan(r, Ptr::Recv(0), Ptr::Recv(0));
             }
             let s = need(send_len, "send (root)")?;
             holds_all(LengthRule::RootSendHoldsAll, s, r, s, r)?;
@@ -286,7 +313,7 @@ pub(crate) fn check_plan(
             check_rank(root, "root")?;
             let len = need(recv_len, "in-place")?;
             if rank != root {
-                return plan(len, Ptr::Null, Ptr::Recv(0));
+                return plan(len, Ptr::Recv(0), Ptr::Recv(0));
             }
             let count = divisible(len, "root's in-place")?;
             plan(count, Ptr::Recv(0), Ptr::Recv(root * count))
@@ -314,7 +341,7 @@ mod tests {
         r: Option<usize>,
         ip: bool,
     ) -> Plan {
-        check_plan(kind, rank, size, s, r, ip).unwrap()
+        check_plan(kind, rank, size, s, r, ip, false).unwrap()
     }
 
     fn err(
@@ -325,7 +352,9 @@ mod tests {
         r: Option<usize>,
         ip: bool,
     ) -> String {
-        match check_plan(kind, rank, size, s, r, ip).map_err(|b| b.to_error(kind, rank, size)) {
+        match check_plan(kind, rank, size, s, r, ip, false)
+            .map_err(|b| b.to_error(kind, rank, size))
+        {
             Err(Error::InvalidArgument(msg)) => msg,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
@@ -477,6 +506,24 @@ mod tests {
             .contains("root's receive buffer must hold 3 x 2"));
         assert!(err(gather, 1, 3, Some(2), None, false).contains("needs a receive (root) buffer"));
         assert_eq!(ok(gather, 0, 3, Some(2), None, false).recv, Ptr::Null);
+        // Off the root, a given receive buffer goes to NCCL (copy engines address the root's
+        // window through it); on a copy-engine communicator it must be given.
+        assert_eq!(ok(gather, 0, 3, Some(2), Some(1), false).recv, Ptr::Recv(0));
+        let copy_engine = |r| check_plan(gather, 0, 3, Some(2), r, false, true);
+        assert_eq!(
+            copy_engine(None),
+            Err(Broken::CopyEngineGatherWithoutReceive)
+        );
+        assert_eq!(copy_engine(Some(6)).map(|p| p.recv), Ok(Ptr::Recv(0)));
+        assert!(Broken::CopyEngineGatherWithoutReceive
+            .to_error(gather, 0, 3)
+            .to_string()
+            .contains("pass the receive buffer on every rank"));
+        // The root's own rules do not change.
+        assert_eq!(
+            check_plan(gather, 1, 3, Some(2), Some(6), false, true).map(|p| p.count),
+            Ok(2)
+        );
         assert_eq!(
             ok(gather, 1, 3, None, Some(6), true),
             Plan {
@@ -490,7 +537,7 @@ mod tests {
             Plan {
                 count: 2,
                 send: Ptr::Recv(0),
-                recv: Ptr::Null
+                recv: Ptr::Recv(0)
             }
         );
 
@@ -506,7 +553,21 @@ mod tests {
         assert!(err(scatter, 2, 3, Some(8), Some(3), false)
             .contains("root's send buffer must hold 3 x 3"));
         assert!(err(scatter, 2, 3, None, Some(3), false).contains("needs a send (root) buffer"));
-        assert_eq!(ok(scatter, 0, 3, None, Some(3), false).send, Ptr::Null);
+        // Off the root NCCL never reads the send buffer: the receive buffer stands in, so
+        // every rank's copy-engine decision follows its receive buffer.
+        assert_eq!(ok(scatter, 0, 3, None, Some(3), false).send, Ptr::Recv(0));
+        assert_eq!(
+            ok(scatter, 0, 3, Some(7), Some(3), false).send,
+            Ptr::Recv(0)
+        );
+        assert_eq!(
+            ok(scatter, 1, 3, None, Some(3), true),
+            Plan {
+                count: 3,
+                send: Ptr::Recv(0),
+                recv: Ptr::Recv(0)
+            }
+        );
         assert_eq!(
             ok(scatter, 2, 3, None, Some(9), true),
             Plan {
@@ -603,7 +664,8 @@ mod tests {
                         Kind::Scatter { root: 0 },
                     ];
                     for kind in kinds {
-                        let Ok(p) = check_plan(kind, rank, size, None, Some(len), true) else {
+                        let Ok(p) = check_plan(kind, rank, size, None, Some(len), true, false)
+                        else {
                             continue;
                         };
                         for ptr in [p.send, p.recv] {

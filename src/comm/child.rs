@@ -9,7 +9,7 @@ use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
 use super::{Comm, Membership, Siblings};
-use crate::config::{CommConfig, RawConfig};
+use crate::config::{CommConfig, CtaPolicy, RawConfig};
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Version;
 use crate::thread_group;
@@ -66,9 +66,17 @@ impl Comm {
     pub(crate) fn child_config(&self, config: Option<&CommConfig>) -> CommConfig {
         match config {
             Some(config) => config.clone().inherit_blocking(self.shared.blocking),
-            None => CommConfig::default()
-                .blocking(self.shared.blocking)
-                .ready_timeout(self.ready_timeout),
+            None => {
+                let inherited = CommConfig::default()
+                    .blocking(self.shared.blocking)
+                    .ready_timeout(self.ready_timeout);
+                // NCCL's child takes the parent's whole config, CTA policy included.
+                if self.copy_engine {
+                    inherited.cta_policy(CtaPolicy::ZERO)
+                } else {
+                    inherited
+                }
+            }
         }
     }
 

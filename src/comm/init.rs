@@ -198,6 +198,7 @@ impl Comm {
             ready_timeout: config.ready_timeout,
             drop_timeout: Duration::ZERO,
             siblings: None,
+            copy_engine: config.copy_engine(lib.version()),
             _not_sync: PhantomData,
         }
     }

@@ -95,6 +95,8 @@ pub struct Comm {
     drop_timeout: Duration,
     /// Shared by communicators created together, so dropping them all is bounded.
     siblings: Option<Arc<Siblings>>,
+    /// Whether NCCL may pick copy engines for its collectives (CTA policy `ZERO`).
+    copy_engine: bool,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -145,6 +147,15 @@ impl Comm {
     /// The NCCL library this communicator was created with.
     pub fn library(&self) -> &'static Library {
         self.lib
+    }
+
+    /// Whether NCCL may run this communicator's all-gather, all-to-all, gather and scatter
+    /// on copy engines (its CTA policy includes [`CtaPolicy::ZERO`](crate::CtaPolicy::ZERO),
+    /// from the config or `NCCL_CTA_POLICY`, on NCCL 2.28 or later). NCCL then decides per
+    /// rank, from whether that rank's buffers lie in symmetric windows, so every rank of a
+    /// gather passes its receive buffer (see [`Operation::gather`](crate::Operation::gather)).
+    pub fn copy_engine(&self) -> bool {
+        self.copy_engine
     }
 
     /// How long a nonblocking communicator may stay in progress before a call fails.

@@ -327,3 +327,30 @@ fn children_inherit_blocking_unless_set() {
         .inherit_blocking(false)
         .is_blocking());
 }
+
+#[test]
+fn cta_policy_from_the_environment_reads_as_nccl_reads_it() {
+    use super::parse_cta_policy;
+    assert_eq!(parse_cta_policy("2"), Some(CtaPolicy::ZERO.0));
+    assert_eq!(parse_cta_policy("1"), Some(CtaPolicy::EFFICIENCY.0));
+    assert_eq!(parse_cta_policy("0"), Some(0));
+    assert_eq!(parse_cta_policy("7"), None);
+    assert_eq!(parse_cta_policy("zero"), Some(CtaPolicy::ZERO.0));
+    assert_eq!(parse_cta_policy("Efficiency|ZERO"), Some(3));
+    assert_eq!(parse_cta_policy("DEFAULT"), Some(0));
+    assert_eq!(parse_cta_policy("bogus"), None);
+}
+
+#[test]
+fn copy_engine_follows_the_zero_policy_from_nccl_2_28() {
+    if std::env::var_os("NCCL_CTA_POLICY").is_some() {
+        return; // the environment decides, as it does for NCCL
+    }
+    let zero = CommConfig::new().cta_policy(CtaPolicy::ZERO | CtaPolicy::EFFICIENCY);
+    assert!(zero.copy_engine(Version::new(2, 28, 0)));
+    assert!(!zero.copy_engine(Version::new(2, 27, 7)));
+    assert!(!CommConfig::new().copy_engine(Version::new(2, 32, 3)));
+    assert!(!CommConfig::new()
+        .cta_policy(CtaPolicy::EFFICIENCY)
+        .copy_engine(Version::new(2, 32, 3)));
+}
