@@ -287,6 +287,18 @@ fn collectives_on_windows<T: Elem>(
                     }
                     // Shown with --nocapture: where a stalled run stopped.
                     println!("step: {what}");
+                    if in_place && op == Op::Scatter && comm.copy_engine() {
+                        // NCCL's copy-engine in-place scatter misplaces blocks: refused on
+                        // every rank, before NCCL.
+                        let mut buf = send.view_mut(off..off + c).unwrap();
+                        let err = comm.scatter_in_place(&mut buf, root).unwrap_err();
+                        assert!(
+                            matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place scatter")),
+                            "{what}: {err}"
+                        );
+                        checked += 1;
+                        continue;
+                    }
                     let input = |q: usize| data(seed, q, op.input_len(in_place, q, root, n, c));
                     let mine = input(r);
                     let out_len = if in_place {

@@ -292,7 +292,9 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Scatter in place: on the root `buf` holds all `size * count` elements and keeps its
-    /// own block at `root * count`; on other ranks `buf` receives `count` elements.
+    /// own block at `root * count`; on other ranks `buf` receives `count` elements. Refused
+    /// on a communicator that may use copy engines ([`Comm::copy_engine`](crate::Comm::copy_engine)):
+    /// NCCL's copy-engine in-place scatter misplaces the blocks there (see the error).
     pub fn scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
         Self::new(Kind::Scatter { root }, None, None, Some(buf), true)
     }

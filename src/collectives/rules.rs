@@ -49,6 +49,9 @@ pub(crate) enum Broken {
     /// A gather without a receive buffer off the root, on a communicator whose CTA policy
     /// lets NCCL pick copy engines (see [`check_plan`]).
     CopyEngineGatherWithoutReceive,
+    /// An in-place scatter on a communicator whose CTA policy lets NCCL pick copy engines
+    /// (see [`check_plan`]).
+    CopyEngineInPlaceScatter,
 }
 
 /// How the send and receive lengths of an operation must relate.
@@ -125,6 +128,13 @@ impl Broken {
                  pass the receive buffer on every rank (the same window offset as the root's), \
                  or ranks would disagree and wait for each other forever"
             ),
+            Broken::CopyEngineInPlaceScatter => format!(
+                "{name} in place on rank {rank}: this communicator's CTA policy includes ZERO, \
+                 and NCCL's copy-engine scatter (2.28-2.32) places in-place blocks at the root's \
+                 own block offset plus the destination's, not in the destination's buffer \
+                 (seen on 2.32.3: wrong data, or writes past the window for the last ranks); \
+                 use the out-of-place scatter there"
+            ),
             Broken::ConfigOnPointToPoint => format!(
                 "{name} on rank {rank} takes no CollConfig: NCCL has configured variants of \
                  the collectives only (ncclAllReduceConfig ... ncclScatterConfig)"
@@ -172,7 +182,9 @@ pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static str,
 /// for each other forever. So off the root a scatter passes its receive buffer as the send
 /// pointer too (never read there, and then every rank decides as its receive buffer says);
 /// a gather passes the receive buffer when one is given, and must be given one when
-/// `copy_engine`.
+/// `copy_engine`. NCCL's copy-engine in-place scatter writes block `d` at the root's
+/// receive pointer plus `d` blocks (`ncclCeScatter`), which for a root other than 0 lies
+/// `root` blocks past the destination's buffer: refused when `copy_engine`.
 #[inline]
 pub(crate) fn check_plan(
     kind: Kind,
@@ -309,6 +321,7 @@ pub(crate) fn check_plan(
             holds_all(LengthRule::RootSendHoldsAll, s, r, s, r)?;
             plan(r, Ptr::Send(0), Ptr::Recv(0))
         }
+        (Kind::Scatter { .. }, true) if copy_engine => Err(Broken::CopyEngineInPlaceScatter),
         (Kind::Scatter { root }, true) => {
             check_rank(root, "root")?;
             let len = need(recv_len, "in-place")?;
@@ -519,6 +532,14 @@ mod tests {
             .to_error(gather, 0, 3)
             .to_string()
             .contains("pass the receive buffer on every rank"));
+        let scatter = Kind::Scatter { root: 1 };
+        for rank in 0..3 {
+            assert_eq!(
+                check_plan(scatter, rank, 3, None, Some(3), true, true),
+                Err(Broken::CopyEngineInPlaceScatter)
+            );
+            assert!(check_plan(scatter, rank, 3, Some(9), Some(3), false, true).is_ok());
+        }
         // The root's own rules do not change.
         assert_eq!(
             check_plan(gather, 1, 3, Some(2), Some(6), false, true).map(|p| p.count),
