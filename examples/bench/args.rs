@@ -350,9 +350,9 @@ variable-size collectives (all_to_all_v, all_gather_v, reduce_scatter_v):
       --seed <n>               the split matrix's seed, the same on every rank (default 1);
                                benches/torch_all_to_all_single.py builds the same matrix
       --construction <auto|collective|p2p>
-                               all_gather_v only: grouped broadcasts (collective, the
-                               default) or grouped send/receive (p2p); --compare's raw path
-                               builds the same one
+                               all_gather_v only: grouped send/receive (p2p, what auto
+                               picks) or grouped broadcasts (collective); --compare's raw
+                               path builds the same one
   The raw path (--raw, --compare) issues the same NCCL calls in one group (ncclSend/ncclRecv
   per peer, ncclBroadcast or ncclReduce per root), so safe/raw isolates the binding.
   Sizes are those of the fixed-size counterpart (all_to_all_v: each rank's send buffer, as

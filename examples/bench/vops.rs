@@ -93,7 +93,8 @@ pub fn issue_raw<T: Elem>(
     let dtype = T::DATA_TYPE.raw();
     let op = issuer.op.raw();
     let (me, n) = (issuer.rank, issuer.n);
-    let p2p_gather = issuer.construction == Construction::PointToPoint;
+    // As the library settles `Auto` for all_gather_v: grouped send/receive.
+    let p2p_gather = issuer.construction != Construction::Collective;
     // SAFETY: `comm` and `stream` are this rank's live communicator and stream (see
     // `Issuer::new`); every pointer lies inside a buffer of this rank's device with its
     // segment's count of elements past it (the layouts are packed within `span`, checked

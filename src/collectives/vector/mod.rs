@@ -27,15 +27,21 @@
 //!   all its channels. A rank's segment for itself is a send and receive to itself in the
 //!   same group (NCCL copies it locally; a `cudaMemcpyAsync` would be the alternative the
 //!   GPU bench can compare).
-//! * all-gather-v: one `ncclBroadcast` per root, grouped ([`Construction::Collective`], the
-//!   default): each broadcast uses NCCL's pipelined ring or tree, so a large segment is not
-//!   sent `size - 1` times from its root's links, and NCCL 2.29 recognises the pattern
-//!   ("allgatherv as a group of broadcasts") and optimises it. Grouped send/receive
-//!   ([`Construction::PointToPoint`]) is kept so the bench can compare both.
+//! * all-gather-v: grouped `ncclSend`/`ncclRecv` by default ([`Construction::Auto`]),
+//!   one `ncclBroadcast` per root on request ([`Construction::Collective`]). Measured on
+//!   2 x H200 over NVLink (NCCL 2.28.9, `bench all_gather_v --construction ...`, 1 MiB to
+//!   512 MiB): with even splits send/receive took 15.0 ... 906 us against 15.3 ... 1061 us
+//!   for the broadcasts (and 15.7 ... 1046 us for the fixed-size `ncclAllGather`), with
+//!   Zipf(1.1) splits 14.3 ... 2028 us against 16.8 ... 2530 us. The broadcasts remain for
+//!   machines where a root's links are the bottleneck (several nodes: each broadcast is a
+//!   pipelined ring, so a large segment leaves its root once, not `size - 1` times), which
+//!   this machine could not measure.
 //! * reduce-scatter-v: one `ncclReduce` per root with its segment, grouped: reductions need
-//!   NCCL's reduction kernels, which point-to-point calls do not have.
+//!   NCCL's reduction kernels, which point-to-point calls do not have. Against the fixed-size
+//!   `ncclReduceScatter` (even splits, same run) it was 0.68-0.83x from 2 to 16 MiB and
+//!   1.18-1.32x from 64 MiB up.
 //!
-//! Which is faster is for the GPU bench (`examples/bench`) to confirm on each machine.
+//! The bench (`examples/bench --construction`) re-measures the choice on other machines.
 //!
 //! Transfers of zero elements are not issued at all (NCCL allows count 0, but a skipped call
 //! costs nothing): when the ranks' counts agree, both sides of a pair skip together.

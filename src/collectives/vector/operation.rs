@@ -16,8 +16,9 @@ pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Which NCCL calls a v-collective is built from. Every rank must choose the same.
 ///
-/// Only [`VOperation::all_gather_v`] has two: grouped broadcasts (one per root, the default:
-/// NCCL 2.29 recognises and optimises that pattern) or grouped sends and receives. The
+/// Only [`VOperation::all_gather_v`] has two: grouped sends and receives (the default: faster
+/// on NVLink, measured in the [module docs](super)) or grouped broadcasts (one per root; NCCL
+/// 2.29 recognises that pattern, and a broadcast's ring spares a root's links). The
 /// others have one each (grouped sends and receives; one reduce per root for
 /// reduce-scatter); asking for one they do not have is an
 /// [`InvalidArgument`](crate::Error::InvalidArgument). The choice exists so the bench can

@@ -200,10 +200,12 @@ impl Broken {
 /// Settles `Auto` and refuses constructions a collective does not have.
 pub(crate) fn built(kind: VKind, construction: Construction) -> Result<Built, Broken> {
     match (kind, construction) {
-        (
-            VKind::AllGather | VKind::ReduceScatter,
-            Construction::Auto | Construction::Collective,
-        ) => Ok(Built::Collective),
+        // Measured (module docs): grouped send/receive beat grouped broadcasts for
+        // all-gather-v on NVLink, so it is the default; the broadcasts stay on request.
+        (VKind::AllGather, Construction::Collective) => Ok(Built::Collective),
+        (VKind::ReduceScatter, Construction::Auto | Construction::Collective) => {
+            Ok(Built::Collective)
+        }
         (VKind::ReduceScatter, Construction::PointToPoint) => {
             Err(Broken::NoConstruction(construction))
         }

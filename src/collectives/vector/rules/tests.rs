@@ -308,7 +308,8 @@ fn missing_buffers_and_layouts_are_named() {
 #[test]
 fn constructions_each_collective_has() {
     use Construction::*;
-    assert_eq!(built(VKind::AllGather, Auto), Ok(Built::Collective));
+    assert_eq!(built(VKind::AllGather, Auto), Ok(Built::PointToPoint));
+    assert_eq!(built(VKind::AllGather, Collective), Ok(Built::Collective));
     assert_eq!(
         built(VKind::AllGather, PointToPoint),
         Ok(Built::PointToPoint)
