@@ -36,6 +36,19 @@
 //! collective at the same offset from the start of the window on every rank; only each
 //! rank's own side of that can be checked (views always lie inside their window).
 //!
+//! With [`CtaPolicy::ZERO`](crate::config::CtaPolicy::ZERO) (2.28+), NCCL runs all-gather,
+//! all-to-all, gather and scatter on copy engines when a rank's buffers lie in symmetric
+//! windows, deciding on each rank from its own pointers: every rank of a gather passes its
+//! receive view (refused otherwise), and in-place scatter is refused there (NCCL's copy-engine
+//! version misplaces blocks for a root other than 0, seen on 2.32.3). See
+//! [`Comm::copy_engine`](crate::Comm::copy_engine).
+//!
+//! NCCL launches its symmetric kernels with programmatic dependent launch, which the legacy
+//! default stream does not give: a communicator for windows wants a stream of its own
+//! (`LocalJob::init_comm_on`), and, when all NCCL work stays on that stream, cudarc's event
+//! tracking off, whose per-buffer record and wait doubled the time of small symmetric
+//! all-reduces on H200 (README, Performance).
+//!
 //! # Soundness
 //!
 //! * The window owns the buffer, so it is registered at most once (NCCL leaves buffers
