@@ -150,7 +150,7 @@ impl Comm {
     }
 
     /// Whether NCCL may run this communicator's all-gather, all-to-all, gather and scatter
-    /// on copy engines (its CTA policy includes [`CtaPolicy::ZERO`](crate::CtaPolicy::ZERO),
+    /// on copy engines (its CTA policy includes [`CtaPolicy::ZERO`](crate::config::CtaPolicy::ZERO),
     /// from the config or `NCCL_CTA_POLICY`, on NCCL 2.28 or later). NCCL then decides per
     /// rank, from whether that rank's buffers lie in symmetric windows, so every rank of a
     /// gather passes its receive buffer (see [`Operation::gather`](crate::Operation::gather)).
