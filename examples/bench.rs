@@ -451,6 +451,14 @@ fn benchmark_registered(
             }
         );
         println!("# buffers {}", register.describe());
+        if register == RegisterMode::Window && (!own_stream || tracking) {
+            // Measured on H200 (README): each of these doubled small symmetric all-reduces.
+            println!(
+                "# note: NCCL's symmetric kernels lose programmatic dependent launch on the legacy \
+                 default stream, and cudarc's event tracking adds a record and a wait per buffer \
+                 per call; --stream own --event-tracking 0 is how nccl-tests -R 2 runs"
+            );
+        }
         if options.coll.is_v() {
             println!(
                 "# splits {} seed {} construction {:?}; busbw = bytes the busiest rank sends \
