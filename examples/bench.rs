@@ -756,6 +756,29 @@ impl Cell<'_> {
             }
         }
 
+        // The first API against the second, round by round: both ran back to back, so a
+        // drift of the machine between rounds (the 7.5 and 11 µs regimes of small
+        // operations) cancels in each ratio.
+        let shown = |t: &Timing| {
+            if options.cputime && options.mode() != Mode::Latency {
+                t.cpu_us
+            } else {
+                t.time_us
+            }
+        };
+        let paired = match timings.as_slice() {
+            [first, second] if options.rounds > 1 => {
+                let mut ratios: Vec<f64> = first
+                    .iter()
+                    .zip(second)
+                    .map(|(a, b)| shown(a) / shown(b))
+                    .filter(|r| r.is_finite())
+                    .collect();
+                ratios.sort_by(f64::total_cmp);
+                (!ratios.is_empty()).then(|| measure::median(&ratios))
+            }
+            _ => None,
+        };
         let bytes = (issuer.layout.total * std::mem::size_of::<T>()) as f64;
         let factor = issuer.layout.bus_factor;
         let mut out = Vec::with_capacity(apis.len());
@@ -805,6 +828,7 @@ impl Cell<'_> {
                 algbw,
                 busbw: algbw * factor,
                 wrong,
+                paired: if i == 0 { paired } else { None },
             });
         }
         Ok(out)

@@ -314,7 +314,8 @@ nccl-tests flags:
 this benchmark's own:
       --raw                    issue through raw nccl-sys calls instead of the safe API
       --compare                issue through both and print them side by side
-      --rounds <n>             with --compare: measurements per API, median reported (default 1)
+      --rounds <n>             with --compare: measurements per API, median reported, and
+                               the median of the per-round ratios (default 1)
       --control                with --compare: both columns issue raw calls, which shows how
                                far apart the comparison puts two identical paths
       --latency                time every call with CUDA events: median and p99

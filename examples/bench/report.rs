@@ -28,6 +28,9 @@ pub struct Measured {
     pub busbw: f64,
     /// Wrong elements over all ranks (`None` when not checked).
     pub wrong: Option<u64>,
+    /// With `--compare` and several rounds, on the first API's measurement: the median over
+    /// rounds of its shown time divided by the second API's in the same round.
+    pub paired: Option<f64>,
 }
 
 /// One line of the table: a size, type and reduction, out of place and in place.
@@ -377,6 +380,7 @@ impl Report {
     /// Safe-to-raw ratios: time below 1 MiB, bus bandwidth from 1 MiB.
     fn ratios(&self) -> String {
         let mut small = Vec::new();
+        let mut paired = Vec::new();
         let mut large = Vec::new();
         for row in &self.rows {
             for cell in [&row.out_of_place, &row.in_place] {
@@ -385,6 +389,7 @@ impl Report {
                 if let (Some(safe), Some(raw)) = (safe, raw) {
                     if row.size < 1 << 20 {
                         small.push(self.shown_time(safe) / self.shown_time(raw));
+                        paired.extend(safe.paired);
                     } else if raw.busbw > 0.0 {
                         large.push(safe.busbw / raw.busbw);
                     }
@@ -408,11 +413,20 @@ impl Report {
                 finite.len()
             )
         };
-        format!(
-            "# safe/raw time  (< 1 MiB)  : {}\n# safe/raw busbw (>= 1 MiB) : {}\n",
-            summary(&small),
+        let mut out = format!("# safe/raw time  (< 1 MiB)  : {}\n", summary(&small));
+        if !paired.is_empty() {
+            // The ratio of two medians keeps a drift of the machine between rounds; the
+            // per-round ratio (both APIs measured back to back) cancels it.
+            out.push_str(&format!(
+                "# safe/raw time  (< 1 MiB), median of per-round ratios : {}\n",
+                summary(&paired)
+            ));
+        }
+        out.push_str(&format!(
+            "# safe/raw busbw (>= 1 MiB) : {}\n",
             summary(&large)
-        )
+        ));
+        out
     }
 
     /// Every measurement as one JSON document.
@@ -437,6 +451,7 @@ impl Report {
                     "algbw_gbps": m.algbw,
                     "busbw_gbps": m.busbw,
                     "wrong": m.wrong,
+                    "paired_ratio": m.paired,
                 })
             })
             .collect();
@@ -524,6 +539,7 @@ pub mod tests {
                             algbw: scale * size as f64 / 1e7,
                             busbw: 1.75 * scale * size as f64 / 1e7,
                             wrong: (k != 2).then_some(k as u64),
+                            paired: (api == Api::Safe).then_some(1.0 + 0.01 * k as f64),
                         })
                         .collect()
                 };
@@ -585,6 +601,22 @@ pub mod tests {
             assert!(cells.iter().all(|c| *c == "2.000" || *c == "N/A"), "{line}");
             assert!(cells[..2].iter().all(|c| *c == "2.000"), "{line}");
         }
+    }
+
+    #[test]
+    fn the_footer_gives_the_per_round_ratios_beside_the_ratio_of_medians() {
+        let footer = sample(Apis::Compare, Mode::Host, false).footer();
+        // The sample's paired ratios below 1 MiB: 1.00 and 1.01 (out of and in place each).
+        let line = footer
+            .lines()
+            .find(|l| l.contains("median of per-round ratios"))
+            .unwrap_or_else(|| panic!("no per-round line in\n{footer}"));
+        assert!(
+            line.contains("min 1.0000, max 1.0100 (4 measurements)"),
+            "{line}"
+        );
+        let footer = sample(Apis::Safe, Mode::Host, false).footer();
+        assert!(!footer.contains("per-round"), "{footer}");
     }
 
     #[test]
