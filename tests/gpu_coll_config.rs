@@ -14,7 +14,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::threaded::{init_threaded, nvls_off, per_rank, Deadline};
+use common::threaded::{gpu_test, init_threaded, nvls_off, per_rank};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
 use nccl::{CollConfig, Comm, CommConfig, Error, Group, Operation, ReduceOp, Version};
@@ -218,18 +218,12 @@ fn enqueue_checked(
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn every_collective_with_a_config_matches_the_host_reference() {
-    if common::procs::gpus_or_skip(
-        "every_collective_with_a_config_matches_the_host_reference",
-        2,
-    )
-    .is_none()
-    {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "every_collective_with_a_config_matches_the_host_reference",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     let checked = per_rank(comms(), |comm, _| {
         let stream = comm.stream().clone();
@@ -291,13 +285,12 @@ fn enqueue_checked_plain(comm: &Comm, stream: &Arc<CudaStream>) {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn configs_are_refused_on_send_and_receive() {
-    if common::procs::gpus_or_skip("configs_are_refused_on_send_and_receive", 2).is_none() {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "configs_are_refused_on_send_and_receive",
         Duration::from_secs(120),
-    );
+    ) else {
+        return;
+    };
     per_rank(comms(), |comm, _| {
         let stream = comm.stream().clone();
         let (r, n) = (comm.rank(), comm.size());
@@ -325,13 +318,12 @@ fn configs_are_refused_on_send_and_receive() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn launch_completion_event_is_recorded_and_waited() {
-    if common::procs::gpus_or_skip("launch_completion_event_is_recorded_and_waited", 2).is_none() {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "launch_completion_event_is_recorded_and_waited",
         Duration::from_secs(120),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     per_rank(comms(), |comm, _| {
         let stream = comm.stream().clone();

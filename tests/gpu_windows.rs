@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::threaded::{init_threaded, nvls_off, per_rank, Deadline};
+use common::threaded::{gpu_test, init_threaded, nvls_off, per_rank, Deadline};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
@@ -434,18 +434,12 @@ const V2_32: Version = Version::new(2, 32, 0);
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn every_collective_on_windows_at_offsets_in_and_out_of_place() {
-    if common::procs::gpus_or_skip(
-        "every_collective_on_windows_at_offsets_in_and_out_of_place",
-        2,
-    )
-    .is_none()
-    {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "every_collective_on_windows_at_offsets_in_and_out_of_place",
         Duration::from_secs(600),
-    );
+    ) else {
+        return;
+    };
     let comms = comms(&CommConfig::new());
     let n = comms.len();
     if version() < SYMMETRIC {
@@ -485,13 +479,12 @@ fn every_collective_on_windows_at_offsets_in_and_out_of_place() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn rma_ring_with_contexts_and_signals() {
-    if common::procs::gpus_or_skip("rma_ring_with_contexts_and_signals", 2).is_none() {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "rma_ring_with_contexts_and_signals",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     let multi = v >= V2_31;
     let config = if multi {
@@ -585,14 +578,12 @@ fn rma_ring_with_contexts_and_signals() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn rma_mismatched_counts_time_out_instead_of_hanging() {
-    if common::procs::gpus_or_skip("rma_mismatched_counts_time_out_instead_of_hanging", 2).is_none()
-    {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "rma_mismatched_counts_time_out_instead_of_hanging",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     if v < V2_29 {
         println!("NCCL {v} has no one-sided RMA: nothing to time out");
@@ -698,18 +689,12 @@ fn child_null_window() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn registration_in_a_group_and_on_nonblocking_communicators() {
-    if common::procs::gpus_or_skip(
-        "registration_in_a_group_and_on_nonblocking_communicators",
-        2,
-    )
-    .is_none()
-    {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "registration_in_a_group_and_on_nonblocking_communicators",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     if v < SYMMETRIC {
         println!("NCCL {v} has no windows");
@@ -795,13 +780,12 @@ fn registration_in_a_group_and_on_nonblocking_communicators() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn windows_outlive_an_abort_of_their_communicator() {
-    if common::procs::gpus_or_skip("windows_outlive_an_abort_of_their_communicator", 2).is_none() {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "windows_outlive_an_abort_of_their_communicator",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     if v < SYMMETRIC {
         println!("NCCL {v} has no windows");
@@ -915,13 +899,12 @@ fn child_rma_graph() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn properties_and_version_gates_follow_the_library() {
-    if common::procs::gpus_or_skip("properties_and_version_gates_follow_the_library", 2).is_none() {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "properties_and_version_gates_follow_the_library",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     per_rank(comms(&CommConfig::new()), |comm, _| {
         match comm.properties() {
@@ -1002,18 +985,12 @@ fn properties_and_version_gates_follow_the_library() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
-    if common::procs::gpus_or_skip(
-        "misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable",
-        2,
-    )
-    .is_none()
-    {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     if v < SYMMETRIC {
         println!("NCCL {v} has no windows");
@@ -1117,14 +1094,12 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn zero_cta_policy_collectives_on_symmetric_windows() {
-    if common::procs::gpus_or_skip("zero_cta_policy_collectives_on_symmetric_windows", 2).is_none()
-    {
-        return;
-    }
-    let _deadline = Deadline::new(
+    let Some(_deadline) = gpu_test(
         "zero_cta_policy_collectives_on_symmetric_windows",
         Duration::from_secs(300),
-    );
+    ) else {
+        return;
+    };
     let v = version();
     if v < SYMMETRIC {
         println!("NCCL {v}: no symmetric windows here (CtaPolicy::ZERO needs them)");

@@ -18,6 +18,13 @@ pub fn nvls_off() {
     });
 }
 
+/// The start of a threaded GPU test: `None` (the test then passes, having said why) with
+/// fewer than 2 GPUs, else the [`Deadline`] that ends it if it hangs past `limit`.
+pub fn gpu_test(test: &'static str, limit: Duration) -> Option<Deadline> {
+    super::procs::gpus_or_skip(test, 2)?;
+    Some(Deadline::new(test, limit))
+}
+
 /// Aborts the whole process, saying which test hung, unless dropped within `limit`: a rank
 /// that fails while its peers wait in a collective would otherwise hang the run.
 pub struct Deadline(Option<mpsc::Sender<()>>);
