@@ -10,7 +10,11 @@ can stand side by side. Needs only torch (NCCL backend, one GPU per process).
 Sizes, algbw and busbw are the bench's: size = each rank's send buffer (rounded down to n
 elements), algbw = size / time, busbw = B / time with B the bytes the busiest rank sends to
 or receives from the other ranks. Time: the bench's host method (one op and a wait, a
-barrier, -n ops back to back until the stream is idle), mean over ranks.
+barrier, -n ops back to back until the stream is idle), mean over ranks. Buffers: as the
+bench (and nccl-tests) moves them, one send and one receive buffer for every size, and
+iteration i uses them from span * (i % (length / span)), span being the elements one call
+touches; `--shift 0` keeps torch's usual fixed tensors per size instead (the L2 cache then
+holds more of them, which shows at sizes where two rotations no longer fit).
 """
 import argparse
 import math
@@ -125,6 +129,8 @@ def main():
     p.add_argument("-d", "--datatype", default="float", choices=["float", "half", "bfloat16", "double", "int32", "int8"])
     p.add_argument("--splits", default="even")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--shift", type=int, default=1, choices=[0, 1],
+                   help="1: move the buffers per iteration as the bench does (default); 0: fixed tensors")
     p.add_argument("--self-test", action="store_true", help="check the generator against EXPECTED and exit")
     args = p.parse_args()
     self_test()
@@ -158,6 +164,21 @@ def main():
         print("# busbw = bytes the busiest rank sends to or receives from the others / time")
         print(f"# {'size':>10}  {'count':>12}  {'type':>8}  {'time':>7}  {'algbw':>6}  {'busbw':>6}  {'#wrong':>6}")
         print(f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'(us)':>7}  {'(GB/s)':>6}  {'(GB/s)':>6}  {'':>6}")
+
+    def layout(size):
+        """The bench's layout of one size: (per_rank, total, split matrix, span)."""
+        per_rank = size // elem // n
+        total = per_rank * n
+        matrix = [split(exponent, total, n, args.seed, row) for row in range(n)]
+        recv_total = sum(matrix[i][rank] for i in range(n))
+        return per_rank, total, matrix, max(total, recv_total)
+
+    # The bench's buffer length: the largest size, or more where Zipf splits make a rank
+    # receive more than a size's total.
+    length = max([args.maxbytes // elem] + [layout(size)[3] for size in sizes(args)] + [1])
+    if args.shift:
+        send_all = torch.ones(length, dtype=dtype, device="cuda")
+        recv_all = torch.empty(length, dtype=dtype, device="cuda")
     failed = False
     for size in sizes(args):
         per_rank = size // elem // n
@@ -167,21 +188,29 @@ def main():
         recv_splits = [matrix[i][rank] for i in range(n)]
         busiest = max(max(sum(matrix[r]) - matrix[r][r], sum(row[r] for row in matrix) - matrix[r][r])
                       for r in range(n))
-        send = torch.ones(total, dtype=dtype, device="cuda")
-        recv = torch.empty(sum(recv_splits), dtype=dtype, device="cuda")
+        span = layout(size)[3]
+        if args.shift:
+            steps = max(length // span, 1) if span else 1
+            views = [(send_all[k * span:k * span + total], recv_all[k * span:k * span + sum(recv_splits)])
+                     for k in range(steps)]
+        else:
+            views = [(torch.ones(total, dtype=dtype, device="cuda"),
+                      torch.empty(sum(recv_splits), dtype=dtype, device="cuda"))]
+        send, recv = views[0]
 
-        def op():
-            dist.all_to_all_single(recv, send, recv_splits, send_splits)
+        def op(i=0):
+            s, r = views[i % len(views)]
+            dist.all_to_all_single(r, s, recv_splits, send_splits)
 
-        for _ in range(args.warmup_iters):
-            op()
+        for i in range(args.warmup_iters):
+            op(i)
         op()
         stream.synchronize()
         dist.barrier()
         stream.synchronize()
         start = time.perf_counter()
-        for _ in range(args.iters):
-            op()
+        for i in range(args.iters):
+            op(i)
         stream.synchronize()
         local_us = (time.perf_counter() - start) * 1e6 / args.iters
         time_us = mean_over_ranks(local_us)

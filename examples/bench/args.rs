@@ -321,7 +321,7 @@ this benchmark's own:
       --latency                time every call with CUDA events: median and p99
       --cold <size>            write and read <size> of other host memory before every call
                                (the calls run cache-cold, as after a program's own work);
-                               -C 1 then shows the host time inside the calls alone
+                               -C 1 then shows the median host time of one call
       --ranks <n>              processes to start without a launcher (default: every GPU)
       --stream <default|own>   the GPU's default stream (default) or a stream of its own
                                (graph mode always uses its own)

@@ -169,26 +169,28 @@ impl<T: Elem> Op<'_, '_, T> {
     /// Cold mode: before each of `iters` operations, `traffic_bytes` of unrelated host memory
     /// are written and read (the work a program does between calls, which evicts the
     /// binding's code and data from the caches); only the calls themselves are timed.
-    /// `cpu_us` is the host time per call, `time_us` the time per operation to completion,
-    /// the traffic included.
+    /// `cpu_us` is the median host time of one call (a median, because a call that the
+    /// machine interrupts would otherwise weigh on the mean like hundreds of calls),
+    /// `time_us` the time per operation to completion, the traffic included.
     pub fn cold(&mut self, iters: usize, traffic_bytes: usize) -> BenchResult<Timing> {
         let mut scratch = vec![0u64; traffic_bytes.div_ceil(8).max(1)];
         self.settle()?;
         let (len, total) = (self.bufs.len(), self.issuer.layout.span);
-        let mut in_calls = Duration::ZERO;
+        let mut in_calls = Vec::with_capacity(iters);
         let (time_us, _) = self.timed(iters, |op| {
             for iter in 0..iters {
                 other_work(&mut scratch);
                 let start = Instant::now();
                 op.issue(shift(len, total, iter))?;
-                in_calls += start.elapsed();
+                in_calls.push(start.elapsed().as_secs_f64() * 1e6);
             }
             Ok(())
         })?;
+        in_calls.sort_by(f64::total_cmp);
         Ok(Timing {
             time_us,
             p99_us: None,
-            cpu_us: in_calls.as_secs_f64() * 1e6 / iters.max(1) as f64,
+            cpu_us: median(&in_calls),
         })
     }
 
