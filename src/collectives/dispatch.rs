@@ -97,8 +97,8 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
         kind,
         rank,
         size,
-        call.send.as_ref().map(|b| b.len()),
-        call.recv.as_ref().map(|b| b.len()),
+        call.send.as_ref().map(|b| b.len),
+        call.recv.as_ref().map(|b| b.len),
         call.in_place,
         comm.copy_engine(),
     )
@@ -112,13 +112,15 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
     let send_used = uses(plan.send, true) || uses(plan.recv, true);
     let recv_used = uses(plan.send, false) || uses(plan.recv, false);
     if send_used {
-        if let Some(buf) = &call.send {
-            comm.check_context(buf.stream().context(), "the send buffer")?;
+        if let Some(held) = &call.send {
+            let ctx = || held.buf.stream().context();
+            comm.check_context_of(held.context, ctx, "the send buffer")?;
         }
     }
     if recv_used {
-        if let Some(buf) = &call.recv {
-            comm.check_context(buf.stream().context(), "the receive buffer")?;
+        if let Some(held) = &call.recv {
+            let ctx = || held.buf.stream().context();
+            comm.check_context_of(held.context, ctx, "the receive buffer")?;
         }
     }
     let op = match &call.op {
@@ -129,15 +131,15 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
     // Validation is over: take the device pointers (this orders the stream after earlier
     // work on the buffers) and call NCCL.
     let (send_base, send_guard) = match (send_used, call.send) {
-        (true, Some(buf)) => {
-            let (ptr, guard) = buf.device_ptr(stream);
+        (true, Some(held)) => {
+            let (ptr, guard) = held.buf.device_ptr(stream);
             (ptr, Some(guard))
         }
         _ => (0, None),
     };
     let (recv_base, recv_guard) = match (recv_used, call.recv) {
-        (true, Some(buf)) => {
-            let (ptr, guard) = buf.device_ptr_mut(stream);
+        (true, Some(held)) => {
+            let (ptr, guard) = held.buf.device_ptr_mut(stream);
             (ptr, Some(guard))
         }
         _ => (0, None),

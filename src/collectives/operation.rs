@@ -3,6 +3,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use crate::coll_config::CollConfig;
+use crate::comm::ContextId;
 use crate::dtype::NcclType;
 use crate::library::Version;
 use crate::op::Reduction;
@@ -87,10 +88,45 @@ impl Kind {
 pub struct Operation<'a, T: NcclType> {
     pub(crate) kind: Kind,
     pub(crate) op: Option<Reduction<'a, T>>,
-    pub(crate) send: Option<&'a dyn DevicePtr<T>>,
-    pub(crate) recv: Option<&'a mut dyn DevicePtrMut<T>>,
+    pub(crate) send: Option<Held<&'a dyn DevicePtr<T>>>,
+    pub(crate) recv: Option<Held<&'a mut dyn DevicePtrMut<T>>>,
     pub(crate) in_place: bool,
     pub(crate) config: Option<&'a CollConfig<'a>>,
+}
+
+/// A buffer of an [`Operation`] with the two facts validation needs from it, its length
+/// and its CUDA context, read when the operation is built. The constructors are generic
+/// over the buffer's type, so these reads are direct there; the enqueue path, which most
+/// programs reach cache-cold after their own work, then makes one indirect call per buffer
+/// (for its device pointer) instead of three.
+pub(crate) struct Held<B> {
+    pub(crate) buf: B,
+    pub(crate) len: usize,
+    pub(crate) context: ContextId,
+}
+
+impl<'a, T> Held<&'a dyn DevicePtr<T>> {
+    // Inlined into the generic constructors, where the vtable is known and the reads
+    // become direct.
+    #[inline(always)]
+    fn send(buf: &'a dyn DevicePtr<T>) -> Self {
+        Self {
+            len: buf.len(),
+            context: ContextId::of(buf.stream().context()),
+            buf,
+        }
+    }
+}
+
+impl<'a, T> Held<&'a mut dyn DevicePtrMut<T>> {
+    #[inline(always)]
+    fn recv(buf: &'a mut dyn DevicePtrMut<T>) -> Self {
+        Self {
+            len: buf.len(),
+            context: ContextId::of(buf.stream().context()),
+            buf,
+        }
+    }
 }
 
 impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
@@ -99,8 +135,8 @@ impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
             .field("kind", &self.kind)
             .field("op", &self.op)
             .field("dtype", &T::DATA_TYPE)
-            .field("send_len", &self.send.as_ref().map(|b| b.len()))
-            .field("recv_len", &self.recv.as_ref().map(|b| b.len()))
+            .field("send_len", &self.send.as_ref().map(|b| b.len))
+            .field("recv_len", &self.recv.as_ref().map(|b| b.len))
             .field("in_place", &self.in_place)
             .field("config", &self.config)
             .finish()
@@ -108,6 +144,7 @@ impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
 }
 
 impl<'a, T: NcclType> Operation<'a, T> {
+    #[inline(always)]
     fn new(
         kind: Kind,
         op: Option<Reduction<'a, T>>,
@@ -118,8 +155,8 @@ impl<'a, T: NcclType> Operation<'a, T> {
         Self {
             kind,
             op,
-            send,
-            recv,
+            send: send.map(Held::send),
+            recv: recv.map(Held::recv),
             in_place,
             config: None,
         }

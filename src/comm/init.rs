@@ -11,7 +11,7 @@ use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
 use super::state::Shared;
-use super::{Comm, Siblings, DEFAULT_DROP_TIMEOUT};
+use super::{Comm, ContextId, Siblings, DEFAULT_DROP_TIMEOUT};
 use crate::config::CommConfig;
 use crate::error::{Error, Result, ResultCode};
 use crate::id::UniqueId;
@@ -190,6 +190,7 @@ impl Comm {
     ) -> Comm {
         Comm {
             shared: Arc::new(Shared::new(raw, config.is_blocking())),
+            context: ContextId::of(stream.context()),
             stream,
             lib,
             rank: 0,

@@ -83,10 +83,24 @@ use crate::library::Library;
 /// [`Comm::set_drop_timeout`].
 pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The address of a [`CudaContext`], compared and never followed: whether a buffer belongs
+/// to a communicator's context, known without reading through either again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ContextId(usize);
+
+impl ContextId {
+    #[inline(always)]
+    pub(crate) fn of(ctx: &Arc<CudaContext>) -> Self {
+        Self(Arc::as_ptr(ctx) as usize)
+    }
+}
+
 /// One rank of an NCCL communicator.
 pub struct Comm {
     shared: Arc<Shared>,
     stream: Arc<CudaStream>,
+    /// The context of `stream`.
+    context: ContextId,
     lib: &'static Library,
     rank: usize,
     size: usize,
@@ -254,6 +268,22 @@ impl Comm {
             return Ok(());
         }
         Err(self.wrong_context(ctx, what))
+    }
+
+    /// [`Comm::check_context`] for a buffer whose context was noted in `id`: a comparison
+    /// of addresses when it is the communicator's own context, else the whole rule on the
+    /// context `ctx` gives.
+    #[inline]
+    pub(crate) fn check_context_of<'c>(
+        &self,
+        id: ContextId,
+        ctx: impl FnOnce() -> &'c Arc<CudaContext>,
+        what: &str,
+    ) -> Result<()> {
+        if id == self.context {
+            return Ok(());
+        }
+        self.check_context(ctx(), what)
     }
 
     /// [`Comm::check_context`] for a stream.
