@@ -84,7 +84,9 @@ use crate::library::Library;
 pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The address of a [`CudaContext`], compared and never followed: whether a buffer belongs
-/// to a communicator's context, known without reading through either again.
+/// to a communicator's context, known without reading through either again. Equal
+/// addresses mean the same context because both are alive when compared (the
+/// communicator's through its stream, a buffer's through the buffer an operation borrows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ContextId(usize);
 
