@@ -57,6 +57,7 @@ impl DataType {
     ];
 
     /// The raw `ncclDataType_t`.
+    #[inline]
     pub fn raw(self) -> ncclDataType_t {
         match self {
             DataType::Int8 => ncclDataType_t::ncclInt8,
@@ -75,6 +76,7 @@ impl DataType {
     }
 
     /// Size of one element in bytes.
+    #[inline]
     pub fn size(self) -> usize {
         match self {
             DataType::Int8 | DataType::Uint8 | DataType::Float8E4M3 | DataType::Float8E5M2 => 1,
@@ -98,6 +100,7 @@ impl DataType {
     }
 
     /// The first NCCL release that supports the type.
+    #[inline]
     pub fn min_version(self) -> Version {
         match self {
             DataType::Bfloat16 => Version::new(2, 10, 3),
@@ -107,6 +110,7 @@ impl DataType {
     }
 
     /// The name NCCL uses, e.g. `"ncclFloat32"`; handy in logs and benchmark tables.
+    #[inline]
     pub fn name(self) -> &'static str {
         match self {
             DataType::Int8 => "ncclInt8",

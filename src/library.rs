@@ -172,18 +172,25 @@ impl Library {
     }
 
     /// Fails with [`Error::Unsupported`] unless the library is at least `needs`.
+    #[inline(always)]
     pub fn require(&self, api: &'static str, needs: Version) -> Result<()> {
         // Every loadable library is 2.x, so a 2.0 requirement (most collectives, types and
-        // operators) is met without reading the version: one memory access less on every
-        // call's path.
+        // operators) is met without reading the version: inlined where `needs` is a
+        // constant, the check then disappears from the call's path.
         if needs <= Version::new(2, 0, 0) || self.version >= needs {
             Ok(())
         } else {
-            Err(Error::Unsupported {
-                api,
-                needs,
-                found: self.version,
-            })
+            Err(self.too_old(api, needs))
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn too_old(&self, api: &'static str, needs: Version) -> Error {
+        Error::Unsupported {
+            api,
+            needs,
+            found: self.version,
         }
     }
 

@@ -42,6 +42,7 @@ impl ReduceOp {
     ];
 
     /// The raw `ncclRedOp_t`.
+    #[inline]
     pub fn raw(self) -> ncclRedOp_t {
         match self {
             ReduceOp::Sum => ncclRedOp_t::ncclSum,
@@ -53,6 +54,7 @@ impl ReduceOp {
     }
 
     /// The first NCCL release that has the operator.
+    #[inline]
     pub fn min_version(self) -> Version {
         match self {
             ReduceOp::Avg => Version::new(2, 10, 0),
@@ -236,7 +238,7 @@ impl<'a, 'c: 'a, T: NcclType> From<&'a PreMulSum<'c, T>> for Reduction<'a, T> {
 
 impl<T: NcclType> Reduction<'_, T> {
     /// The raw operator for a call on `comm` and `stream`, after checking it belongs there.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn raw_for(&self, comm: &Comm, stream: &CudaStream) -> Result<ncclRedOp_t> {
         match self {
             Reduction::Builtin(op) => {

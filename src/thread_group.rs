@@ -20,7 +20,7 @@ pub fn is_open() -> bool {
 }
 
 /// Fails if a group is open on this thread; `what` names the refused call.
-#[inline]
+#[inline(always)]
 pub(crate) fn ensure_outside(what: &str) -> Result<()> {
     if is_open() {
         return Err(group_open_error(what));

@@ -31,7 +31,12 @@ pub(crate) type Guards<'b> = [Option<SyncOnDrop<'b>>; 2];
 ///
 /// The guards go to a closure rather than out as a return value so that the common path
 /// (no group: drop them at once) does not move them around.
-#[inline]
+///
+/// Inlined, with everything it validates: where the kind is known at the call site (the
+/// `Comm` methods, an operation built next to its enqueue), the count rules fold to the few
+/// comparisons that kind needs, so the call path stays a short, straight run of code, which
+/// is what a call reached cache-cold after the program's own work pays for.
+#[inline(always)]
 pub(crate) fn dispatch<'b, 'a: 'b, T: NcclType>(
     comm: &'b Comm,
     stream: &'b CudaStream,
@@ -164,13 +169,14 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
     let api = lib.api();
     let call_name = launch.name(kind);
 
-    let status = comm.with_raw(call_name, |raw| {
-        // SAFETY: every pointer lies inside a buffer on the communicator's device whose
-        // length was checked against `count` and the rank/root offsets above; the buffers
-        // stay borrowed (and alive) at least until the work is enqueued, and their events are
-        // recorded afterwards by the guards; the handle is live under the comm's lock.
-        unsafe { launch.launch(api, kind, args, raw) }
-    })?;
+    let state = comm.usable(call_name)?;
+    // SAFETY: every pointer lies inside a buffer on the communicator's device whose length
+    // was checked against `count` and the rank/root offsets above; the buffers stay borrowed
+    // (and alive) at least until the work is enqueued, and their events are recorded
+    // afterwards by the guards; the handle is live under the comm's lock, held until NCCL
+    // has returned.
+    let status = unsafe { launch.launch(api, kind, args, state.ptr) };
+    drop(state);
     if in_group {
         lib.check_pending(call_name, status)?;
     } else {

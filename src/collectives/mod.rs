@@ -52,13 +52,31 @@ use crate::thread_group;
 
 impl Comm {
     /// Enqueues `call` on the communicator's stream.
+    #[inline]
     pub fn enqueue<T: NcclType>(&self, call: Operation<'_, T>) -> Result<()> {
         self.enqueue_on(self.stream(), call)
     }
 
     /// Enqueues `call` on `stream` (in the communicator's CUDA context) instead of the
     /// communicator's own stream.
+    #[inline]
     pub fn enqueue_on<T: NcclType>(
+        &self,
+        stream: &CudaStream,
+        call: Operation<'_, T>,
+    ) -> Result<()> {
+        self.enqueue_inline_on(stream, call)
+    }
+
+    /// [`Comm::enqueue`], always inlined: the `Comm` methods below build their operation
+    /// right here, so its kind is a constant and [`dispatch`] folds to that kind's checks.
+    #[inline(always)]
+    fn enqueue_inline<T: NcclType>(&self, call: Operation<'_, T>) -> Result<()> {
+        self.enqueue_inline_on(self.stream(), call)
+    }
+
+    #[inline(always)]
+    fn enqueue_inline_on<T: NcclType>(
         &self,
         stream: &CudaStream,
         call: Operation<'_, T>,
@@ -80,6 +98,7 @@ macro_rules! enqueue_methods {
                     "`] on the communicator's stream."
                 )]
                 #[allow(clippy::extra_unused_lifetimes)]
+                #[inline]
                 pub fn $name<'a, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
                     self.$enqueue($call::$name($($arg),*))
                 }
@@ -90,7 +109,7 @@ macro_rules! enqueue_methods {
 pub(crate) use enqueue_methods;
 
 enqueue_methods! {
-    Operation => enqueue;
+    Operation => enqueue_inline;
     all_reduce(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
     all_reduce_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
     broadcast(send: Option<&'a dyn DevicePtr<T>>, recv: &'a mut impl DevicePtrMut<T>, root: usize);

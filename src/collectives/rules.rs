@@ -185,7 +185,8 @@ pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static str,
 /// `copy_engine`. NCCL's copy-engine in-place scatter writes block `d` at the root's
 /// receive pointer plus `d` blocks (`ncclCeScatter`), which for a root other than 0 lies
 /// `root` blocks past the destination's buffer: refused when `copy_engine`.
-#[inline]
+// Inlined (see `dispatch`): with a known kind, only that kind's rules remain.
+#[inline(always)]
 pub(crate) fn check_plan(
     kind: Kind,
     rank: usize,

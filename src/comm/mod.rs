@@ -64,7 +64,7 @@ mod wait;
 
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -73,7 +73,7 @@ use nccl_sys::ncclComm_t;
 pub(crate) use close::Siblings;
 pub(crate) use init::rank_and_size;
 pub(crate) use membership::Membership;
-pub(crate) use state::Shared;
+pub(crate) use state::{Shared, State};
 pub(crate) use wait::Backoff;
 
 use crate::error::{Error, Result};
@@ -214,15 +214,23 @@ impl Comm {
     /// Runs `f` with the raw handle while holding the communicator's lock; fails if the
     /// communicator was already aborted or destroyed, or, for calls that enqueue work, if it
     /// failed (see [`crate::fault`]).
-    #[inline]
     pub(crate) fn with_raw<R>(
         &self,
         call: &'static str,
         f: impl FnOnce(ncclComm_t) -> R,
     ) -> Result<R> {
+        let state = self.usable(call)?;
+        Ok(f(state.ptr))
+    }
+
+    /// The communicator's state, locked, once `call` may be made on it (see
+    /// [`Comm::with_raw`]); for the enqueue path, which must stay one inlined run of code
+    /// (a closure's body is judged before the kind it matches on is known).
+    #[inline(always)]
+    pub(crate) fn usable(&self, call: &'static str) -> Result<MutexGuard<'_, State>> {
         let state = self.shared.lock();
         state.usable_for(call, self.rank)?;
-        Ok(f(state.ptr))
+        Ok(state)
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -275,7 +283,7 @@ impl Comm {
     /// [`Comm::check_context`] for a buffer whose context was noted in `id`: a comparison
     /// of addresses when it is the communicator's own context, else the whole rule on the
     /// context `ctx` gives.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check_context_of<'c>(
         &self,
         id: ContextId,
@@ -289,7 +297,7 @@ impl Comm {
     }
 
     /// [`Comm::check_context`] for a stream.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check_stream(&self, stream: &CudaStream, what: &str) -> Result<()> {
         if std::ptr::eq(stream, &*self.stream) {
             return Ok(());

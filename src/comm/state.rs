@@ -42,7 +42,7 @@ impl Shared {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means another thread panicked between NCCL calls; the handle
         // itself is still what it was.
