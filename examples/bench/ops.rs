@@ -66,6 +66,7 @@ impl<'c, T: Elem> Storage<'c, T> {
 
     /// Elements `offset..offset + len`, for reading: a window view on windows, as a program
     /// using windows passes them.
+    #[inline(always)]
     pub fn part(&self, offset: usize, len: usize) -> BenchResult<Part<'_, T>> {
         check_range(self.len(), offset, len)?;
         Ok(match self {
@@ -79,6 +80,7 @@ impl<'c, T: Elem> Storage<'c, T> {
     }
 
     /// Elements `offset..offset + len`, for writing.
+    #[inline(always)]
     pub fn part_mut(&mut self, offset: usize, len: usize) -> BenchResult<PartMut<'_, 'c, T>> {
         check_range(self.len(), offset, len)?;
         Ok(match self {
@@ -92,6 +94,7 @@ impl<'c, T: Elem> Storage<'c, T> {
     }
 }
 
+#[inline]
 pub fn check_range(buffer: usize, offset: usize, len: usize) -> BenchResult<()> {
     match offset.checked_add(len) {
         Some(end) if end <= buffer => Ok(()),
@@ -102,7 +105,9 @@ pub fn check_range(buffer: usize, offset: usize, len: usize) -> BenchResult<()> 
     }
 }
 
-/// Forwards a cudarc trait method to whichever buffer a [`Storage`] holds.
+/// Forwards a cudarc trait method to whichever buffer a [`Storage`] holds. The forwarding
+/// methods here are inlined: they stand for a program's own `slice.slice(..)`, which the raw
+/// path does without, and should not weigh on the safe column as calls of their own.
 macro_rules! each {
     ($self:expr, $b:ident => $call:expr) => {
         match $self {
@@ -115,21 +120,25 @@ macro_rules! each {
 }
 
 impl<T: Elem> DeviceSlice<T> for Storage<'_, T> {
+    #[inline]
     fn len(&self) -> usize {
         each!(self, b => b.len())
     }
+    #[inline]
     fn stream(&self) -> &Arc<CudaStream> {
         each!(self, b => b.stream())
     }
 }
 
 impl<T: Elem> DevicePtr<T> for Storage<'_, T> {
+    #[inline(always)]
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         each!(self, b => b.device_ptr(stream))
     }
 }
 
 impl<T: Elem> DevicePtrMut<T> for Storage<'_, T> {
+    #[inline(always)]
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         each!(self, b => b.device_ptr_mut(stream))
     }
@@ -165,12 +174,14 @@ pub fn offset_bytes<T>(elements: usize) -> CUdeviceptr {
 }
 
 impl<T: Elem> DeviceSlice<T> for Part<'_, T> {
+    #[inline]
     fn len(&self) -> usize {
         match self {
             Part::Range { len, .. } => *len,
             Part::Window(view) => view.len(),
         }
     }
+    #[inline]
     fn stream(&self) -> &Arc<CudaStream> {
         match self {
             Part::Range { buf, .. } => buf.stream(),
@@ -180,6 +191,7 @@ impl<T: Elem> DeviceSlice<T> for Part<'_, T> {
 }
 
 impl<T: Elem> DevicePtr<T> for Part<'_, T> {
+    #[inline(always)]
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         match self {
             Part::Range { buf, offset, .. } => {
@@ -192,12 +204,14 @@ impl<T: Elem> DevicePtr<T> for Part<'_, T> {
 }
 
 impl<T: Elem> DeviceSlice<T> for PartMut<'_, '_, T> {
+    #[inline]
     fn len(&self) -> usize {
         match self {
             PartMut::Range { len, .. } => *len,
             PartMut::Window(view) => view.len(),
         }
     }
+    #[inline]
     fn stream(&self) -> &Arc<CudaStream> {
         match self {
             PartMut::Range { buf, .. } => buf.stream(),
@@ -207,6 +221,7 @@ impl<T: Elem> DeviceSlice<T> for PartMut<'_, '_, T> {
 }
 
 impl<T: Elem> DevicePtr<T> for PartMut<'_, '_, T> {
+    #[inline(always)]
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         match self {
             PartMut::Range { buf, offset, .. } => {
@@ -219,6 +234,7 @@ impl<T: Elem> DevicePtr<T> for PartMut<'_, '_, T> {
 }
 
 impl<T: Elem> DevicePtrMut<T> for PartMut<'_, '_, T> {
+    #[inline(always)]
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         match self {
             PartMut::Range { buf, offset, .. } => {

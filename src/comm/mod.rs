@@ -64,11 +64,12 @@ mod wait;
 
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use nccl_sys::ncclComm_t;
+use parking_lot::MutexGuard;
 
 pub(crate) use close::Siblings;
 pub(crate) use init::rank_and_size;

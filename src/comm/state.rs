@@ -6,11 +6,11 @@
 //! taken out exactly once, by destroy or abort (see `close.rs` and [`crate::fault`]).
 
 use std::ptr;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, DriverError};
 use nccl_sys::ncclComm_t;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
@@ -21,6 +21,11 @@ use crate::library::Library;
 ///
 /// Aligned to a cache line and no larger than one, so the lock word, the handle and its
 /// fault state, which every enqueue reads, share a single line.
+///
+/// The lock is parking_lot's: one byte, taken and released inline without touching the
+/// process's panic count, where std's reads it twice and releases out of line (the enqueue
+/// path meets all of that cache-cold). It does not poison, which is what this state wants:
+/// a thread that panicked between NCCL calls leaves the handle as it was.
 #[repr(align(64))]
 pub(crate) struct Shared {
     state: Mutex<State>,
@@ -44,11 +49,7 @@ impl Shared {
 
     #[inline(always)]
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        // A poisoned lock only means another thread panicked between NCCL calls; the handle
-        // itself is still what it was.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock()
     }
 }
 
