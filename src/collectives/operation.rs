@@ -145,6 +145,8 @@ impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
     }
 }
 
+// The constructors are always inlined: where an operation is built next to its enqueue (the
+// `Comm` methods), its kind is then a constant and the dispatch folds to that kind's checks.
 impl<'a, T: NcclType> Operation<'a, T> {
     #[inline(always)]
     fn new(
@@ -185,7 +187,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// All-reduce: every rank ends with the reduction of all ranks' `send` in `recv`
     /// (same length on every rank).
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn all_reduce(
         send: &'a impl DevicePtr<T>,
@@ -202,7 +203,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// All-reduce in place: `buf` is input and output.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn all_reduce_in_place(
         buf: &'a mut impl DevicePtrMut<T>,
@@ -213,7 +213,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Broadcast: `recv` on every rank receives the root's `send`. `send` is required on the
     /// root (same length as `recv`) and ignored elsewhere.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn broadcast(
         send: Option<&'a dyn DevicePtr<T>>,
@@ -224,7 +223,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Broadcast in place: the root's `buf` is copied into `buf` on every other rank.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn broadcast_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
         Self::new(Kind::Broadcast { root }, None, None, Some(buf), true)
@@ -232,7 +230,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Reduce: the root's `recv` receives the reduction of every rank's `send`. `recv` is
     /// required on the root (same length as `send`) and ignored elsewhere.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn reduce(
         send: &'a impl DevicePtr<T>,
@@ -250,7 +247,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Reduce in place: `buf` is every rank's input and, on the root, the output.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn reduce_in_place(
         buf: &'a mut impl DevicePtrMut<T>,
@@ -268,7 +264,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// All-gather: `recv` (`size * send.len()` elements) receives rank `i`'s `send` at
     /// offset `i * send.len()`.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn all_gather(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>) -> Self {
         Self::new(Kind::AllGather, None, Some(send), Some(recv), false)
@@ -276,7 +271,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// All-gather in place: `buf` holds `size * count` elements and this rank's contribution
     /// at `rank * count`.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn all_gather_in_place(buf: &'a mut impl DevicePtrMut<T>) -> Self {
         Self::new(Kind::AllGather, None, None, Some(buf), true)
@@ -284,7 +278,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Reduce-scatter: `send` holds `size * recv.len()` elements; rank `i`'s `recv` receives
     /// block `i` of the reduction.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn reduce_scatter(
         send: &'a impl DevicePtr<T>,
@@ -302,7 +295,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Reduce-scatter in place: `buf` holds the `size * count` inputs; this rank's block of
     /// the result is written at `rank * count`.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn reduce_scatter_in_place(
         buf: &'a mut impl DevicePtrMut<T>,
@@ -313,7 +305,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// All-to-all (NCCL 2.28): `send` and `recv` hold `size * count` elements; block `j` of
     /// `send` goes to rank `j`, and block `i` of `recv` comes from rank `i`.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn all_to_all(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>) -> Self {
         Self::new(Kind::AllToAll, None, Some(send), Some(recv), false)
@@ -326,7 +317,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
     /// per rank from whether `recv` lies in a symmetric window, and ranks off the root
     /// address the root's window through their own `recv`'s offset, so every rank passes a
     /// view at the root's window offset (a missing one is refused, not left to hang).
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn gather(
         send: &'a impl DevicePtr<T>,
@@ -338,7 +328,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Gather in place: on the root `buf` holds `size * count` elements with the root's own
     /// part at `root * count`; on other ranks `buf` is the `count` elements they send.
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn gather_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
         Self::new(Kind::Gather { root }, None, None, Some(buf), true)
@@ -348,7 +337,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
     /// goes to rank `i`'s `recv`. `send` is required on the root, ignored elsewhere (there
     /// `recv` is handed to NCCL in its place, so that on a copy-engine communicator every
     /// rank's choice of path follows its receive buffer).
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn scatter(
         send: Option<&'a dyn DevicePtr<T>>,
@@ -362,7 +350,6 @@ impl<'a, T: NcclType> Operation<'a, T> {
     /// own block at `root * count`; on other ranks `buf` receives `count` elements. Refused
     /// on a communicator that may use copy engines ([`Comm::copy_engine`](crate::Comm::copy_engine)):
     /// NCCL's copy-engine in-place scatter misplaces the blocks there (see the error).
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
         Self::new(Kind::Scatter { root }, None, None, Some(buf), true)
@@ -370,14 +357,12 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Point-to-point send of `buf` to rank `peer`, which must post a matching receive of
     /// the same length and type (NCCL 2.7). See [`crate::p2p`].
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn send(buf: &'a impl DevicePtr<T>, peer: usize) -> Self {
         Self::new(Kind::Send { peer }, None, Some(buf), None, false)
     }
 
     /// Point-to-point receive into `buf` from rank `peer` (NCCL 2.7). See [`crate::p2p`].
-    // Inlined, so the kind is a constant where the operation is enqueued.
     #[inline(always)]
     pub fn recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize) -> Self {
         Self::new(Kind::Recv { peer }, None, None, Some(buf), false)
