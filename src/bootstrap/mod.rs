@@ -43,6 +43,22 @@
 //!   [`spawn_local`] with its GPU count: then the process becomes rank 0 and re-executes
 //!   itself once per other rank, so `cargo run` on a 4-GPU machine runs 4 ranks.
 //!
+//! # More ranks than GPUs
+//!
+//! To develop and test a multi-GPU program on one GPU, several ranks can share it in one of
+//! two shapes ([`GpuSharing`] says what each exercises); the ranks time-slice the GPU, so
+//! this is for correctness, not speed:
+//!
+//! * **simulated hosts** (any NCCL, any rank count): `NCCL_RS_LOCAL_RANKS=4 cargo run
+//!   --example allreduce` on a one-GPU machine. [`spawn_local`] chooses this shape by itself
+//!   when it has more ranks than GPUs (it says so on standard error) and gives every rank it
+//!   starts its own `NCCL_HOSTID`. Under another launcher, set `NCCL_RS_GPU_SHARING=hosts`
+//!   and a distinct `NCCL_HOSTID` per rank, e.g. `mpirun -np 4 -x NCCL_RS_GPU_SHARING=hosts
+//!   -x NCCL_SOCKET_IFNAME=lo sh -c 'NCCL_HOSTID=rank$OMPI_COMM_WORLD_RANK exec ./app'`.
+//! * **a shared GPU** (NCCL 2.30+, two ranks per GPU, one LSA team: windows, RMA, the device
+//!   API): `NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_RS_LOCAL_RANKS=2 cargo run --example windows`,
+//!   or `mpirun -np 2 -x NCCL_MULTI_RANK_GPU_ENABLE=1 -x NCCL_RS_GPU_SHARING=shared ./app`.
+//!
 //! # Environment variables
 //!
 //! Placement detection ([`Placement::from_vars`]):
@@ -78,6 +94,7 @@
 //! | `NCCL_RS_RENDEZVOUS_DIR` | directory of the file rendezvous (default: [`std::env::temp_dir`]) |
 //! | `NCCL_RS_BOOTSTRAP_TIMEOUT` | seconds every rank waits for the others (default 300) |
 //! | `NCCL_RS_LOCAL_RANKS` | overrides the rank count given to [`spawn_local`] |
+//! | `NCCL_RS_GPU_SHARING` | `off`, `hosts` or `shared`: how ranks share GPUs when a node has more ranks than GPUs ([`GpuSharing`]) |
 //!
 //! Without `NCCL_RS_JOB_KEY`, the key is derived from, in order: `SLURM_JOB_ID` (with
 //! `SLURM_STEP_ID` when set), `OMPI_MCA_ess_base_jobid`, `PMIX_NAMESPACE`,
@@ -112,13 +129,14 @@
 //! `env` reads the rendezvous settings; [`Rendezvous`] is what TCP and the file method share
 //! (rank, world size, job key, deadline, the exchange); `tcp` and `file` are the two
 //! [`Transport`]s, each with its wire format in a `wire` room; `history` remembers past
-//! exchanges so that repeated ones stay apart; `spawn` is [`spawn_local`] and its supervisor;
+//! exchanges so that repeated ones stay apart; `sharing` is how ranks share a GPU; `spawn` is [`spawn_local`] and its supervisor;
 //! `join` is the glue to the rest of the crate ([`Comm::from_env`](crate::Comm::from_env),
 //! [`LocalJob::init_comm`]); `mpi` (feature `mpi`) broadcasts the id over MPI.
 //!
 //! `bootstrap` uses only [`UniqueId`], [`Comm::init_rank`](crate::Comm::init_rank),
-//! [`library::cuda_device_count`](crate::library::cuda_device_count) and [`crate::Error`] from
-//! the rest of the crate; nothing else in the crate depends on it but [`crate::Error`]'s
+//! [`library::cuda_device_count`](crate::library::cuda_device_count), the loaded library's
+//! [`Version`](crate::Version) (`sharing` checks it) and [`crate::Error`] from the rest of the
+//! crate; nothing else in the crate depends on it but [`crate::Error`]'s
 //! `Bootstrap` variant.
 
 mod bytes;
@@ -131,6 +149,7 @@ mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod rendezvous;
+mod sharing;
 mod spawn;
 mod tcp;
 mod util;
@@ -140,6 +159,7 @@ pub use error::{BootstrapError, ChildExit, Result};
 pub use file::{FileRendezvous, FileTransport};
 pub use launch::{Launcher, Placement};
 pub use rendezvous::{Rendezvous, Transport};
+pub use sharing::GpuSharing;
 pub use spawn::{spawn_local, LocalJob};
 pub use tcp::{RejectedPeer, ServeReport, TcpRendezvous, TcpServer, TcpTransport};
 

@@ -130,15 +130,29 @@ impl Drop for Comm {
         // in progress (every call waits until it is ready, so a communicator still in
         // progress here has timed out and its work will not finish). A dead peer or the
         // timeout ends the wait, and the abort below then cancels what is left.
+        let start = std::time::Instant::now();
         let healthy = !failed && matches!(self.async_code(), Ok(ResultCode::Success));
         let wait = match &self.siblings {
             Some(siblings) => siblings.drop_wait(self.drop_timeout),
             None => self.drop_timeout,
         };
         if healthy && !wait.is_zero() {
-            let waited = self.wait_stream(&self.stream, Some(wait));
-            if let (Err(Error::Timeout { .. }), Some(siblings)) = (waited, &self.siblings) {
-                siblings.timed_out();
+            match self.wait_stream(&self.stream, Some(wait)) {
+                // Its work is done: end it the orderly way, which lets NCCL's network proxy
+                // finish sending what peers still need.
+                Ok(()) => {
+                    let left = wait.saturating_sub(start.elapsed());
+                    if !left.is_zero() {
+                        self.destroy_within(left);
+                        return;
+                    }
+                }
+                Err(Error::Timeout { .. }) => {
+                    if let Some(siblings) = &self.siblings {
+                        siblings.timed_out();
+                    }
+                }
+                Err(_) => {}
             }
         }
         // Errors have nowhere to go from a drop; the handle is gone either way.
@@ -147,6 +161,79 @@ impl Drop for Comm {
             self.stream.context(),
             Failure::owner(FailureState::Released),
         );
+    }
+}
+
+impl Comm {
+    /// Drop's orderly end: `ncclCommDestroy`, waited for at most `limit`. The handle is gone
+    /// afterwards (destroyed, aborted, or handed to a destroy still running).
+    ///
+    /// Why not abort, as after a failure: a collective completes on a rank once its GPU
+    /// kernel has handed its last sends to NCCL's proxy thread, which puts them on the
+    /// network afterwards (`sendProxyProgress`, `src/transport/net.cc`). `ncclCommAbort`
+    /// stops the proxy at once (its progress loop leaves on the abort flag, 2.28 to 2.30.7
+    /// `src/proxy.cc`) and closes the sockets, so a peer still receiving the same collective
+    /// fails with "Connection closed by remote peer"; `ncclCommFinalize` only asks the proxy
+    /// to stop. `ncclCommDestroy` joins the proxy thread, which drains its operations before
+    /// the sockets close.
+    ///
+    /// Why bounded: destroy waits for that drain (a peer host that vanished without a reset
+    /// holds it until TCP gives up) and for the ranks of this node connected to this rank's
+    /// proxy to end the communicator too (the proxy service loop runs while local peers are
+    /// connected). It cannot be interrupted, so it runs on a thread of its own; past `limit`
+    /// that thread keeps the handle and finishes the destroy (or, if NCCL refuses it, the
+    /// abort) whenever NCCL returns, and the drop goes on.
+    fn destroy_within(&self, limit: Duration) {
+        let mut state = self.shared.lock();
+        let raw = state.take(Failure::owner(FailureState::Released));
+        drop(state);
+        if raw.is_null() {
+            return;
+        }
+        let handle = OwnedHandle(raw);
+        let (lib, ctx) = (self.lib, self.stream.context().clone());
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name(format!("nccl-rs destroy rank {}", self.rank))
+            .spawn(move || {
+                let raw = handle.into_raw();
+                // Best effort: NCCL finds its device itself, but its cleanup may use the
+                // current context.
+                let _ = ctx.bind_to_thread();
+                // SAFETY: the handle was taken out of the state under its lock, so this thread
+                // is its only user; its work is complete (the stream was waited for).
+                let status = unsafe { lib.api().ncclCommDestroy(raw) };
+                if lib.check("ncclCommDestroy", status).is_err() {
+                    // A refused destroy leaves the handle allocated: free it the other way.
+                    // SAFETY: as above; NCCL did not free it.
+                    let _ = unsafe { lib.api().ncclCommAbort(raw) };
+                }
+                let _ = done_tx.send(());
+            });
+        match spawned {
+            // Done or not, the handle is the thread's now.
+            Ok(_) => {
+                let _ = done_rx.recv_timeout(limit);
+            }
+            // No thread: the closure was dropped unrun, so the handle is still only ours.
+            Err(_) => {
+                // SAFETY: taken out of the state above, and no thread ever received it.
+                let _ = unsafe { self.lib.api().ncclCommAbort(raw) };
+            }
+        }
+    }
+}
+
+/// A raw handle moving to the thread that destroys it.
+struct OwnedHandle(nccl_sys::ncclComm_t);
+
+// SAFETY: the handle is taken out of its communicator's state before it moves, so exactly one
+// thread uses it, and NCCL allows a communicator to be ended from any thread.
+unsafe impl Send for OwnedHandle {}
+
+impl OwnedHandle {
+    fn into_raw(self) -> nccl_sys::ncclComm_t {
+        self.0
     }
 }
 

@@ -15,7 +15,7 @@ use super::{Comm, ContextId, Siblings, DEFAULT_DROP_TIMEOUT};
 use crate::config::CommConfig;
 use crate::error::{Error, Result, ResultCode};
 use crate::id::UniqueId;
-use crate::library::{self, Library};
+use crate::library::{self, Library, Version};
 use crate::thread_group;
 
 impl Comm {
@@ -81,8 +81,12 @@ impl Comm {
     }
 
     /// Creates one communicator per stream, all in this process (`ncclCommInitAll`); rank `i`
-    /// runs on the device of `streams[i]`. Every stream must be on a different GPU, in that
-    /// GPU's primary context (the one `CudaContext::new` returns).
+    /// runs on the device of `streams[i]`. Every stream must be in its GPU's primary context
+    /// (the one `CudaContext::new` returns), and on a different GPU, unless NCCL lets ranks
+    /// share one: with `NCCL_MULTI_RANK_GPU_ENABLE=1` set before the first communicator of
+    /// the process (NCCL 2.30+, experimental in NCCL), up to two ranks may share a GPU, each
+    /// on a stream of its own (two ranks' kernels on one stream would wait for each other
+    /// forever).
     ///
     /// Operations on these communicators must be issued from one thread inside a
     /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
@@ -104,9 +108,7 @@ impl Comm {
             }
             let ordinal = ctx.ordinal();
             if let Some(j) = devices.iter().position(|&d| d == ordinal as c_int) {
-                return Err(Error::invalid(format!(
-                    "streams {j} and {i} are both on device {ordinal}; each rank needs its own GPU"
-                )));
+                check_shared_device(lib, streams, j, i, ordinal)?;
             }
             devices.push(c_int::try_from(ordinal).map_err(|_| {
                 Error::invalid(format!("device ordinal {ordinal} does not fit a C int"))
@@ -249,6 +251,69 @@ impl Comm {
             last_error: None,
         })
     }
+}
+
+/// NCCL's switch for several ranks on one GPU (NCCL 2.30+, experimental), read once per
+/// process like NCCL's own parameters.
+pub(crate) const MULTI_RANK_GPU_VAR: &str = "NCCL_MULTI_RANK_GPU_ENABLE";
+/// The first NCCL with [`MULTI_RANK_GPU_VAR`].
+pub(crate) const MULTI_RANK_GPU_SINCE: Version = Version::new(2, 30, 0);
+/// How many ranks NCCL documents as sharing one GPU.
+pub(crate) const MULTI_RANK_GPU_MAX: usize = 2;
+
+/// Whether `NCCL_MULTI_RANK_GPU_ENABLE` is a non-zero number in this process's environment.
+pub(crate) fn multi_rank_gpu_enabled() -> bool {
+    std::env::var(MULTI_RANK_GPU_VAR)
+        .ok()
+        .and_then(|text| text.trim().parse::<i64>().ok())
+        .is_some_and(|value| value != 0)
+}
+
+/// Streams `first` and `second` of an `init_all` are on one device: allowed only where NCCL
+/// lets ranks share a GPU, at most [`MULTI_RANK_GPU_MAX`] of them, each on its own stream.
+fn check_shared_device(
+    lib: &Library,
+    streams: &[Arc<CudaStream>],
+    first: usize,
+    second: usize,
+    ordinal: usize,
+) -> Result<()> {
+    let refuse = |why: String| {
+        Err(Error::invalid(format!(
+            "streams {first} and {second} are both on device {ordinal}: {why}"
+        )))
+    };
+    if !multi_rank_gpu_enabled() {
+        return refuse(format!(
+            "each rank needs its own GPU, unless {MULTI_RANK_GPU_VAR}=1 (NCCL \
+             {MULTI_RANK_GPU_SINCE}+) lets two ranks share one"
+        ));
+    }
+    if lib.version() < MULTI_RANK_GPU_SINCE {
+        return refuse(format!(
+            "ranks sharing a GPU need NCCL {MULTI_RANK_GPU_SINCE}+, the loaded NCCL is {}",
+            lib.version()
+        ));
+    }
+    let sharing = streams[..=second]
+        .iter()
+        .filter(|s| s.context().ordinal() == ordinal)
+        .count();
+    if sharing > MULTI_RANK_GPU_MAX {
+        return refuse(format!(
+            "NCCL shares a GPU among at most {MULTI_RANK_GPU_MAX} ranks"
+        ));
+    }
+    if let Some(same) = streams[..second]
+        .iter()
+        .position(|s| s.cu_stream() == streams[second].cu_stream())
+    {
+        return refuse(format!(
+            "streams {same} and {second} are the same stream; ranks sharing a GPU need a \
+             stream each (`CudaContext::new_stream`)"
+        ));
+    }
+    Ok(())
 }
 
 /// Validates and converts a rank and size for NCCL's `int` parameters.

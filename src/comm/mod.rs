@@ -13,17 +13,23 @@
 //!
 //! # End of life
 //!
-//! `ncclCommDestroy` is an intra-node collective: every rank on the node must call it, or it
-//! blocks forever. Dropping a `Comm` therefore never destroys it. Drop first waits, for at most
-//! [`Comm::drop_timeout`] (10 s by default), for the work already enqueued on the
-//! communicator's stream, so results of the last operations are not cut short, and then calls
-//! `ncclCommAbort`, which releases the communicator without waiting for peers. It never panics
-//! and never blocks forever, also when a peer has died. For an orderly shutdown in which all
-//! ranks take part, call [`Comm::finalize`] and then [`Comm::destroy`]; both report errors.
-//! A communicator that failed (see [`crate::fault`]) is aborted at once, without the wait,
-//! and one already aborted from another thread is left alone. Communicators created together
-//! ([`Comm::init_all`], [`Comm::split_all`]) share the wait: once the drop of one of them
-//! timed out, the others abort at once, so dropping all of them takes one drop timeout.
+//! Dropping a `Comm` first waits, for at most [`Comm::drop_timeout`] (10 s by default), for the
+//! work already enqueued on the communicator's stream, so results of the last operations are
+//! not cut short. Then, within what is left of that time, it ends the communicator the
+//! orderly way, `ncclCommDestroy`, which lets NCCL's network proxy finish sending what peers
+//! still need for operations this rank already saw complete: `ncclCommAbort` would cut those
+//! sends off and fail the peer's operation ("Connection closed by remote peer"). Destroy
+//! cannot be interrupted and waits for ranks of this node that are connected to this rank's
+//! proxy to end the communicator too, so it runs on a thread of its own; past the time left,
+//! the drop returns and that thread finishes the destroy whenever NCCL does. A communicator
+//! that failed (see [`crate::fault`]), or whose work did not finish in time, is aborted at
+//! once (`ncclCommAbort`, which never waits for peers); one already aborted from another
+//! thread is left alone. So a drop never panics and never blocks for longer than its
+//! timeout, also when a peer has died. For an orderly shutdown in which all ranks take part
+//! and errors are reported, call [`Comm::finalize`] and then [`Comm::destroy`].
+//! Communicators created together ([`Comm::init_all`], [`Comm::split_all`]) share the wait:
+//! once the drop of one of them timed out, the others abort at once, so dropping all of them
+//! takes one drop timeout.
 //! [`Comm::destroy`] that fails gives the communicator back with the error (as rusqlite's
 //! `Connection::close` does), so it is never left neither destroyed nor aborted.
 //!
@@ -58,6 +64,7 @@ pub(crate) use comm_call;
 mod child;
 mod close;
 mod init;
+pub(crate) use init::{MULTI_RANK_GPU_MAX, MULTI_RANK_GPU_SINCE, MULTI_RANK_GPU_VAR};
 mod membership;
 pub(crate) mod state;
 mod wait;
@@ -80,7 +87,8 @@ pub(crate) use wait::Backoff;
 use crate::error::{Error, Result};
 use crate::library::Library;
 
-/// How long [`Drop`] waits for enqueued work before aborting, unless changed with
+/// How long [`Drop`] may take (the wait for enqueued work, then the orderly destroy), unless
+/// changed with
 /// [`Comm::set_drop_timeout`].
 pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -187,12 +195,14 @@ impl Comm {
         self.ready_timeout = timeout;
     }
 
-    /// How long [`Drop`] waits for enqueued work before aborting.
+    /// How long [`Drop`] may take in all: waiting for enqueued work, then the orderly
+    /// destroy (see the [module docs](self#end-of-life)); work not done by then is aborted.
     pub fn drop_timeout(&self) -> Duration {
         self.drop_timeout
     }
 
-    /// Sets how long [`Drop`] waits for enqueued work before aborting (zero aborts at once).
+    /// Sets how long [`Drop`] may take ([`Comm::drop_timeout`]); zero aborts at once, without
+    /// waiting for enqueued work or for the network proxy to finish sending.
     pub fn set_drop_timeout(&mut self, timeout: Duration) {
         self.drop_timeout = timeout;
     }

@@ -7,7 +7,7 @@ use std::fmt;
 
 use self::readers::{fill_pmix_size, incomplete, read_all, Reading, Var, PMIX_RANK};
 use super::env::{lookup, process_var, vars, Vars};
-use super::{BootstrapError, Result};
+use super::{BootstrapError, GpuSharing, Result};
 
 /// The program that started this process, as far as its environment tells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -186,8 +186,16 @@ impl Placement {
     ///   node fails alike, rather than some ranks running and the others not.
     ///
     /// Two ranks given the same GPU (say, two ranks in a one-GPU container each) are refused
-    /// by NCCL itself when they join ("duplicate GPU").
+    /// by NCCL itself when they join ("duplicate GPU"), unless they share it on purpose: see
+    /// [`Placement::device_ordinal_sharing`].
     pub fn device_ordinal(&self, visible_gpus: usize) -> Result<usize> {
+        self.device_ordinal_sharing(visible_gpus, GpuSharing::Off)
+    }
+
+    /// Like [`Placement::device_ordinal`], but where the node has more ranks than visible
+    /// GPUs and `sharing` is not [`GpuSharing::Off`], the ranks share the GPUs out in turn
+    /// (local rank modulo the GPU count) instead of failing.
+    pub fn device_ordinal_sharing(&self, visible_gpus: usize, sharing: GpuSharing) -> Result<usize> {
         let fits = match (visible_gpus, self.local_world_size) {
             (0, _) => false,
             (1, _) => return Ok(0),
@@ -196,6 +204,8 @@ impl Placement {
         };
         if fits {
             Ok(self.local_rank)
+        } else if visible_gpus > 0 && sharing != GpuSharing::Off {
+            Ok(self.local_rank % visible_gpus)
         } else {
             Err(BootstrapError::NoDevice {
                 local_rank: self.local_rank,
@@ -203,6 +213,11 @@ impl Placement {
                 visible: visible_gpus,
             })
         }
+    }
+
+    /// Whether the ranks of this node outnumber `visible_gpus`, so that some must share one.
+    pub(crate) fn outnumbers(&self, visible_gpus: usize) -> bool {
+        self.local_world_size.unwrap_or(self.local_rank + 1) > visible_gpus
     }
 }
 

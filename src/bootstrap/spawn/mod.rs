@@ -12,7 +12,8 @@ use cudarc::driver::CudaStream;
 
 use self::supervisor::{stop_all, Supervisor};
 use super::env::{lookup, process_var, timeout_from, vars};
-use super::join::{device_of, init_comm, join_on};
+use super::join::{device_of, init_comm, join_on, Sharing};
+use super::sharing::GpuSharing;
 use super::util::{io_error, random_u64};
 use super::{
     exchange_id_with, BootstrapError, Exchange, Launcher, Placement, Result, TcpRendezvous,
@@ -82,7 +83,7 @@ use crate::UniqueId;
 pub fn spawn_local(world_size: usize) -> Result<LocalJob> {
     let placement = Placement::from_env()?;
     if placement.world_size > 1 {
-        return Ok(LocalJob::unsupervised(placement));
+        return LocalJob::unsupervised(placement);
     }
     let ranks = match lookup(&process_var, vars::LOCAL_RANKS) {
         Some(text) => match text.trim().parse::<usize>() {
@@ -101,12 +102,33 @@ pub fn spawn_local(world_size: usize) -> Result<LocalJob> {
         0 => Err(BootstrapError::Config(
             "spawn_local needs at least one rank (no GPU visible?)".to_owned(),
         )),
-        1 => Ok(LocalJob::unsupervised(placement)),
-        _ => spawn_children(ranks),
+        1 => LocalJob::unsupervised(placement),
+        _ => spawn_children(ranks, sharing_for(ranks)?),
     }
 }
 
-fn spawn_children(ranks: usize) -> Result<LocalJob> {
+/// How `ranks` ranks share this machine's GPUs: not at all when there are enough GPUs (or
+/// none is visible: every rank then fails alike when it picks its device), else the shape
+/// [`GpuSharing::for_spawn`] picks, checked and announced on standard error, since a job
+/// that time-slices one GPU must not be mistaken for a fast one.
+fn sharing_for(ranks: usize) -> Result<GpuSharing> {
+    let visible = match crate::library::cuda_device_count() {
+        Ok(visible) if visible < ranks => visible,
+        _ => return Ok(GpuSharing::Off),
+    };
+    let sharing = GpuSharing::for_spawn(&process_var)?;
+    let version = crate::library::get().ok().map(|lib| lib.version());
+    sharing.check(ranks, visible, version, &process_var)?;
+    eprintln!(
+        "nccl-rs: {ranks} ranks on {visible} GPU(s): {}. The ranks time-slice the GPU: for \
+         developing and testing, not for speed ({}=hosts|shared|off chooses).",
+        sharing.describe(),
+        vars::GPU_SHARING
+    );
+    Ok(sharing)
+}
+
+fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
     // Bind before the children learn the port, so nothing else can take it in between.
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .map_err(|e| io_error("binding a rendezvous port on 127.0.0.1", e))?;
@@ -116,7 +138,7 @@ fn spawn_children(ranks: usize) -> Result<LocalJob> {
         .to_string();
     let job_key = format!("local-{}-{:016x}", std::process::id(), random_u64());
     let timeout = timeout_from(&process_var)?;
-    let children = start_ranks(ranks, &addr, &job_key)?;
+    let children = start_ranks(ranks, &addr, &job_key, sharing)?;
     let supervisor = Supervisor::start(children)?;
     let placement = Placement {
         rank: 0,
@@ -136,12 +158,22 @@ fn spawn_children(ranks: usize) -> Result<LocalJob> {
         placement,
         exchange: Exchange::Tcp(rendezvous),
         supervisor: Some(supervisor),
+        sharing: Sharing {
+            sharing,
+            own_host: true,
+        },
     })
 }
 
 /// Re-executes this program as ranks `1..ranks`, told to fetch the id from `addr` under
-/// `job_key`; if one cannot start, stops those already started.
-fn start_ranks(ranks: usize, addr: &str, job_key: &str) -> Result<Vec<(usize, Child)>> {
+/// `job_key`, sharing GPUs as `sharing` says; if one cannot start, stops those already
+/// started.
+fn start_ranks(
+    ranks: usize,
+    addr: &str,
+    job_key: &str,
+    sharing: GpuSharing,
+) -> Result<Vec<(usize, Child)>> {
     let exe = std::env::current_exe().map_err(|e| {
         io_error(
             "finding this program's executable to start the other ranks",
@@ -160,6 +192,10 @@ fn start_ranks(ranks: usize, addr: &str, job_key: &str) -> Result<Vec<(usize, Ch
             .env(vars::LAUNCHER, "torchrun")
             .env(vars::ADDR, addr)
             .env(vars::JOB_KEY, job_key)
+            .envs(match sharing {
+                GpuSharing::Off => Vec::new(),
+                shared => shared.child_vars(rank, job_key, &process_var),
+            })
             .stdin(Stdio::null())
             .spawn();
         match spawned {
@@ -181,6 +217,8 @@ pub struct LocalJob {
     exchange: Exchange,
     /// Present on the process that spawned the other ranks.
     supervisor: Option<Supervisor>,
+    /// How this rank shares its GPU with others, if it must.
+    sharing: Sharing,
     /// With the `mpi` feature, under an MPI launcher: MPI, initialised for the id broadcast
     /// and finalised when the job is dropped.
     #[cfg(feature = "mpi")]
@@ -199,7 +237,7 @@ impl std::fmt::Debug for MpiUniverse {
 }
 
 impl LocalJob {
-    fn unsupervised(placement: Placement) -> Self {
+    fn unsupervised(placement: Placement) -> Result<Self> {
         // With the `mpi` feature, a job started by an MPI launcher broadcasts the id over MPI
         // (`MPI_Init` happens here, once; `None` if the program already initialised MPI).
         #[cfg(feature = "mpi")]
@@ -209,13 +247,14 @@ impl LocalJob {
             }
             _ => None,
         };
-        LocalJob {
+        Ok(LocalJob {
             placement,
             exchange: Exchange::Auto,
             supervisor: None,
+            sharing: Sharing::from_env()?,
             #[cfg(feature = "mpi")]
             mpi,
-        }
+        })
     }
 
     /// This process's rank, world size and local rank.
@@ -314,19 +353,22 @@ impl LocalJob {
     /// cudarc's event tracking on for the whole context; it can join on a stream of its own
     /// with [`LocalJob::init_comm_on`].
     pub fn init_comm(&self) -> crate::Result<(Comm, Arc<CudaStream>)> {
-        init_comm(&self.placement, || self.exchange_checked())
+        init_comm(&self.placement, self.sharing, || self.exchange_checked())
     }
 
     /// The CUDA device of this rank, from the GPUs this process sees: the only one when it
-    /// sees one, else its local rank ([`Placement::device_ordinal`] has the rule).
+    /// sees one, else its local rank ([`Placement::device_ordinal`] has the rule); in a job
+    /// with more ranks than GPUs, the one it shares ([`Placement::device_ordinal_sharing`]).
     pub fn device(&self) -> crate::Result<usize> {
-        device_of(&self.placement)
+        device_of(&self.placement, self.sharing)
     }
 
     /// Like [`LocalJob::init_comm`], on a stream the caller chose. The stream must be on
     /// [`LocalJob::device`].
     pub fn init_comm_on(&self, stream: Arc<CudaStream>) -> crate::Result<Comm> {
-        join_on(&self.placement, stream, || self.exchange_checked())
+        join_on(&self.placement, self.sharing, stream, || {
+            self.exchange_checked()
+        })
     }
 
     /// Exchanges the id, then makes sure no spawned rank failed meanwhile: joining waits for
