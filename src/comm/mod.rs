@@ -88,8 +88,7 @@ use crate::error::{Error, Result};
 use crate::library::Library;
 
 /// How long [`Drop`] may take (the wait for enqueued work, then the orderly destroy), unless
-/// changed with
-/// [`Comm::set_drop_timeout`].
+/// changed with [`Comm::set_drop_timeout`].
 pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The address of a [`CudaContext`], compared and never followed: whether a buffer belongs
