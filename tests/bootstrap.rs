@@ -822,6 +822,32 @@ fn shared_gpus_go_by_local_rank() {
 }
 
 #[test]
+fn ranks_share_gpus_in_turn_only_when_sharing_is_on() {
+    use nccl::bootstrap::GpuSharing;
+    // 4 ranks on 2 GPUs: refused without sharing, in turn with it.
+    for local_rank in 0..4 {
+        let p = local(local_rank, Some(4));
+        assert!(p.device_ordinal_sharing(2, GpuSharing::Off).is_err());
+        for sharing in [GpuSharing::SimulatedHosts, GpuSharing::SharedGpu] {
+            assert_eq!(
+                p.device_ordinal_sharing(2, sharing).unwrap(),
+                local_rank % 2
+            );
+        }
+    }
+    // Enough GPUs: sharing changes nothing; no GPU: nothing to share.
+    assert_eq!(
+        local(1, Some(2))
+            .device_ordinal_sharing(2, GpuSharing::SimulatedHosts)
+            .unwrap(),
+        1
+    );
+    assert!(local(1, Some(2))
+        .device_ordinal_sharing(0, GpuSharing::SimulatedHosts)
+        .is_err());
+}
+
+#[test]
 fn fewer_gpus_than_local_ranks_is_an_error_naming_both_counts_and_the_fix() {
     // Several GPUs, but fewer than the ranks on the node: every rank fails, rank 0 too.
     for local_rank in [0, 3] {

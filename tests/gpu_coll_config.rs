@@ -14,7 +14,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::threaded::{gpu_test, init_threaded, nvls_off, per_rank};
+use common::threaded::{gpu_test, init_threaded, per_rank};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
 use nccl::{CollConfig, Comm, CommConfig, Error, Group, Operation, ReduceOp, Version};
@@ -22,22 +22,17 @@ use nccl::{CollConfig, Comm, CommConfig, Error, Group, Operation, ReduceOp, Vers
 const V2_31: Version = nccl::coll_config::COLL_CONFIG_SINCE;
 const V2_32: Version = nccl::coll_config::LAUNCH_EVENT_SINCE;
 
-fn gpus() -> usize {
-    nvls_off();
-    let count = CudaContext::device_count().expect("CUDA driver") as usize;
-    assert!(count >= 2, "these tests need 2 CUDA GPUs, found {count}");
-    count
-}
-
 fn version() -> Version {
     nccl::version().expect("NCCL loads")
 }
 
-/// One communicator per GPU, each created by its own thread on a stream of its own.
+/// One communicator per rank (see `common::shape`), each created by its own thread on a stream
+/// of its own.
 fn comms() -> Vec<Comm> {
-    let streams = (0..gpus())
-        .map(|rank| {
-            CudaContext::new(rank)
+    let streams = common::threaded::devices()
+        .into_iter()
+        .map(|device| {
+            CudaContext::new(device)
                 .and_then(|ctx| ctx.new_stream())
                 .expect("stream")
         })

@@ -6,9 +6,10 @@
 //! Like `gpu_multi_process`, the parent test re-executes its own binary once per rank (the
 //! `child_*` tests, which do nothing unless started that way) and passes the rank, size and
 //! unique id in the environment; it kills children with SIGKILL when a test asks for it, and
-//! on its own deadline. Every test uses all N GPUs present (N >= 2; below that it says so and
-//! passes): a killed rank leaves N - 1 survivors, one of them alone on 2 GPUs, which is a
-//! valid communicator.
+//! on its own deadline. Every test uses all N GPUs present (N >= 2); on a one-GPU host the
+//! network tests run three simulated hosts on GPU 0 and the same-host ones two ranks sharing
+//! it (NCCL 2.30+; see `common::shape`). A killed rank leaves N - 1 survivors, one of them
+//! alone of 2, which is a valid communicator.
 //!
 //! ```text
 //! cargo test --release --test gpu_fault_tolerance -- --include-ignored --test-threads=1 --nocapture
@@ -34,6 +35,7 @@ use nccl::{
 use common::procs::{
     epoch_ms, fields, free_port, gpus_or_skip, scratch_dir, simulated_node_env, var, Children,
 };
+use common::shape::{child_device, processes, Layout, Shape};
 use common::{run_all_types, Ranks, Rng};
 
 const CHILD_ENV: &str = "NCCL_RS_FT_CHILD";
@@ -66,27 +68,35 @@ fn wait_for_file(path: &Path, limit: Duration) -> bool {
 }
 
 /// Starts `test` as ranks `ranks` of `size` sharing `id` (created here, as a launcher-less
-/// job would), with `env` added for every rank.
+/// job would), placed as `layout` says, with `env` added for every rank.
 fn spawn(
     test: &str,
+    layout: &Layout,
     ranks: &[usize],
     size: usize,
     id: &UniqueId,
     env: &[(String, String)],
 ) -> Children {
     Children::spawn(test, ranks, |rank| {
-        let mut vars = vec![var(CHILD_ENV, format!("{rank},{size},{id}"))];
+        let mut vars = layout.env(rank);
+        vars.push(var(CHILD_ENV, format!("{rank},{size},{id}")));
         vars.extend_from_slice(env);
         vars
     })
 }
 
+/// The shapes of the tests about what a failure does to the network path: real GPUs, else
+/// simulated hosts (three, so that survivors are more than one).
+const NETWORK: &[Shape] = &[Shape::Gpus, Shape::Hosts];
+
 /// How the ranks of a kill test reach each other.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Transport {
-    /// One host, every GPU visible to every rank, NCCL's choice (NVLink/P2P on the lent hosts).
+    /// One host, every GPU visible to every rank, NCCL's choice (NVLink/P2P on the lent hosts;
+    /// P2P between two ranks sharing GPU 0 on a one-GPU host).
     NvLink,
-    /// One host, only the network: no P2P, no shared memory, the socket transport.
+    /// Only the network: no P2P, no shared memory, the socket transport (one host with a GPU
+    /// per rank, or simulated hosts).
     Socket,
     /// Each rank a machine of its own, as far as NCCL can tell (`simulated_node_env`: own
     /// host id, one GPU, sockets over loopback), started like a multi-node torchrun job.
@@ -99,9 +109,15 @@ enum Transport {
 fn kill_and_recover(mode: &str, transport: Transport) {
     let test = "child_kill_and_shrink";
     let label = format!("kill test ({transport:?}, {mode})");
-    let Some(n) = gpus_or_skip(&label, 2) else {
+    let shapes = match transport {
+        Transport::NvLink => &[Shape::Gpus, Shape::Shared][..],
+        Transport::Socket => NETWORK,
+        Transport::SimulatedNodes => &[Shape::Hosts][..],
+    };
+    let Some(layout) = processes(&label, shapes, 3) else {
         return;
     };
+    let n = layout.size();
     // A rank in the middle where there is one, so survivors on both sides are renumbered; of
     // two, rank 0, so the survivor becomes rank 0.
     let dead = (n - 1) / 2;
@@ -122,7 +138,7 @@ fn kill_and_recover(mode: &str, transport: Transport) {
                 env.push(var("NCCL_NET", "Socket"));
             }
             let id = UniqueId::new().expect("ncclGetUniqueId");
-            spawn(test, &all, n, &id, &env)
+            spawn(test, &layout, &all, n, &id, &env)
         }
         Transport::SimulatedNodes => {
             let port = free_port();
@@ -136,7 +152,7 @@ fn kill_and_recover(mode: &str, transport: Transport) {
             );
             Children::spawn(test, &all, |rank| {
                 // No id from here: rank 0 makes it and serves it over TCP, as in a real job.
-                let mut vars = simulated_node_env(rank, n, port, &run_id);
+                let mut vars = simulated_node_env(rank, n, layout.devices[rank], port, &run_id);
                 vars.push(var(CHILD_ENV, format!("{rank},{n}")));
                 vars.push(var(
                     SURVIVORS_ADDR_ENV,
@@ -239,14 +255,22 @@ fn killed_rank_is_detected_by_the_watchdog_and_survivors_shrink() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn rank_that_never_joins_init_times_out_cleanly() {
-    let Some(n) = gpus_or_skip("rank_that_never_joins_init_times_out_cleanly", 2) else {
+    let Some(layout) = processes("rank_that_never_joins_init_times_out_cleanly", NETWORK, 3) else {
         return;
     };
+    let n = layout.size();
     let id = UniqueId::new().expect("ncclGetUniqueId");
     let id2 = UniqueId::new().expect("ncclGetUniqueId");
     // Ranks 0..n-1 of n start; rank n - 1 never calls init.
     let started: Vec<usize> = (0..n - 1).collect();
-    let children = spawn("child_never_joins", &started, n, &id, &[var(ID2_ENV, id2)]);
+    let children = spawn(
+        "child_never_joins",
+        &layout,
+        &started,
+        n,
+        &id,
+        &[var(ID2_ENV, id2)],
+    );
     let lines = children.finish(Duration::from_secs(180));
     let timed_out = fields(&lines, "TIMED_OUT", "after_ms");
     assert_eq!(
@@ -265,14 +289,20 @@ fn rank_that_never_joins_init_times_out_cleanly() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn nonblocking_communicators_match_blocking_ones() {
-    let Some(n) = gpus_or_skip("nonblocking_communicators_match_blocking_ones", 2) else {
+    let Some(layout) = processes(
+        "nonblocking_communicators_match_blocking_ones",
+        &[Shape::Gpus, Shape::Hosts, Shape::Shared],
+        3,
+    ) else {
         return;
     };
+    let n = layout.size();
     let id = UniqueId::new().expect("ncclGetUniqueId");
     let id2 = UniqueId::new().expect("ncclGetUniqueId");
     let ranks: Vec<usize> = (0..n).collect();
     let children = spawn(
         "child_nonblocking_vs_blocking",
+        &layout,
         &ranks,
         n,
         &id,
@@ -286,14 +316,20 @@ fn nonblocking_communicators_match_blocking_ones() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn watchdog_and_abort_handle_end_a_stuck_collective() {
-    let Some(n) = gpus_or_skip("watchdog_and_abort_handle_end_a_stuck_collective", 2) else {
+    let Some(layout) = processes(
+        "watchdog_and_abort_handle_end_a_stuck_collective",
+        NETWORK,
+        3,
+    ) else {
         return;
     };
+    let n = layout.size();
     let dir = scratch_dir("ft-watchdog");
     let id = UniqueId::new().expect("ncclGetUniqueId");
     let ranks: Vec<usize> = (0..n).collect();
     let children = spawn(
         "child_watchdog",
+        &layout,
         &ranks,
         n,
         &id,
@@ -310,14 +346,20 @@ fn watchdog_and_abort_handle_end_a_stuck_collective() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn revoke_quiesces_a_stuck_communicator_or_is_unsupported() {
-    let Some(n) = gpus_or_skip("revoke_quiesces_a_stuck_communicator_or_is_unsupported", 2) else {
+    let Some(layout) = processes(
+        "revoke_quiesces_a_stuck_communicator_or_is_unsupported",
+        NETWORK,
+        3,
+    ) else {
         return;
     };
+    let n = layout.size();
     let dir = scratch_dir("ft-revoke");
     let id = UniqueId::new().expect("ncclGetUniqueId");
     let ranks: Vec<usize> = (0..n).collect();
     let children = spawn(
         "child_revoke",
+        &layout,
         &ranks,
         n,
         &id,
@@ -332,15 +374,17 @@ fn revoke_quiesces_a_stuck_communicator_or_is_unsupported() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn grow_adds_a_rank_or_is_unsupported() {
-    let Some(n) = gpus_or_skip("grow_adds_a_rank_or_is_unsupported", 2) else {
+    let Some(layout) = processes("grow_adds_a_rank_or_is_unsupported", NETWORK, 3) else {
         return;
     };
+    let n = layout.size();
     let dir = scratch_dir("ft-grow");
     let id = UniqueId::new().expect("ncclGetUniqueId");
     // Ranks 0..n-1 form the communicator; rank n - 1 joins it by growing it to n ranks.
     let ranks: Vec<usize> = (0..n).collect();
     let children = spawn(
         "child_grow",
+        &layout,
         &ranks,
         n - 1,
         &id,
@@ -461,11 +505,12 @@ fn env_path(name: &str) -> PathBuf {
     PathBuf::from(std::env::var(name).unwrap_or_else(|_| panic!("{name} not set")))
 }
 
-/// A stream on GPU `rank`: one process per GPU, every GPU visible.
+/// A stream on the GPU of `rank` (the parent's layout says which: see `common::shape`).
 fn stream_for(rank: usize) -> Arc<CudaStream> {
-    CudaContext::new(rank)
+    let device = child_device(rank);
+    CudaContext::new(device)
         .and_then(|ctx| ctx.new_stream())
-        .unwrap_or_else(|e| panic!("rank {rank}: a stream on GPU {rank}: {e}"))
+        .unwrap_or_else(|e| panic!("rank {rank}: a stream on GPU {device}: {e}"))
 }
 
 /// This rank's communicator under `config`, and its stream: on GPU `rank` from the parent's

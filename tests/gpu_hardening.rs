@@ -1,8 +1,11 @@
 //! Edge cases of a communicator's life on real GPUs: a nonblocking call that never completes,
 //! a destroy that fails, dropping stuck communicators together, point-to-point with oneself,
-//! streams of another device. Every test uses all GPUs present (at least 2).
+//! streams of another device. Every test uses all GPUs present (at least 2), or two ranks
+//! sharing GPU 0 on a one-GPU host (NCCL 2.30+; see `common::shape`).
 //!
 //! Run on a GPU host with `cargo test --test gpu_hardening -- --include-ignored`.
+
+mod common;
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -10,19 +13,16 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use nccl::{Comm, CommConfig, Error, Group, ReduceOp, UniqueId};
 
-/// Every GPU of the host, or `None` (the test then passes with a message) below two.
-fn gpus() -> Option<usize> {
-    let count = CudaContext::device_count().expect("CUDA driver") as usize;
-    if count < 2 {
-        eprintln!("skipped: needs at least 2 CUDA GPUs, found {count}");
-        return None;
-    }
-    Some(count)
+/// The GPU of each rank: every GPU of the host, or GPU 0 twice (NCCL 2.30+); `None` (the
+/// test then passes, having said why) where neither is possible (see `common::shape`).
+fn gpus(test: &str) -> Option<Vec<usize>> {
+    common::shape::threaded(test).map(|layout| layout.devices)
 }
 
+/// A stream of its own on `device` (two ranks sharing a GPU need one each).
 fn stream_on(device: usize) -> Arc<CudaStream> {
     CudaContext::new(device)
-        .map(|ctx| ctx.default_stream())
+        .and_then(|ctx| ctx.new_stream())
         .expect("CUDA context")
 }
 
@@ -39,16 +39,20 @@ fn random(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// One communicator per GPU from `Comm::init_all`.
-fn all_comms(n: usize) -> Vec<Comm> {
-    let streams: Vec<_> = (0..n).map(stream_on).collect();
+/// One communicator per rank from `Comm::init_all`.
+fn all_comms(devices: &[usize]) -> Vec<Comm> {
+    let streams: Vec<_> = devices.iter().map(|&d| stream_on(d)).collect();
     Comm::init_all(&streams).expect("ncclCommInitAll")
 }
 
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn stuck_nonblocking_call_aborts_before_its_buffers_are_released() {
-    let Some(n) = gpus() else { return };
+    let Some(devices) = gpus("stuck_nonblocking_call_aborts_before_its_buffers_are_released")
+    else {
+        return;
+    };
+    let n = devices.len();
     // Connections are made by the first collective that needs them; while rank 0 is alone
     // in it, that setup (and so the call) stays in progress.
     std::env::set_var("NCCL_RUNTIME_CONNECT", "1");
@@ -56,9 +60,9 @@ fn stuck_nonblocking_call_aborts_before_its_buffers_are_released() {
     let rank0_done = Barrier::new(n);
     std::thread::scope(|scope| {
         for rank in 0..n {
-            let (id, rank0_done) = (&id, &rank0_done);
+            let (id, rank0_done, devices) = (&id, &rank0_done, &devices);
             scope.spawn(move || {
-                let stream = stream_on(rank);
+                let stream = stream_on(devices[rank]);
                 let config = CommConfig::new()
                     .blocking(false)
                     .ready_timeout(Duration::from_secs(120));
@@ -109,13 +113,16 @@ fn stuck_nonblocking_call_aborts_before_its_buffers_are_released() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn destroy_gives_the_communicator_back_when_it_fails() {
-    let Some(n) = gpus() else { return };
+    let Some(devices) = gpus("destroy_gives_the_communicator_back_when_it_fails") else {
+        return;
+    };
+    let n = devices.len();
     let id = UniqueId::new().unwrap();
     std::thread::scope(|scope| {
         for rank in 0..n {
-            let id = &id;
+            let (id, devices) = (&id, &devices);
             scope.spawn(move || {
-                let stream = stream_on(rank);
+                let stream = stream_on(devices[rank]);
                 let config = CommConfig::new().blocking(false);
                 let comm = Comm::init_rank_with_config(stream.clone(), id, rank, n, &config)
                     .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
@@ -153,8 +160,11 @@ fn destroy_gives_the_communicator_back_when_it_fails() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn dropping_stuck_sibling_communicators_takes_one_drop_timeout() {
-    let Some(n) = gpus() else { return };
-    let mut comms = all_comms(n);
+    let Some(devices) = gpus("dropping_stuck_sibling_communicators_takes_one_drop_timeout") else {
+        return;
+    };
+    let n = devices.len();
+    let mut comms = all_comms(&devices);
     // Larger than NCCL's per-peer buffers, so a send without its receive cannot finish.
     let len = 16 << 20;
     let send: Vec<CudaSlice<f32>> = comms
@@ -235,8 +245,11 @@ fn dropping_stuck_sibling_communicators_takes_one_drop_timeout() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn point_to_point_with_oneself_needs_a_group() {
-    let Some(n) = gpus() else { return };
-    let comms = all_comms(n);
+    let Some(devices) = gpus("point_to_point_with_oneself_needs_a_group") else {
+        return;
+    };
+    let n = devices.len();
+    let comms = all_comms(&devices);
     let len = 1 << 16;
     for comm in &comms {
         let rank = comm.rank();
@@ -266,26 +279,33 @@ fn point_to_point_with_oneself_needs_a_group() {
         assert_eq!(stream.clone_dtoh(&dst).unwrap(), data, "rank {rank}");
     }
     // A stream of another device is refused with the same rule as a buffer of one.
-    let other = comms[1].stream().clone();
-    let src = comms[0].stream().clone_htod(&random(1, len)).unwrap();
-    let mut dst: CudaSlice<f32> = comms[0].stream().alloc_zeros(len).unwrap();
-    let err = comms[0]
-        .enqueue_on(
-            &other,
-            nccl::Operation::all_reduce(&src, &mut dst, ReduceOp::Sum),
-        )
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("the stream is on device 1"),
-        "{err}"
-    );
-    let foreign: CudaSlice<f32> = other.alloc_zeros(len).unwrap();
-    let err = comms[0]
-        .all_reduce(&foreign, &mut dst, ReduceOp::Sum)
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("the send buffer is on device 1"),
-        "{err}"
-    );
+    if devices[1] == devices[0] {
+        println!(
+            "ranks share GPU {}: no other device for the foreign-stream case",
+            devices[0]
+        );
+    } else {
+        let other = comms[1].stream().clone();
+        let src = comms[0].stream().clone_htod(&random(1, len)).unwrap();
+        let mut dst: CudaSlice<f32> = comms[0].stream().alloc_zeros(len).unwrap();
+        let err = comms[0]
+            .enqueue_on(
+                &other,
+                nccl::Operation::all_reduce(&src, &mut dst, ReduceOp::Sum),
+            )
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("the stream is on device 1"),
+            "{err}"
+        );
+        let foreign: CudaSlice<f32> = other.alloc_zeros(len).unwrap();
+        let err = comms[0]
+            .all_reduce(&foreign, &mut dst, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("the send buffer is on device 1"),
+            "{err}"
+        );
+    }
     println!("SELF_P2P_OK n={n}");
 }

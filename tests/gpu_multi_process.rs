@@ -1,5 +1,7 @@
-//! One process per GPU, as under mpirun: the test re-executes its own binary once per rank
-//! (N = every GPU present, N >= 2), passing the unique id as hex in the environment.
+//! One process per rank, as under mpirun: the test re-executes its own binary once per rank,
+//! passing the unique id as hex in the environment. N = every GPU present (N >= 2); on a
+//! one-GPU host two ranks share GPU 0 as one LSA team (NCCL 2.30+), else three simulated
+//! hosts share it over NCCL's socket transport (see `common::shape`).
 //!
 //! Run on a GPU host with `cargo test --test gpu_multi_process -- --include-ignored`.
 
@@ -10,21 +12,25 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaSlice};
 use nccl::{Comm, PreMulSum, ReduceOp, UniqueId};
 
-use common::procs::{fields, gpus_or_skip, var, Children};
+use common::procs::{fields, var, Children};
+use common::shape::{child_device, processes, Shape};
 use common::{run_all_types, Ranks};
 
 const CHILD_ENV: &str = "NCCL_RS_TEST_CHILD";
 
-/// Starts one child per GPU running `test`, waits (bounded) for all of them, and checks that
+/// Starts one child per rank running `test`, waits (bounded) for all of them, and checks that
 /// every rank printed `DONE rank=...` (a child that found no marker would pass doing nothing).
-fn run_children(test: &str) {
-    let Some(size) = gpus_or_skip(test, 2) else {
+fn run_children(parent: &str, test: &str) {
+    let Some(layout) = processes(parent, &[Shape::Gpus, Shape::Shared, Shape::Hosts], 3) else {
         return;
     };
+    let size = layout.size();
     let id = UniqueId::new().expect("ncclGetUniqueId");
     let ranks: Vec<usize> = (0..size).collect();
     let children = Children::spawn(test, &ranks, |rank| {
-        vec![var(CHILD_ENV, format!("{rank},{size},{id}"))]
+        let mut vars = layout.env(rank);
+        vars.push(var(CHILD_ENV, format!("{rank},{size},{id}")));
+        vars
     });
     let lines = children.finish(Duration::from_secs(600));
     let mut done: Vec<usize> = fields(&lines, "DONE", "rank")
@@ -42,14 +48,15 @@ fn child_comm() -> Option<Comm> {
     let rank: usize = parts.next()?.parse().ok()?;
     let size: usize = parts.next()?.parse().ok()?;
     let id: UniqueId = parts.next()?.parse().expect("id hex");
-    let stream = CudaContext::new(rank)
+    let device = child_device(rank);
+    let stream = CudaContext::new(device)
         .and_then(|ctx| ctx.new_stream())
-        .unwrap_or_else(|e| panic!("rank {rank}: a stream on GPU {rank}: {e}"));
+        .unwrap_or_else(|e| panic!("rank {rank}: a stream on GPU {device}: {e}"));
     let comm = Comm::init_rank(stream, &id, rank, size)
         .unwrap_or_else(|e| panic!("rank {rank}: ncclCommInitRank: {e}"));
     assert_eq!(
         (comm.rank(), comm.size(), comm.device()),
-        (rank, size, rank)
+        (rank, size, device)
     );
     Some(comm)
 }
@@ -57,7 +64,10 @@ fn child_comm() -> Option<Comm> {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn every_collective_type_and_op_one_process_per_gpu() {
-    run_children("child_full_matrix");
+    run_children(
+        "every_collective_type_and_op_one_process_per_gpu",
+        "child_full_matrix",
+    );
 }
 
 #[test]
@@ -82,7 +92,10 @@ fn child_full_matrix() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn split_premulsum_device_scalar_and_orderly_shutdown() {
-    run_children("child_split_and_shutdown");
+    run_children(
+        "split_premulsum_device_scalar_and_orderly_shutdown",
+        "child_split_and_shutdown",
+    );
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! One process driving every visible GPU (N >= 2): `Comm::init_all` and `Group`.
+//! One process driving every visible GPU (N >= 2), or two ranks sharing GPU 0 on a one-GPU
+//! host (NCCL 2.30+, see `common::shape`): `Comm::init_all` and `Group`.
 //!
 //! Run on a GPU host with `cargo test --test gpu_single_process -- --include-ignored`.
 
@@ -6,29 +7,25 @@ mod common;
 
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaSlice};
+use cudarc::driver::CudaSlice;
 use nccl::{Comm, Error, Group, Operation, ReduceOp};
 
-use common::procs::gpus_or_skip;
 use common::{run_all_types, Ranks};
 
-/// One communicator per visible GPU, or `None` (the test is skipped) below 2 GPUs.
+/// One communicator per rank from `Comm::init_all`: every visible GPU, or GPU 0 twice on a
+/// one-GPU host (NCCL 2.30+); `None` (the test is skipped, saying why) where neither works.
 fn all_gpus(test: &str) -> Option<Ranks> {
-    let count = gpus_or_skip(test, 2)?;
-    let streams: Vec<_> = (0..count)
-        .map(|i| {
-            CudaContext::new(i)
-                .and_then(|ctx| ctx.new_stream())
-                .expect("stream")
-        })
-        .collect();
-    let comms = Comm::init_all(&streams).expect("ncclCommInitAll");
+    let layout = common::shape::threaded(test)?;
+    let comms = Comm::init_all(&layout.streams()).expect("ncclCommInitAll");
     for (i, comm) in comms.iter().enumerate() {
         assert_eq!(comm.rank(), i);
-        assert_eq!(comm.size(), count);
-        assert_eq!(comm.device(), i);
+        assert_eq!(comm.size(), layout.size());
+        assert_eq!(comm.device(), layout.devices[i]);
     }
-    Some(Ranks { comms, size: count })
+    Some(Ranks {
+        comms,
+        size: layout.size(),
+    })
 }
 
 #[test]
@@ -66,12 +63,16 @@ fn invalid_calls_are_rejected_and_leave_the_group_usable() {
         .all_reduce(&a, &mut short, ReduceOp::Sum)
         .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-    // A buffer on another GPU.
-    let mut other_gpu: CudaSlice<f32> = s1.alloc_zeros(16).unwrap();
-    let err = ranks.comms[0]
-        .all_reduce(&a, &mut other_gpu, ReduceOp::Sum)
-        .unwrap_err();
-    assert!(err.to_string().contains("device 1"), "{err}");
+    // A buffer on another GPU (where rank 1 has one of its own).
+    if ranks.comms[1].device() != ranks.comms[0].device() {
+        let mut other_gpu: CudaSlice<f32> = s1.alloc_zeros(16).unwrap();
+        let err = ranks.comms[0]
+            .all_reduce(&a, &mut other_gpu, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(err.to_string().contains("device 1"), "{err}");
+    } else {
+        println!("ranks share one GPU: no other device for the foreign-buffer case");
+    }
     // Root out of range.
     let mut buf: CudaSlice<f32> = s0.alloc_zeros(16).unwrap();
     let err = ranks.comms[0].broadcast_in_place(&mut buf, n).unwrap_err();

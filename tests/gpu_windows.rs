@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::threaded::{gpu_test, init_threaded, nvls_off, per_rank, Deadline};
+use common::threaded::{gpu_test, init_threaded, per_rank, Deadline};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use nccl::config::CtaPolicy;
@@ -33,11 +33,9 @@ const SYNC: Duration = Duration::from_secs(60);
 // Harness
 // ---------------------------------------------------------------------------------------
 
-fn gpus() -> usize {
-    nvls_off();
-    let count = CudaContext::device_count().expect("CUDA driver") as usize;
-    assert!(count >= 2, "these tests need 2 CUDA GPUs, found {count}");
-    count
+/// The GPU of each rank: every GPU, or GPU 0 twice on a one-GPU host (see `common::shape`).
+fn devices() -> Vec<usize> {
+    common::threaded::devices()
 }
 
 fn version() -> Version {
@@ -52,7 +50,7 @@ fn stream(device: usize) -> Arc<CudaStream> {
 
 /// One communicator per GPU, each created by its own thread with `config`.
 fn comms(config: &CommConfig) -> Vec<Comm> {
-    init_threaded((0..gpus()).map(stream).collect(), config)
+    init_threaded(devices().into_iter().map(stream).collect(), config)
 }
 
 /// Re-executes this binary to run `test` with `env` added, and fails if it fails.
@@ -624,12 +622,9 @@ fn rma_mismatched_counts_time_out_instead_of_hanging() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn null_window_is_unavailable_and_gives_the_buffer_back() {
-    if common::procs::gpus_or_skip("null_window_is_unavailable_and_gives_the_buffer_back", 2)
-        .is_none()
-    {
+    if common::shape::threaded("null_window_is_unavailable_and_gives_the_buffer_back").is_none() {
         return;
     }
-    gpus();
     // NCCL reads its parameters once per process: a fresh one, with windows disabled.
     run_child(
         "child_null_window",
@@ -645,7 +640,8 @@ fn child_null_window() {
     }
     let _deadline = Deadline::new("child_null_window", Duration::from_secs(240));
     let v = version();
-    let n = gpus();
+    let devices = devices();
+    let n = devices.len();
     let expect_no_window = |err: &Error, what: &str| {
         if v < SYMMETRIC {
             assert!(matches!(err, Error::Unsupported { .. }), "{what}: {err}");
@@ -671,7 +667,7 @@ fn child_null_window() {
         comm.synchronize_timeout(SYNC).unwrap();
     });
     // The same in one NCCL group, from one thread.
-    let streams: Vec<_> = (0..n).map(stream).collect();
+    let streams: Vec<_> = devices.into_iter().map(stream).collect();
     let all = Comm::init_all(&streams).unwrap();
     let buffers = all
         .iter()
@@ -700,14 +696,15 @@ fn registration_in_a_group_and_on_nonblocking_communicators() {
         println!("NCCL {v} has no windows");
         return;
     }
-    let n = gpus();
+    let devices = devices();
+    let n = devices.len();
     let c = 1 << 12;
     let sum: Vec<i64> = (0..c)
         .map(|i| (0..n).map(|q| data(7, q, c)[i]).sum())
         .collect();
 
     // One thread drives every communicator: registration goes through one NCCL group.
-    let streams: Vec<_> = (0..n).map(stream).collect();
+    let streams: Vec<_> = devices.into_iter().map(stream).collect();
     let all = Comm::init_all(&streams).unwrap();
     {
         // Inside a caller's Group a registration would not be valid until the group ends:
@@ -826,10 +823,9 @@ fn windows_outlive_an_abort_of_their_communicator() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn rma_captured_in_a_cuda_graph_replays() {
-    if common::procs::gpus_or_skip("rma_captured_in_a_cuda_graph_replays", 2).is_none() {
+    if common::shape::threaded("rma_captured_in_a_cuda_graph_replays").is_none() {
         return;
     }
-    gpus();
     // Captured work must not wait for events recorded outside the capture: the child turns
     // cudarc's event tracking off, which must not leak into other tests.
     run_child("child_rma_graph", &[]);
@@ -847,7 +843,8 @@ fn child_rma_graph() {
         println!("NCCL {v} has no one-sided RMA");
         return;
     }
-    let streams = (0..gpus())
+    let streams = devices()
+        .into_iter()
         .map(|device| {
             let ctx = CudaContext::new(device).unwrap();
             // SAFETY: nothing was allocated on this context yet, and every stream below is
@@ -996,7 +993,7 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
         println!("NCCL {v} has no windows");
         return;
     }
-    let devices = gpus();
+    let devices = devices();
     per_rank(comms(&CommConfig::new()), |comm, barrier| {
         let (r, n) = (comm.rank(), comm.size());
         let next = (r + 1) % n;
@@ -1004,13 +1001,17 @@ fn misuse_is_rejected_with_typed_errors_and_leaves_the_communicator_usable() {
             assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err}");
         };
         // A buffer on another GPU, an empty one, undefined flag bits: refused, buffer back.
-        let foreign =
-            NcclBuffer::<f32>::alloc_zeros(&stream((comm.device() + 1) % devices), 64).unwrap();
-        let err = comm
-            .register_window(foreign, WindowFlags::COLL_SYMMETRIC)
-            .unwrap_err();
-        invalid(err.error(), "buffer on another device");
-        assert_eq!(err.into_buffer().map(|b| b.len()), Some(64));
+        match devices.iter().find(|&&d| d != comm.device()) {
+            Some(&other) => {
+                let foreign = NcclBuffer::<f32>::alloc_zeros(&stream(other), 64).unwrap();
+                let err = comm
+                    .register_window(foreign, WindowFlags::COLL_SYMMETRIC)
+                    .unwrap_err();
+                invalid(err.error(), "buffer on another device");
+                assert_eq!(err.into_buffer().map(|b| b.len()), Some(64));
+            }
+            None => println!("rank {r}: no other GPU here for the foreign-buffer case"),
+        }
         let empty = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 0).unwrap();
         let err = comm
             .register_window(empty, WindowFlags::COLL_SYMMETRIC)

@@ -37,9 +37,13 @@ pub(super) fn device_of(placement: &Placement, sharing: Sharing) -> crate::Resul
     let visible = crate::library::cuda_device_count()?;
     let device = placement.device_ordinal_sharing(visible, sharing.sharing)?;
     if sharing.sharing != GpuSharing::Off && placement.outnumbers(visible) {
-        let ranks = placement.local_world_size.unwrap_or(placement.local_rank + 1);
+        let ranks = placement
+            .local_world_size
+            .unwrap_or(placement.local_rank + 1);
         let version = crate::library::get().ok().map(|lib| lib.version());
-        sharing.sharing.check(ranks, visible, version, &process_var)?;
+        sharing
+            .sharing
+            .check(ranks, visible, version, &process_var)?;
         if sharing.sharing == GpuSharing::SimulatedHosts
             && !sharing.own_host
             && lookup(&process_var, HOST_ID_VAR).is_none()

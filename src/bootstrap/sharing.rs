@@ -12,11 +12,11 @@
 //! Either way the ranks time-slice the GPU: results are real, speed is not.
 
 use super::env::{lookup, vars, Vars};
+use super::{BootstrapError, Result};
 use crate::comm::{
     MULTI_RANK_GPU_MAX as SHARED_GPU_MAX_RANKS, MULTI_RANK_GPU_SINCE as SHARED_GPU_SINCE,
     MULTI_RANK_GPU_VAR,
 };
-use super::{BootstrapError, Result};
 
 /// The variable that makes NCCL see a process as a host of its own.
 pub(crate) const HOST_ID_VAR: &str = "NCCL_HOSTID";
@@ -258,11 +258,8 @@ mod tests {
         assert!(got.contains(&("NCCL_SOCKET_IFNAME", "lo".to_owned())));
         assert!(got.contains(&("NCCL_RS_GPU_SHARING", "hosts".to_owned())));
         // A user's interface choice stands.
-        let own = GpuSharing::SimulatedHosts.child_vars(
-            1,
-            "k",
-            &vars(&[("NCCL_SOCKET_IFNAME", "eth0")]),
-        );
+        let own =
+            GpuSharing::SimulatedHosts.child_vars(1, "k", &vars(&[("NCCL_SOCKET_IFNAME", "eth0")]));
         assert!(!own.iter().any(|(k, _)| *k == "NCCL_SOCKET_IFNAME"));
         let shared = GpuSharing::SharedGpu.child_vars(1, "k", &vars(&[]));
         assert_eq!(shared, vec![("NCCL_RS_GPU_SHARING", "shared".to_owned())]);

@@ -12,6 +12,7 @@
 #![allow(dead_code)]
 
 pub mod procs;
+pub mod shape;
 pub mod threaded;
 
 use std::sync::Arc;

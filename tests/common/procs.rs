@@ -60,20 +60,10 @@ pub const LAUNCHER_VARS: &[&str] = &[
 /// for it, but may be about to report something useful.
 const GRACE_AFTER_FAILURE: Duration = Duration::from_secs(30);
 
-/// The number of visible CUDA GPUs when there are at least `min`; otherwise prints why the
-/// test is skipped and returns `None` (the test then returns and passes).
+/// The number of visible CUDA GPUs when there are at least `min`; otherwise says why the
+/// test is skipped (see [`super::shape::skip`]) and returns `None` (the test then returns).
 pub fn gpus_or_skip(test: &str, min: usize) -> Option<usize> {
-    match nccl::library::cuda_device_count() {
-        Ok(count) if count >= min => Some(count),
-        Ok(count) => {
-            eprintln!("SKIPPED {test}: needs at least {min} CUDA GPUs, {count} visible");
-            None
-        }
-        Err(err) => {
-            eprintln!("SKIPPED {test}: needs at least {min} CUDA GPUs: {err}");
-            None
-        }
-    }
+    super::shape::gpus(test, min)
 }
 
 /// A `(name, value)` pair of a child's environment.
@@ -139,23 +129,25 @@ pub fn gpu_uuid(ordinal: usize) -> String {
 /// every rank runs alone on a machine of its own, with NCCL made to treat the ranks of this
 /// one host as separate machines: a host id of its own (`NCCL_HOSTID`), no peer-to-peer or
 /// shared-memory transport, only the socket network over loopback, no NVLink multicast nor
-/// multi-node NVLink; one GPU visible, and the launcher's variables (`LOCAL_RANK=0` of
+/// multi-node NVLink; one GPU visible (this process's `gpu`, which several simulated nodes
+/// may share), and the launcher's variables (`LOCAL_RANK=0` of
 /// `LOCAL_WORLD_SIZE=1`, the TCP rendezvous at `MASTER_ADDR=127.0.0.1:master_port`).
 pub fn simulated_node_env(
     rank: usize,
     size: usize,
+    gpu: usize,
     master_port: u16,
     run_id: &str,
 ) -> Vec<(String, String)> {
     vec![
-        var("NCCL_HOSTID", format!("node{rank}")),
+        var("NCCL_HOSTID", format!("{run_id}-node{rank}")),
         var("NCCL_P2P_DISABLE", 1),
         var("NCCL_SHM_DISABLE", 1),
         var("NCCL_NET", "Socket"),
         var("NCCL_SOCKET_IFNAME", "lo"),
         var("NCCL_NVLS_ENABLE", 0),
         var("NCCL_MNNVL_ENABLE", 0),
-        var("CUDA_VISIBLE_DEVICES", visible_gpu(rank)),
+        var("CUDA_VISIBLE_DEVICES", visible_gpu(gpu)),
         var("RANK", rank),
         var("WORLD_SIZE", size),
         var("GROUP_RANK", rank),
@@ -169,10 +161,15 @@ pub fn simulated_node_env(
 }
 
 /// The environment `mpirun -np size` (Open MPI, one node) gives rank `rank` when a wrapper
-/// script narrows `CUDA_VISIBLE_DEVICES` to the rank's own GPU, as
+/// script narrows `CUDA_VISIBLE_DEVICES` to the rank's GPU `gpu`, as
 /// `srun --gpus-per-task=1` or a one-GPU container does: the rank sees one GPU while its
 /// local rank runs up to `size - 1`.
-pub fn one_gpu_per_task_env(rank: usize, size: usize, job_id: &str) -> Vec<(String, String)> {
+pub fn one_gpu_per_task_env(
+    rank: usize,
+    size: usize,
+    gpu: usize,
+    job_id: &str,
+) -> Vec<(String, String)> {
     vec![
         var("OMPI_COMM_WORLD_RANK", rank),
         var("OMPI_COMM_WORLD_SIZE", size),
@@ -182,7 +179,7 @@ pub fn one_gpu_per_task_env(rank: usize, size: usize, job_id: &str) -> Vec<(Stri
         var("OMPI_MCA_ess_base_jobid", job_id),
         var("PMIX_RANK", rank),
         var("PMIX_NAMESPACE", format!("prterun-{job_id}@1")),
-        var("CUDA_VISIBLE_DEVICES", visible_gpu(rank)),
+        var("CUDA_VISIBLE_DEVICES", visible_gpu(gpu)),
         var("NCCL_RS_BOOTSTRAP_TIMEOUT", 90),
     ]
 }

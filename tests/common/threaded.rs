@@ -2,26 +2,29 @@
 //! thread, each rank's work on its own thread, multicast off, and a deadline that ends a hung
 //! test instead of the whole run hanging.
 
-use std::sync::{mpsc, Arc, Barrier, Once};
+use std::sync::{mpsc, Arc, Barrier};
 use std::time::Duration;
 
 use cudarc::driver::CudaStream;
 use nccl::{Comm, CommConfig, UniqueId};
 
-/// Multicast (NVLS) stays off in anything that launches NCCL (the runner sets it too).
+/// Multicast (NVLS) stays off in anything that launches NCCL (the runner sets it too), and
+/// GPU 0 may hold two ranks where the threaded tests put two there (see `shape`).
 pub fn nvls_off() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-            std::env::set_var("NCCL_NVLS_ENABLE", "0");
-        }
-    });
+    super::shape::setup();
 }
 
-/// The start of a threaded GPU test: `None` (the test then passes, having said why) with
-/// fewer than 2 GPUs, else the [`Deadline`] that ends it if it hangs past `limit`.
+/// The GPU of each rank of the threaded tests: one GPU each where there are 2+, else GPU 0
+/// twice (NCCL 2.30+); see [`super::shape::threaded`].
+pub fn devices() -> Vec<usize> {
+    super::shape::threaded_devices()
+}
+
+/// The start of a threaded GPU test: `None` (the test then passes, having said why, and the
+/// suite's summary lists it as skipped) where its ranks cannot run here, else the
+/// [`Deadline`] that ends it if it hangs past `limit`.
 pub fn gpu_test(test: &'static str, limit: Duration) -> Option<Deadline> {
-    super::procs::gpus_or_skip(test, 2)?;
+    super::shape::threaded(test)?;
     Some(Deadline::new(test, limit))
 }
 
@@ -53,7 +56,7 @@ impl Drop for Deadline {
     }
 }
 
-/// One communicator per stream (stream `i` on GPU `i`), each created by its own thread with
+/// One communicator per stream (stream `i` for rank `i`), each created by its own thread with
 /// `config` (a blocking init waits for every rank, so they cannot be made one after another).
 pub fn init_threaded(streams: Vec<Arc<CudaStream>>, config: &CommConfig) -> Vec<Comm> {
     let n = streams.len();

@@ -195,7 +195,11 @@ impl Placement {
     /// Like [`Placement::device_ordinal`], but where the node has more ranks than visible
     /// GPUs and `sharing` is not [`GpuSharing::Off`], the ranks share the GPUs out in turn
     /// (local rank modulo the GPU count) instead of failing.
-    pub fn device_ordinal_sharing(&self, visible_gpus: usize, sharing: GpuSharing) -> Result<usize> {
+    pub fn device_ordinal_sharing(
+        &self,
+        visible_gpus: usize,
+        sharing: GpuSharing,
+    ) -> Result<usize> {
         let fits = match (visible_gpus, self.local_world_size) {
             (0, _) => false,
             (1, _) => return Ok(0),
