@@ -291,7 +291,10 @@ fn child_one_gpu_per_task() {
 /// the other ranks itself. Returns what all ranks printed.
 fn spawn_local_job(ranks: usize, env: Vec<(String, String)>) -> Vec<(usize, String)> {
     let children = Children::spawn("child_spawn_local", &[0], |_| {
-        let mut vars = env.clone();
+        // What the job is given and nothing this test process set for its own ranks (the
+        // threaded tests may have let ranks share GPU 0).
+        let mut vars = vec![var("NCCL_MULTI_RANK_GPU_ENABLE", 0)];
+        vars.extend(env.clone());
         vars.push(var(SPAWN_ENV, 1));
         vars.push(var("NCCL_RS_LOCAL_RANKS", ranks));
         vars.push(var("CUDA_VISIBLE_DEVICES", common::procs::visible_gpu(0)));
