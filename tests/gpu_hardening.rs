@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::procs::{var, Children};
+
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -48,14 +50,34 @@ fn all_comms(devices: &[usize]) -> Vec<Comm> {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn stuck_nonblocking_call_aborts_before_its_buffers_are_released() {
-    let Some(devices) = gpus("stuck_nonblocking_call_aborts_before_its_buffers_are_released")
-    else {
+    let test = "stuck_nonblocking_call_aborts_before_its_buffers_are_released";
+    if gpus(test).is_none() {
         return;
-    };
-    let n = devices.len();
+    }
     // Connections are made by the first collective that needs them; while rank 0 is alone
-    // in it, that setup (and so the call) stays in progress.
-    std::env::set_var("NCCL_RUNTIME_CONNECT", "1");
+    // in it, that setup (and so the call) stays in progress. NCCL reads the switch once per
+    // process (and the shared-GPU shape turns it off), so in a process of its own.
+    let children = Children::spawn("child_stuck_nonblocking_call", &[0], |_| {
+        vec![var(STUCK_CHILD_ENV, 1), var("NCCL_RUNTIME_CONNECT", 1)]
+    });
+    let lines = children.finish(Duration::from_secs(240));
+    assert!(
+        lines.iter().any(|(_, l)| l.contains("STUCK_CALL_OK")),
+        "the child reports: {lines:?}"
+    );
+}
+
+/// Marks the child process of `stuck_nonblocking_call_aborts_before_its_buffers_are_released`.
+const STUCK_CHILD_ENV: &str = "NCCL_RS_STUCK_CHILD";
+
+#[test]
+#[ignore = "child process of stuck_nonblocking_call_aborts_before_its_buffers_are_released"]
+fn child_stuck_nonblocking_call() {
+    if std::env::var_os(STUCK_CHILD_ENV).is_none() {
+        return;
+    }
+    let devices = common::threaded::devices();
+    let n = devices.len();
     let id = UniqueId::new().unwrap();
     let rank0_done = Barrier::new(n);
     std::thread::scope(|scope| {

@@ -12,12 +12,13 @@
 //! The ranks run as simulated hosts (each its own `NCCL_HOSTID`, NET/Socket over loopback),
 //! also on a multi-GPU host: that is the path where the proxy carries the data. Each rank, in
 //! a loop: split a child from the parent communicator, all-reduce 1 MiB on it, synchronize,
-//! check, and end the child at once, in each of the crate's ways; every failure of either
-//! rank counts. A control round ends the child with `abort()` (what Drop did before) and
+//! check, and end the child at once; every failure of either rank counts. One job of two
+//! ranks per way of ending (drop; finalize, drop; finalize, destroy), 300 iterations each,
+//! all jobs at once. A control job ends the child with `abort()` (what Drop did before) and
 //! only reports its count, so a run shows the race is there to be lost.
 //!
 //! ```text
-//! NCCL_RS_TEARDOWN_ITERS=300 cargo test --release --test gpu_teardown -- --include-ignored --nocapture
+//! NCCL_RS_TEARDOWN_ITERS=300 NCCL_RS_TEARDOWN_CONTROL_ITERS=100 cargo test --release --test gpu_teardown -- --include-ignored --nocapture
 //! ```
 
 mod common;
@@ -31,9 +32,13 @@ use common::procs::{fields, var, Children};
 use common::shape::{child_device, processes, Shape};
 
 const CHILD_ENV: &str = "NCCL_RS_TEARDOWN_CHILD";
+const END_ENV: &str = "NCCL_RS_TEARDOWN_END";
+/// Iterations per way of ending of the crate's, unless set.
 const ITERS_ENV: &str = "NCCL_RS_TEARDOWN_ITERS";
-/// Iterations per way of ending, unless `NCCL_RS_TEARDOWN_ITERS` says otherwise.
 const DEFAULT_ITERS: usize = 300;
+/// Iterations of the control (`abort()`), unless set.
+const CONTROL_ITERS_ENV: &str = "NCCL_RS_TEARDOWN_CONTROL_ITERS";
+const DEFAULT_CONTROL_ITERS: usize = 100;
 /// Elements per all-reduce: 1 MiB of f32, several chunks on the socket transport.
 const LEN: usize = 1 << 18;
 
@@ -57,11 +62,19 @@ const ENDS: [End; 4] = [
     End::Abort,
 ];
 
-fn iterations() -> usize {
-    std::env::var(ITERS_ENV)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(DEFAULT_ITERS)
+impl End {
+    /// The iterations of this way: `NCCL_RS_TEARDOWN_ITERS` (300) for the crate's,
+    /// `NCCL_RS_TEARDOWN_CONTROL_ITERS` (100) for the control.
+    fn iterations(self) -> usize {
+        let (var, default) = match self {
+            End::Abort => (CONTROL_ITERS_ENV, DEFAULT_CONTROL_ITERS),
+            _ => (ITERS_ENV, DEFAULT_ITERS),
+        };
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
 }
 
 #[test]
@@ -72,26 +85,31 @@ fn ending_a_communicator_never_fails_a_peer_s_completed_collective() {
         return;
     };
     let n = layout.size();
-    let iters = iterations();
-    let id = UniqueId::new().expect("ncclGetUniqueId");
     let ranks: Vec<usize> = (0..n).collect();
     let start = Instant::now();
-    let children = Children::spawn("child_teardown", &ranks, |rank| {
-        let mut vars = layout.env(rank);
-        vars.push(var(CHILD_ENV, format!("{rank},{n},{id}")));
-        vars.push(var(ITERS_ENV, iters));
-        vars
-    });
-    let lines = children.finish(Duration::from_secs(1500));
-    println!(
-        "[{test}] {n} simulated hosts, {iters} iterations per way, NCCL {}, {:.0} s",
-        nccl::version().unwrap(),
-        start.elapsed().as_secs_f64()
-    );
-    for (i, end) in ENDS.into_iter().enumerate() {
-        let tag = format!("TEARDOWN_{i}");
-        let failed = fields(&lines, &tag, "failed");
-        let done = fields(&lines, &tag, "iters");
+    // One job per way of ending, all at once (the time goes to sockets, not to the GPU).
+    let jobs: Vec<(End, usize, Children)> = ENDS
+        .into_iter()
+        .map(|end| {
+            let iters = end.iterations();
+            let id = UniqueId::new().expect("ncclGetUniqueId");
+            let children = Children::spawn("child_teardown", &ranks, |rank| {
+                let mut vars = layout.env(rank);
+                // Hosts of their own per job, too.
+                vars.push(var("NCCL_HOSTID", format!("teardown-{end:?}-{rank}")));
+                vars.push(var(CHILD_ENV, format!("{rank},{n},{id}")));
+                vars.push(var(END_ENV, format!("{end:?}")));
+                vars.push(var(ITERS_ENV, iters));
+                vars
+            });
+            (end, iters, children)
+        })
+        .collect();
+    let version = nccl::version().unwrap();
+    for (end, iters, children) in jobs {
+        let lines = children.finish(Duration::from_secs(1200));
+        let failed = fields(&lines, "TEARDOWN", "failed");
+        let done = fields(&lines, "TEARDOWN", "iters");
         assert_eq!(failed.len(), n, "{end:?}: every rank reports: {failed:?}");
         assert!(
             done.iter().all(|(_, d)| *d == iters as u128),
@@ -99,8 +117,10 @@ fn ending_a_communicator_never_fails_a_peer_s_completed_collective() {
         );
         let total: u128 = failed.iter().map(|(_, f)| f).sum();
         println!(
-            "[{test}] {end:?}: {total} failed collectives of {} ({iters} per rank)",
-            iters * n
+            "[{test}] NCCL {version}, {n} simulated hosts, {end:?}: {total} failed collectives of \
+             {} ({iters} iterations, {:.0} s)",
+            iters * n,
+            start.elapsed().as_secs_f64()
         );
         if end != End::Abort {
             assert_eq!(total, 0, "{end:?}: a peer's collective failed: {failed:?}");
@@ -118,64 +138,67 @@ fn child_teardown() {
     let rank: usize = parts.next().unwrap().parse().unwrap();
     let size: usize = parts.next().unwrap().parse().unwrap();
     let id: UniqueId = parts.next().unwrap().parse().expect("id hex");
-    let iters = iterations();
+    let end_name = std::env::var(END_ENV).expect("the way of ending");
+    let end = ENDS
+        .into_iter()
+        .find(|e| format!("{e:?}") == end_name)
+        .expect("a known way of ending");
+    let iters: usize = std::env::var(ITERS_ENV).unwrap().parse().unwrap();
     let device = child_device(rank);
     let stream = CudaContext::new(device).unwrap().new_stream().unwrap();
     let parent = Comm::init_rank(stream.clone(), &id, rank, size)
         .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
     let sync = Duration::from_secs(60);
-    for (i, end) in ENDS.into_iter().enumerate() {
-        let mut failed = 0;
-        let mut first: Option<String> = None;
-        let took = Instant::now();
-        for iter in 0..iters {
-            let child = parent
-                .split(Some(0), rank as i32)
-                .unwrap_or_else(|e| panic!("rank {rank}: {end:?} iteration {iter}: split: {e}"))
-                .expect("every rank has a color");
-            // Integers, so the sum is exact.
-            let value = |r: usize| ((r + iter) % 7) as f32;
-            let mut buf: CudaSlice<f32> = stream.clone_htod(&vec![value(rank); LEN]).unwrap();
-            let outcome = child
-                .all_reduce_in_place(&mut buf, ReduceOp::Sum)
-                .and_then(|()| child.synchronize_timeout(sync));
-            match outcome {
-                Ok(()) => {
-                    let got = stream.clone_dtoh(&buf).unwrap();
-                    let want: f32 = (0..size).map(value).sum();
-                    assert!(
-                        got.iter().all(|&v| v == want),
-                        "rank {rank}: {end:?} iteration {iter}: wrong sum"
-                    );
-                }
-                Err(err) => {
-                    failed += 1;
-                    first.get_or_insert_with(|| format!("iteration {iter}: {err}"));
-                }
+    let mut failed = 0;
+    let mut first: Option<String> = None;
+    let took = Instant::now();
+    for iter in 0..iters {
+        let child = parent
+            .split(Some(0), rank as i32)
+            .unwrap_or_else(|e| panic!("rank {rank}: {end:?} iteration {iter}: split: {e}"))
+            .expect("every rank has a color");
+        // Integers, so the sum is exact.
+        let value = |r: usize| ((r + iter) % 7) as f32;
+        let mut buf: CudaSlice<f32> = stream.clone_htod(&vec![value(rank); LEN]).unwrap();
+        let outcome = child
+            .all_reduce_in_place(&mut buf, ReduceOp::Sum)
+            .and_then(|()| child.synchronize_timeout(sync));
+        match outcome {
+            Ok(()) => {
+                let got = stream.clone_dtoh(&buf).unwrap();
+                let want: f32 = (0..size).map(value).sum();
+                assert!(
+                    got.iter().all(|&v| v == want),
+                    "rank {rank}: {end:?} iteration {iter}: wrong sum"
+                );
             }
-            // At once, as a program that is done with it would.
-            match end {
-                End::Drop => drop(child),
-                End::FinalizeDrop => {
-                    let _ = child.finalize();
-                    drop(child);
-                }
-                End::FinalizeDestroy => {
-                    let _ = child.finalize();
-                    if let Err((child, _)) = child.destroy() {
-                        drop(child);
-                    }
-                }
-                End::Abort => {
-                    let _ = child.abort();
-                }
+            Err(err) => {
+                failed += 1;
+                first.get_or_insert_with(|| format!("iteration {iter}: {err}"));
             }
         }
-        println!(
-            "TEARDOWN_{i} rank={rank} end={end:?} iters={iters} failed={failed} took_ms={} first={}",
-            took.elapsed().as_millis(),
-            first.unwrap_or_else(|| "-".to_owned())
-        );
+        // At once, as a program that is done with it would.
+        match end {
+            End::Drop => drop(child),
+            End::FinalizeDrop => {
+                let _ = child.finalize();
+                drop(child);
+            }
+            End::FinalizeDestroy => {
+                let _ = child.finalize();
+                if let Err((child, _)) = child.destroy() {
+                    drop(child);
+                }
+            }
+            End::Abort => {
+                let _ = child.abort();
+            }
+        }
     }
+    println!(
+        "TEARDOWN rank={rank} end={end:?} iters={iters} failed={failed} took_ms={} first={}",
+        took.elapsed().as_millis(),
+        first.unwrap_or_else(|| "-".to_owned())
+    );
     drop(parent);
 }

@@ -36,7 +36,11 @@ pub enum GpuSharing {
     SimulatedHosts,
     /// Up to two ranks per GPU in one LSA team (`NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL 2.30+,
     /// experimental in NCCL). The variable must be set for the whole job, rank 0 included,
-    /// before the program starts.
+    /// before the program starts. Where one process drives both ranks
+    /// ([`Comm::init_all`](crate::Comm::init_all) with one GPU twice, or a thread per rank),
+    /// set `NCCL_RUNTIME_CONNECT=0` too: connections NCCL makes lazily, from the thread that
+    /// enqueues, can wait for the other rank's kernel, which waits for this rank (seen hanging
+    /// on NCCL 2.32.3 when a collective's configuration asked for more CTAs than connected).
     SharedGpu,
 }
 

@@ -28,6 +28,8 @@ pub const SHAPE_VAR: &str = "NCCL_RS_GPU_SHAPE";
 pub const DEVICE_VAR: &str = "NCCL_RS_TEST_DEVICE";
 /// NCCL's switch for several ranks on one GPU.
 const MULTI_RANK_GPU_VAR: &str = "NCCL_MULTI_RANK_GPU_ENABLE";
+/// NCCL's lazy connection setup (on by default since 2.22).
+const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
 /// The first NCCL that lets two ranks share a GPU.
 pub const SHARED_SINCE: Version = Version::new(2, 30, 0);
 
@@ -85,6 +87,14 @@ fn host() -> &'static Host {
         }
         if host.pick(THREADED) == Ok(Shape::Shared) {
             std::env::set_var(MULTI_RANK_GPU_VAR, "1");
+            // Two ranks of one process on one GPU: connections made lazily, by the thread
+            // that enqueues, can wait on the other rank's kernel, which waits for this rank
+            // (seen: a reduce whose configuration asked for more CTAs, hence channels, than
+            // connected so far hung on NCCL 2.32.3). Connecting everything at creation
+            // avoids it. A test that wants lazy connections says so in its own process.
+            if std::env::var_os(RUNTIME_CONNECT_VAR).is_none() {
+                std::env::set_var(RUNTIME_CONNECT_VAR, "0");
+            }
         }
         host
     })
