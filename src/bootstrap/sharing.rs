@@ -1,15 +1,6 @@
 //! Several ranks on one GPU: how a job with more ranks on a node than GPUs can still run, for
-//! developing and testing a multi-GPU program on a workstation or a one-GPU CI host.
-//!
-//! NCCL refuses two ranks of one host on one GPU ("duplicate GPU"). Two shapes get past that,
-//! and each exercises a different part of NCCL:
-//!
-//! | shape | how | NCCL | ranks | what it exercises | what it does not |
-//! |---|---|---|---|---|---|
-//! | [`GpuSharing::SimulatedHosts`] | each rank its own `NCCL_HOSTID`, so NCCL treats it as a machine of its own and connects the ranks over its network transport (sockets on loopback) | any 2.x | any | the multi-node path: NET/Socket, proxies, remote errors, what a rank's death does to its peers | windows are NULL (no peer shares memory), no P2P/NVLink, no device API |
-//! | [`GpuSharing::SharedGpu`] | `NCCL_MULTI_RANK_GPU_ENABLE=1` (experimental in NCCL) | 2.30+ | up to 2 per GPU | one host, one LSA team over P2P: symmetric windows, RMA, copy-engine collectives, the device API | the network path; NVLink multicast (NCCL turns it off) |
-//!
-//! Either way the ranks time-slice the GPU: results are real, speed is not.
+//! developing and testing a multi-GPU program on a workstation or a one-GPU CI host. The
+//! shapes and what each exercises are on [`GpuSharing`].
 
 use super::env::{lookup, vars, Vars};
 use super::{BootstrapError, Result};
@@ -24,8 +15,17 @@ pub(crate) const HOST_ID_VAR: &str = "NCCL_HOSTID";
 const SOCKET_IFNAME_VAR: &str = "NCCL_SOCKET_IFNAME";
 
 /// How the ranks of one node share its GPUs when there are more ranks than GPUs
-/// (`NCCL_RS_GPU_SHARING`; see the [module documentation](self) for what each shape
-/// exercises).
+/// (`NCCL_RS_GPU_SHARING`).
+///
+/// NCCL refuses two ranks of one host on one GPU ("duplicate GPU"). Two shapes get past that,
+/// and each exercises a different part of NCCL:
+///
+/// | shape | how | NCCL | ranks | what it exercises | what it does not |
+/// |---|---|---|---|---|---|
+/// | [`GpuSharing::SimulatedHosts`] | each rank its own `NCCL_HOSTID`, so NCCL treats it as a machine of its own and connects the ranks over its network transport (sockets on loopback) | any 2.x | any | the multi-node path: NET/Socket, proxies, remote errors, what a rank's death does to its peers | windows are NULL (no peer shares memory), no P2P/NVLink, no device API |
+/// | [`GpuSharing::SharedGpu`] | `NCCL_MULTI_RANK_GPU_ENABLE=1` (experimental in NCCL) | 2.30+ | up to 2 per GPU | one host, one LSA team over P2P: symmetric windows, RMA, copy-engine collectives, the device API | the network path; NVLink multicast (NCCL turns it off) |
+///
+/// Either way the ranks time-slice the GPU: results are real, speed is not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GpuSharing {

@@ -87,8 +87,8 @@ impl Comm {
     /// the process (NCCL 2.30+, experimental in NCCL), up to two ranks may share a GPU, each
     /// on a stream of its own (two ranks' kernels on one stream would wait for each other
     /// forever). Set `NCCL_RUNTIME_CONNECT=0` with it: a connection NCCL makes lazily while
-    /// the other rank's kernel already waits on this GPU can hang both (see
-    /// [`GpuSharing::SharedGpu`](crate::bootstrap::GpuSharing::SharedGpu)).
+    /// the other rank's kernel already waits on this GPU can hang both (seen on NCCL 2.32.3
+    /// when a collective's configuration asked for more CTAs than were connected).
     ///
     /// Operations on these communicators must be issued from one thread inside a
     /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
