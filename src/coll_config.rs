@@ -158,6 +158,17 @@ impl<'e> CollConfig<'e> {
         self.launch_completion_event
     }
 
+    /// Whether NCCL may run a call with this configuration on `comm` on copy engines: the
+    /// rules that depend on that (see `check_plan`) must follow the per-call policy too.
+    pub(crate) fn copy_engine(&self, comm: &Comm) -> bool {
+        effective_copy_engine(
+            comm.library().version(),
+            crate::config::env_cta_policy(),
+            self.cta_policy,
+            comm.copy_engine(),
+        )
+    }
+
     /// The `cgaClusterSize` set, if any (a group needs the same one for every collective).
     pub(crate) fn cga(&self) -> Option<u32> {
         self.cga_cluster_size
@@ -275,6 +286,27 @@ impl<'e> CollConfig<'e> {
             _algorithm: algorithm,
             _borrows: PhantomData,
         })
+    }
+}
+
+/// Whether a configured call takes NCCL's copy-engine path decision (`CTAPolicy` has
+/// `ZERO`), in NCCL's order: 2.28 to 2.30 look only at the communicator's policy
+/// (`comm->config.CTAPolicy`, v2.30.7 `src/enqueue.cc:3054`; no per-call configuration
+/// exists there); from 2.31 `NCCL_CTA_POLICY` wins where set, then a per-call policy that
+/// is set, then the communicator's (`comm`: its own decision, made at creation).
+fn effective_copy_engine(
+    version: Version,
+    env: Option<u32>,
+    call: Option<CtaPolicy>,
+    comm: bool,
+) -> bool {
+    if version < COLL_CONFIG_SINCE {
+        return comm;
+    }
+    match (env, call) {
+        (Some(bits), _) => bits & CtaPolicy::ZERO.0 != 0,
+        (None, Some(policy)) => policy.0 & CtaPolicy::ZERO.0 != 0,
+        (None, None) => comm,
     }
 }
 
@@ -423,6 +455,28 @@ mod tests {
         let selection = unsafe { std::ffi::CStr::from_ptr(c.algSelection) };
         assert_eq!(selection.to_str(), Ok("ring,tree"));
         assert!(format!("{config:?}").contains("ring,tree"));
+    }
+
+    /// C1: a per-call policy decides the copy-engine path from 2.31, unless
+    /// `NCCL_CTA_POLICY` is set; before the fix only the communicator's decision counted.
+    #[test]
+    fn c1_per_call_cta_policy_decides_copy_engines() {
+        let zero = Some(CtaPolicy::ZERO);
+        let default = Some(CtaPolicy::DEFAULT);
+        let both = Some(CtaPolicy::EFFICIENCY | CtaPolicy::ZERO);
+        // Per call wins over the communicator, both ways.
+        assert!(effective_copy_engine(V2_31, None, zero, false));
+        assert!(effective_copy_engine(V2_32, None, both, false));
+        assert!(!effective_copy_engine(V2_32, None, default, true));
+        // Unset per call: the communicator's.
+        assert!(effective_copy_engine(V2_32, None, None, true));
+        assert!(!effective_copy_engine(V2_32, None, None, false));
+        // The environment wins over both.
+        assert!(!effective_copy_engine(V2_32, Some(0), zero, true));
+        assert!(effective_copy_engine(V2_32, Some(2), default, false));
+        // Before 2.31 no per-call policy reaches NCCL.
+        assert!(!effective_copy_engine(V2_28, None, zero, false));
+        assert!(effective_copy_engine(V2_28, None, default, true));
     }
 
     #[test]

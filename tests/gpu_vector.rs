@@ -580,9 +580,8 @@ fn per_thread<R: Send + 'static>(
     let id = UniqueId::new().unwrap();
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel();
-    for rank in 0..n {
+    for (rank, &device) in devices.iter().enumerate() {
         let (tx, body, id, config) = (tx.clone(), body.clone(), id, config.clone());
-        let device = devices[rank];
         std::thread::spawn(move || {
             let stream = CudaContext::new(device).unwrap().new_stream().unwrap();
             let comm = Comm::init_rank_with_config(stream, &id, rank, n, &config).unwrap();

@@ -285,13 +285,18 @@ fn collectives_on_windows<T: Elem>(
                     }
                     // Shown with --nocapture: where a stalled run stopped.
                     println!("step: {what}");
-                    if in_place && op == Op::Scatter && comm.copy_engine() {
-                        // NCCL's copy-engine in-place scatter misplaces blocks: refused on
-                        // every rank, before NCCL.
-                        let mut buf = send.view_mut(off..off + c).unwrap();
-                        let err = comm.scatter_in_place(&mut buf, root).unwrap_err();
+                    if in_place && matches!(op, Op::Scatter | Op::Gather) && comm.copy_engine() {
+                        // NCCL's copy-engine in-place scatter and gather place blocks at the
+                        // root's offset plus the rank's: refused on every rank, before NCCL.
+                        let mut buf = send.view_mut(off..off + n * c).unwrap();
+                        let err = if op == Op::Scatter {
+                            comm.scatter_in_place(&mut buf, root).unwrap_err()
+                        } else {
+                            comm.enqueue(Operation::gather_in_place(&mut buf, root))
+                                .unwrap_err()
+                        };
                         assert!(
-                            matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place scatter")),
+                            matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place")),
                             "{what}: {err}"
                         );
                         checked += 1;
@@ -1137,6 +1142,134 @@ fn zero_cta_policy_collectives_on_symmetric_windows() {
         checked.iter().sum::<usize>()
     );
     assert!(checked.iter().all(|&k| k >= 8), "{checked:?}");
+}
+
+/// C1 and M2 on real GPUs (NCCL 2.31+, symmetric windows, communicators with the default CTA
+/// policy): a per-call `CtaPolicy::ZERO` must bring the copy-engine guards with it. Before
+/// the fix `scatter_in_place` with root 1 and a per-call ZERO was accepted, and NCCL's
+/// copy-engine scatter left misplaced blocks (2 ranks sharing one H100, NCCL 2.32.3). Now:
+/// the in-place forms are refused on every rank, an off-root gather without (or with a
+/// short) receive view is refused, and the out-of-place forms with a per-call ZERO give the
+/// host reference's results, with the window tail past the collective untouched.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn c1_per_call_zero_policy_keeps_the_copy_engine_guards() {
+    const TEST: &str = "c1_per_call_zero_policy_keeps_the_copy_engine_guards";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(300)) else {
+        return;
+    };
+    let v = version();
+    if v < V2_31 {
+        common::shape::skip(TEST, &format!("NCCL {v} has no per-call CTA policy (2.31)"));
+        return;
+    }
+    let comms = comms(&CommConfig::new());
+    if comms.iter().any(|comm| comm.copy_engine()) {
+        common::shape::skip(
+            TEST,
+            "NCCL_CTA_POLICY asks for ZERO on every communicator here",
+        );
+        return;
+    }
+    let n = comms.len();
+    let c = 256;
+    // As in the report: a window of 2 x 256 + 1024 elements, collectives on its start.
+    let len = n * c + 1024;
+    let config = nccl::CollConfig::new().cta_policy(CtaPolicy::ZERO);
+    let checked = per_rank(comms, |comm, barrier| {
+        let r = comm.rank();
+        let root = 1 % n;
+        let stream = comm.stream().clone();
+        let mut a = window::<f32>(&comm, len, WindowFlags::COLL_SYMMETRIC);
+        let mut b = window::<f32>(&comm, len, WindowFlags::COLL_SYMMETRIC);
+        let tail = vec![SENTINEL as f32; len];
+        stream.memcpy_htod(&tail, &mut a).unwrap();
+        stream.memcpy_htod(&tail, &mut b).unwrap();
+        // In place, scatter and gather: refused on every rank before NCCL sees them.
+        {
+            let mut buf = a.view_mut(0..n * c).unwrap();
+            let err = comm
+                .enqueue(Operation::scatter_in_place(&mut buf, root).with_config(&config))
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place scatter")),
+                "rank {r}: {err}"
+            );
+            let err = comm
+                .enqueue(Operation::gather_in_place(&mut buf, root).with_config(&config))
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place gather")),
+                "rank {r}: {err}"
+            );
+        }
+        // Off the root, a gather without a receive view or with a short one: refused
+        // (the root does not call, or it would wait for them).
+        if r != root {
+            let src = a.view(0..c).unwrap();
+            let err = comm
+                .enqueue(Operation::gather(&src, None, root).with_config(&config))
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("pass the receive buffer")),
+                "rank {r}: {err}"
+            );
+            let mut short = b.view_mut(0..c).unwrap();
+            let err = comm
+                .enqueue(
+                    Operation::gather(&src, Some(&mut short as &mut dyn DevicePtrMut<f32>), root)
+                        .with_config(&config),
+                )
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("must hold")),
+                "rank {r}: {err}"
+            );
+        }
+        barrier.wait();
+        // Out of place with the per-call ZERO: real results against the host reference.
+        let mut checked = 0;
+        for op in [Op::Scatter, Op::Gather] {
+            let seed = 77 + op as u64;
+            let input = |q: usize| data(seed, q, op.input_len(false, q, root, n, c));
+            let mine = input(r);
+            stream.memcpy_htod(&tail, &mut b).unwrap();
+            {
+                let mut src = a.view_mut(0..mine.len()).unwrap();
+                stream.memcpy_htod(&cast::<f32>(&mine), &mut src).unwrap();
+            }
+            let src = a.view(0..mine.len()).unwrap();
+            let out_len = if op == Op::Scatter { c } else { n * c };
+            let mut dst = b.view_mut(0..out_len).unwrap();
+            let call = if op == Op::Scatter {
+                Operation::scatter(Some(&src as &dyn DevicePtr<f32>), &mut dst, root)
+            } else {
+                Operation::gather(&src, Some(&mut dst as &mut dyn DevicePtrMut<f32>), root)
+            };
+            comm.enqueue(call.with_config(&config))
+                .unwrap_or_else(|e| panic!("{op:?} on rank {r}: {e}"));
+            comm.synchronize_timeout(SYNC).unwrap();
+            let got = stream.clone_dtoh(&b).unwrap();
+            if let Some((range, want)) = expected(op, false, r, root, n, c, &input) {
+                assert_eq!(
+                    &got[range.clone()],
+                    &cast::<f32>(&want)[..],
+                    "{op:?} rank {r}"
+                );
+                checked += 1;
+            }
+            // Nothing past the collective's own extent was written (a misplaced copy-engine
+            // block would land there).
+            assert!(
+                got[out_len..].iter().all(|&x| x == SENTINEL as f32),
+                "{op:?} rank {r}: the window past the collective was written"
+            );
+            barrier.wait();
+        }
+        checked
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}, {n} ranks"));
+    assert!(checked.iter().sum::<usize>() > n, "{checked:?}");
 }
 
 /// What NCCL does, element by element, to the buffers the test hands it (the single buffers

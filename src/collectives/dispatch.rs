@@ -70,6 +70,7 @@ fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
     let launch = Configured {
         name,
         config: raw.as_ptr(),
+        copy_engine: config.copy_engine(comm),
     };
     let outcome = validate_and_launch(comm, stream, call, in_group, keep, launch);
     // NCCL reads the struct (and the selection string it points to) during the call only.
@@ -105,7 +106,7 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
         call.send.as_ref().map(|b| b.len),
         call.recv.as_ref().map(|b| b.len),
         call.in_place,
-        comm.copy_engine(),
+        launch.copy_engine(comm),
     )
     .and_then(|plan| check_self_p2p(kind, rank, in_group).map(|()| plan))
     .map_err(|broken| broken.to_error(kind, rank, size))?;
@@ -202,6 +203,10 @@ trait Launch {
     /// The C name of the function called for `kind`, for errors.
     fn name(&self, kind: Kind) -> &'static str;
 
+    /// Whether NCCL may take its copy-engine path for this call (the rules in
+    /// [`check_plan`] depend on it).
+    fn copy_engine(&self, comm: &Comm) -> bool;
+
     /// Calls NCCL.
     ///
     /// # Safety
@@ -230,6 +235,11 @@ impl Launch for Plain {
     #[inline(always)]
     fn name(&self, kind: Kind) -> &'static str {
         kind.name()
+    }
+
+    #[inline(always)]
+    fn copy_engine(&self, comm: &Comm) -> bool {
+        comm.copy_engine()
     }
 
     #[inline(always)]
@@ -277,11 +287,17 @@ struct Configured {
     /// The `*Config` function's name, from [`check_config_kind`].
     name: &'static str,
     config: *const ncclCollConfig_t,
+    /// The call's copy-engine decision: its own CTA policy where NCCL lets that win.
+    copy_engine: bool,
 }
 
 impl Launch for Configured {
     fn name(&self, _kind: Kind) -> &'static str {
         self.name
+    }
+
+    fn copy_engine(&self, _comm: &Comm) -> bool {
+        self.copy_engine
     }
 
     unsafe fn launch(

@@ -178,6 +178,8 @@ impl Comm {
     /// from the config or `NCCL_CTA_POLICY`, on NCCL 2.28 or later). NCCL then decides per
     /// rank, from whether that rank's buffers lie in symmetric windows, so every rank of a
     /// gather passes its receive buffer (see [`Operation::gather`](crate::Operation::gather)).
+    /// From NCCL 2.31 a call's own [`CollConfig`](crate::CollConfig) policy overrides this
+    /// for that call (unless `NCCL_CTA_POLICY` is set), and the same rules follow it.
     pub fn copy_engine(&self) -> bool {
         self.copy_engine
     }

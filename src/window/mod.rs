@@ -38,9 +38,11 @@
 //!
 //! With [`CtaPolicy::ZERO`](crate::config::CtaPolicy::ZERO) (2.28+), NCCL runs all-gather,
 //! all-to-all, gather and scatter on copy engines when a rank's buffers lie in symmetric
-//! windows, deciding on each rank from its own pointers: every rank of a gather passes its
-//! receive view (refused otherwise), and in-place scatter is refused there (NCCL's copy-engine
-//! version misplaces blocks for a root other than 0, seen on 2.32.3). See
+//! windows, deciding on each rank from its own pointers: every rank of a gather passes a
+//! receive view as long as the root's, at the root's offset (refused otherwise), and
+//! in-place gather and scatter are refused there (NCCL's copy-engine versions write blocks
+//! at the root's offset plus the rank's, past a single block). From NCCL 2.31 a per-call
+//! [`CollConfig`](crate::CollConfig) policy decides this as well. See
 //! [`Comm::copy_engine`](crate::Comm::copy_engine).
 //!
 //! NCCL launches its symmetric kernels with programmatic dependent launch, which the legacy
