@@ -5,7 +5,9 @@
 //! a nonblocking one (`ncclCommWindowRegister` in `src/dev_runtime.cc`, 2.28 to 2.30.7). The
 //! handle's slot therefore lives on the heap and is read only once NCCL is done with it; if
 //! NCCL never finishes (a timeout), the slot and the buffer are leaked rather than freed
-//! under its feet.
+//! under its feet, and the communicator, still in progress, is aborted before anything else
+//! can touch it (a window dropped next would otherwise deregister while NCCL's job still
+//! registers; NCCL's deregistration skips its readiness check).
 
 use std::ffi::c_void;
 
@@ -236,7 +238,9 @@ impl Comm {
     /// 2.27). Operation: every rank calls it. See the [module docs](crate::window).
     ///
     /// On failure the buffer comes back inside the [`RegisterError`] (which converts into
-    /// [`Error`] with `?`), unless NCCL may still be registering it.
+    /// [`Error`] with `?`), unless NCCL may still be registering it. A nonblocking
+    /// registration that does not finish within [`Comm::ready_timeout`] aborts the
+    /// communicator (its windows are then freed by NCCL) and leaks the buffer.
     pub fn register_window<T: NcclType>(
         &self,
         buffer: NcclBuffer<T>,
@@ -260,12 +264,13 @@ impl Comm {
         // so the wait must not depend on the status.
         if pending || !self.is_blocking() {
             if let Err(err) = self.wait_ready(self.ready_timeout()) {
+                // Still in progress, the communicator is aborted before anything else can
+                // touch it (a dropped earlier window would deregister while NCCL's job
+                // still registers this one).
+                let err = self.abandon_in_progress(not_settled(self.rank(), err));
                 slot.leak();
                 std::mem::forget(buffer);
-                return Err(RegisterError::new(
-                    not_settled(self.rank(), err),
-                    vec![None],
-                ));
+                return Err(RegisterError::new(err, vec![None]));
             }
         }
         let raw = slot.read();
@@ -281,7 +286,8 @@ impl Comm {
     ///
     /// Every window is valid when this returns: NCCL fills them in when the group ends, and
     /// nonblocking communicators are waited for (each for at most its
-    /// [`Comm::ready_timeout`]). On failure no window is kept: the buffers come back in the
+    /// [`Comm::ready_timeout`]; one still in progress then is aborted, the others still
+    /// waited for). On failure no window is kept: the buffers come back in the
     /// [`RegisterError`], except those NCCL may still be registering.
     pub fn register_windows<'c, T: NcclType>(
         comms: &'c [Comm],
@@ -325,25 +331,36 @@ impl Comm {
             failure.get_or_insert(err);
         }
         // As in `register_window`: nonblocking registrations finish in NCCL's job whatever
-        // the status said.
+        // the status said. Every communicator is waited for (and aborted if it stays in
+        // progress), so none is left with NCCL's job running when this returns.
+        let mut unsettled = vec![false; comms.len()];
+        let mut stalled = None;
         if pending || !first.is_blocking() {
-            for comm in comms.iter().take(issued) {
+            for (i, comm) in comms.iter().enumerate().take(issued) {
                 if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
-                    // NCCL may still write any slot and map any buffer handed to it.
-                    let error = not_settled(comm.rank(), err);
-                    let mut kept = Vec::with_capacity(buffers.len());
-                    for (i, (buffer, slot)) in buffers.into_iter().zip(slots).enumerate() {
-                        if i < issued {
-                            slot.leak();
-                            std::mem::forget(buffer);
-                            kept.push(None);
-                        } else {
-                            kept.push(Some(buffer));
-                        }
-                    }
-                    return Err(RegisterError::new(error, kept));
+                    unsettled[i] = true;
+                    stalled.get_or_insert(comm.abandon_in_progress(not_settled(comm.rank(), err)));
                 }
             }
+        }
+        if let Some(error) = stalled {
+            // NCCL may still write the slot and map the buffer of a communicator that did not
+            // settle: those are leaked, the rest given back (a settled communicator's window
+            // is deregistered, which is local).
+            let mut kept = Vec::with_capacity(buffers.len());
+            for (i, ((comm, buffer), slot)) in comms.iter().zip(buffers).zip(slots).enumerate() {
+                if unsettled[i] {
+                    slot.leak();
+                    std::mem::forget(buffer);
+                    kept.push(None);
+                } else if i >= issued || slot.read().is_null() {
+                    kept.push(Some(buffer));
+                } else {
+                    let window = Window::new(comm, slot.read(), buffer, flags);
+                    kept.push(window.close().ok());
+                }
+            }
+            return Err(RegisterError::new(error, kept));
         }
         if failure.is_none() && slots.iter().any(|slot| slot.read().is_null()) {
             failure = Some(no_window());
