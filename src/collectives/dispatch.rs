@@ -52,7 +52,8 @@ pub(crate) fn dispatch<'b, 'a: 'b, T: NcclType>(
 
 /// [`dispatch`] for an operation with a [`CollConfig`]: refuses it on send and receive,
 /// builds the raw struct for the loaded library (version gates and field checks live in
-/// [`CollConfig::to_raw`]) and keeps it alive until NCCL has returned.
+/// [`CollConfig::to_raw`]) and keeps it alive until NCCL has returned; what its pointers
+/// refer to lives in the borrowed `config`.
 #[cold]
 #[inline(never)]
 fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
@@ -72,10 +73,11 @@ fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
         config: raw.as_ptr(),
         copy_engine: config.copy_engine(comm),
     };
-    let outcome = validate_and_launch(comm, stream, call, in_group, keep, launch);
-    // NCCL reads the struct (and the selection string it points to) during the call only.
-    drop(raw);
-    outcome
+    // `raw` lives to the end of this function: NCCL copies the struct during the call, but
+    // keeps its `algSelection` pointer (and may parse it again at ncclGroupEnd, NCCL 2.31's
+    // rearchitected enqueue): that string lives in `config`, which the operation borrows
+    // until it is enqueued or its group has ended.
+    validate_and_launch(comm, stream, call, in_group, keep, launch)
 }
 
 /// Validates `call` completely, enqueues it through `launch`, completes the call and hands
