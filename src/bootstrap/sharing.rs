@@ -24,8 +24,8 @@ pub(crate) const HOST_ID_VAR: &str = "NCCL_HOSTID";
 const SOCKET_IFNAME_VAR: &str = "NCCL_SOCKET_IFNAME";
 
 /// How the ranks of one node share its GPUs when there are more ranks than GPUs
-/// (`NCCL_RS_GPU_SHARING`; see the [module documentation](self) for what each shape
-/// exercises).
+/// (`NCCL_RS_GPU_SHARING`). Simulated hosts exercise NCCL's network path (no windows);
+/// a shared GPU, one LSA team (windows, RMA, copy engines; no network path).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GpuSharing {
