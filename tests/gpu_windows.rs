@@ -1378,3 +1378,133 @@ fn reference_model_agrees_with_a_direct_simulation() {
     }
     assert!(compared > 500, "{compared}");
 }
+
+/// M5 on real GPUs: ranks registering windows of different sizes. Before NCCL 2.30.7 that
+/// is refused on every rank (NCCL sized the peers' mappings by the local registration);
+/// from 2.30.7 it is accepted, and a put that fits this rank's window but not the smaller
+/// target's is refused, while one that fits both moves real data (checked against the
+/// host). Different flags are refused on every version. Before the fix nothing compared.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m5_window_sizes_and_flags_are_agreed_across_ranks() {
+    const TEST: &str = "m5_window_sizes_and_flags_are_agreed_across_ranks";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(300)) else {
+        return;
+    };
+    let v = version();
+    if v < SYMMETRIC {
+        common::shape::skip(TEST, &format!("NCCL {v}: no symmetric windows (2.28.7)"));
+        return;
+    }
+    let differ_ok = v >= Version::new(2, 30, 7);
+    per_rank(comms(&CommConfig::new()), |comm, barrier| {
+        let (r, n) = (comm.rank(), comm.size());
+        // Flags differing across ranks: refused everywhere, buffer back.
+        let flags = if r == 0 {
+            WindowFlags::COLL_SYMMETRIC
+        } else {
+            WindowFlags::DEFAULT
+        };
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 1024).unwrap();
+        let err = comm.register_window(buffer, flags).unwrap_err();
+        assert!(
+            matches!(err.error(), Error::InvalidArgument(m) if m.contains("flags")),
+            "rank {r}: {}",
+            err.error()
+        );
+        assert!(err.into_buffer().is_some());
+        // Sizes differing: rank 0 has the smallest window.
+        let len = if r == 0 { 1024 } else { 2048 };
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), len).unwrap();
+        let outcome = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC);
+        if !differ_ok {
+            let err = outcome.unwrap_err();
+            assert!(
+                matches!(err.error(), Error::InvalidArgument(m) if m.contains("same size")),
+                "rank {r} on NCCL {v}: {}",
+                err.error()
+            );
+            return;
+        }
+        let mut win = outcome.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        if v < V2_29 || win.host_rma_support() == Some(false) {
+            return;
+        }
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let stream = comm.stream().clone();
+        let payload: Vec<f32> = data(91, r, 64).iter().map(|&x| x as f32).collect();
+        stream
+            .memcpy_htod(&payload, &mut win.view_mut(0..64).unwrap())
+            .unwrap();
+        if next == 0 {
+            // Fits this rank's window of 2048 but not rank 0's of 1024: refused here.
+            let err = win
+                .put_signal(&win.view(0..64).unwrap(), next, 1000, Signal::default())
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("window of 1024")),
+                "rank {r}: {err}"
+            );
+        }
+        barrier.wait();
+        // Fits every window: real data through the ring.
+        win.put_signal(&win.view(0..64).unwrap(), next, 512, Signal::default())
+            .unwrap_or_else(|e| panic!("rank {r}: put: {e}"));
+        win.wait_signal(&[SignalWait::new(prev, 1)]).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        let got = stream.clone_dtoh(&win.view(512..576).unwrap()).unwrap();
+        let want: Vec<f32> = data(91, prev, 64).iter().map(|&x| x as f32).collect();
+        assert_eq!(got, want, "rank {r}: the put from rank {prev}");
+        barrier.wait();
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}"));
+}
+
+/// M4 on real GPUs: one rank refuses its own registration (an empty buffer), the others
+/// register a good one. Before the fix the refusing rank returned alone while the others
+/// waited in NCCL's bootstrap all-gather forever (the deadline ends such a run); now every
+/// rank returns the refusal, and a registration after it works and carries a checked
+/// all-reduce.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m4_a_refused_registration_is_reported_on_every_rank() {
+    const TEST: &str = "m4_a_refused_registration_is_reported_on_every_rank";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(180)) else {
+        return;
+    };
+    let v = version();
+    if v < SYMMETRIC {
+        common::shape::skip(TEST, &format!("NCCL {v}: no symmetric windows (2.28.7)"));
+        return;
+    }
+    per_rank(comms(&CommConfig::new()), |comm, _| {
+        let (r, n) = (comm.rank(), comm.size());
+        let len = if r == n - 1 { 0 } else { 1024 };
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), len).unwrap();
+        let err = comm
+            .register_window(buffer, WindowFlags::COLL_SYMMETRIC)
+            .unwrap_err();
+        let text = err.error().to_string();
+        if r == n - 1 {
+            assert!(text.contains("at least one element"), "rank {r}: {text}");
+        } else {
+            assert!(
+                text.contains(&format!("rank {} refused its own window", n - 1)),
+                "rank {r}: {text}"
+            );
+        }
+        assert_eq!(err.into_buffer().map(|b| b.len()), Some(len));
+        // The communicator is unharmed: a registration on every rank, and a collective on it.
+        let mut win = window::<f32>(&comm, 1024, WindowFlags::COLL_SYMMETRIC);
+        let stream = comm.stream().clone();
+        let mine: Vec<f32> = data(5, r, 1024).iter().map(|&x| x as f32).collect();
+        stream.memcpy_htod(&mine, &mut win).unwrap();
+        comm.all_reduce_in_place(&mut win, ReduceOp::Sum).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        let want: Vec<f32> = (0..1024)
+            .map(|i| (0..n).map(|q| data(5, q, 1024)[i]).sum::<i64>() as f32)
+            .collect();
+        assert_eq!(stream.clone_dtoh(&win).unwrap(), want, "rank {r}");
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}"));
+}

@@ -11,9 +11,9 @@
 //!
 //! * The peer's window is named by **this rank's own** handle of the collectively registered
 //!   window: call `put_signal` on your `Window` of that registration. Offsets into it are in
-//!   elements here (bytes in C) and are checked against this rank's window length; from NCCL
-//!   2.30.7, where ranks may register different sizes, the target's window must be at least
-//!   as large.
+//!   elements here (bytes in C) and are checked against this rank's window length and the
+//!   target's (learnt at registration; from NCCL 2.30.7 ranks may register different sizes,
+//!   and NCCL itself checks only the local one). A put to this rank itself is refused.
 //! * The source must lie in a window registered with [`WindowFlags::COLL_SYMMETRIC`] on the
 //!   same communicator, so it is a [`WindowView`].
 //! * Signals are numbered by [`Signal::index`] below the communicator's `numRmaSig` and
@@ -155,6 +155,20 @@ fn put_extent(offset: usize, count: usize, window_len: usize, elem: usize) -> Re
              {window_len} elements"
         ))),
     }
+}
+
+/// The most elements a put to `peer` may reach: this rank's window length (what NCCL checks)
+/// and the target's (`peer_len`, learnt at registration; from NCCL 2.30.7 it may be
+/// smaller, and NCCL does not check it). A put to this rank itself is refused: it has no
+/// peer to signal, and a copy within the window does the same.
+fn put_bound(me: usize, peer: usize, own_len: usize, peer_len: Option<usize>) -> Result<usize> {
+    if peer == me {
+        return Err(Error::invalid(format!(
+            "ncclPutSignal: the peer {peer} is this rank; put to another rank (or copy within \
+             the window)"
+        )));
+    }
+    Ok(peer_len.map_or(own_len, |len| len.min(own_len)))
 }
 
 /// The source of a put must be a view of a symmetric window of the same communicator.
@@ -304,8 +318,10 @@ impl<T: NcclType> Window<'_, T> {
             source.comm().shared_ptr() == self.comm.shared_ptr(),
             source.window_flags(),
         )?;
+        let target = peer as usize;
+        let target_len = put_bound(self.comm.rank(), target, self.len(), self.peer_len(target))?;
         let count = source.len();
-        let byte_offset = put_extent(offset, count, self.len(), std::mem::size_of::<T>())?;
+        let byte_offset = put_extent(offset, count, target_len, std::mem::size_of::<T>())?;
         let win = self.raw;
         // Orders the stream after earlier writes of the source; records the read afterwards.
         let (src, _read) = source.device_ptr(stream);
@@ -427,6 +443,25 @@ mod tests {
         let err = put_extent(7, 2, 8, 4).unwrap_err().to_string();
         assert!(err.contains("2 elements at offset 7"), "{err}");
         assert!(put_extent(usize::MAX, 2, 8, 4).is_err());
+    }
+
+    /// M5: a put is bounded by the target's window, which may be smaller than this rank's
+    /// from NCCL 2.30.7 (before the fix only this rank's length counted).
+    #[test]
+    fn m5_puts_fit_the_targets_window() {
+        assert_eq!(put_bound(0, 1, 1024, Some(256)).unwrap(), 256);
+        assert_eq!(put_bound(0, 1, 1024, Some(4096)).unwrap(), 1024);
+        assert_eq!(put_bound(0, 1, 1024, None).unwrap(), 1024);
+        let bound = put_bound(1, 0, 1024, Some(256)).unwrap();
+        let err = put_extent(200, 100, bound, 4).unwrap_err().to_string();
+        assert!(err.contains("window of 256 elements"), "{err}");
+    }
+
+    /// Minor: a put to one's own rank is refused before NCCL (before, it went through).
+    #[test]
+    fn minor_put_to_self_is_refused() {
+        let err = put_bound(2, 2, 1024, Some(1024)).unwrap_err().to_string();
+        assert!(err.contains("is this rank"), "{err}");
     }
 
     #[test]
