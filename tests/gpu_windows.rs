@@ -1508,3 +1508,59 @@ fn m4_a_refused_registration_is_reported_on_every_rank() {
     });
     common::shape::ran(TEST, &format!("NCCL {v}"));
 }
+
+/// C2: on NCCL 2.29 and 2.30 the first RMA call on a rank sets RMA up with a step every rank
+/// must take (a bootstrap all-gather and barrier). Rank 0 puts into rank 1's window and
+/// waits for its stream to finish before rank 1 makes any RMA call: before the fix rank 0's
+/// put waited in NCCL's set-up for ranks that were waiting for rank 0 (the deadline ends
+/// that run); now the step was taken at registration, and rank 1's wait then finds the
+/// data, checked against the host. Ranks past 1 never touch RMA. On 2.31+ NCCL sets up at
+/// registration itself, and the same test must pass.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn c2_rma_between_two_ranks_does_not_wait_for_the_others() {
+    const TEST: &str = "c2_rma_between_two_ranks_does_not_wait_for_the_others";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(180)) else {
+        return;
+    };
+    let v = version();
+    if v < V2_29 {
+        common::shape::skip(TEST, &format!("NCCL {v} has no one-sided RMA (2.29)"));
+        return;
+    }
+    let c = 1000;
+    let outcomes = per_rank(comms(&CommConfig::new()), |comm, barrier| {
+        let r = comm.rank();
+        let stream = comm.stream().clone();
+        let mut win = window::<f32>(&comm, 4096, WindowFlags::COLL_SYMMETRIC);
+        if win.host_rma_support() == Some(false) {
+            return false;
+        }
+        let payload: Vec<f32> = data(23, 0, c).iter().map(|&x| x as f32).collect();
+        if r == 0 {
+            stream
+                .memcpy_htod(&payload, &mut win.view_mut(0..c).unwrap())
+                .unwrap();
+            win.put_signal(&win.view(0..c).unwrap(), 1, 2048, Signal::default())
+                .unwrap_or_else(|e| panic!("rank 0: put: {e}"));
+            comm.synchronize_timeout(SYNC)
+                .unwrap_or_else(|e| panic!("rank 0: the put did not finish alone: {e}"));
+        }
+        barrier.wait();
+        if r == 1 {
+            win.wait_signal(&[SignalWait::new(0, 1)]).unwrap();
+            comm.synchronize_timeout(SYNC).unwrap();
+            let got = stream
+                .clone_dtoh(&win.view(2048..2048 + c).unwrap())
+                .unwrap();
+            assert_eq!(got, payload, "rank 1: the put from rank 0");
+        }
+        barrier.wait();
+        true
+    });
+    if outcomes.iter().all(|&ran| ran) {
+        common::shape::ran(TEST, &format!("NCCL {v}"));
+    } else {
+        common::shape::skip(TEST, &format!("NCCL {v}: no host RMA support here"));
+    }
+}

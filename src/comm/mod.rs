@@ -98,6 +98,19 @@ pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ContextId(usize);
 
+/// Where one-sided RMA stands on a communicator whose NCCL sets it up at the first RMA call
+/// (2.29, 2.30), a step every rank must take together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RmaSetup {
+    /// Not yet: the next window registration sets it up on every rank.
+    Pending,
+    /// Done (or not needed by this NCCL).
+    Ready,
+    /// Not every rank could take part when it was tried: RMA calls are refused, since the
+    /// first one would wait for ranks that never join.
+    Refused,
+}
+
 impl ContextId {
     #[inline(always)]
     pub(crate) fn of(ctx: &Arc<CudaContext>) -> Self {
@@ -121,6 +134,9 @@ pub struct Comm {
     siblings: Option<Arc<Siblings>>,
     /// Whether NCCL may pick copy engines for its collectives (CTA policy `ZERO`).
     copy_engine: bool,
+    /// Whether one-sided RMA was set up where every rank was present (NCCL 2.29 and 2.30;
+    /// see [`crate::window::rma`]).
+    pub(crate) rma_setup: Cell<RmaSetup>,
     _not_sync: PhantomData<Cell<()>>,
 }
 

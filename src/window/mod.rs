@@ -314,12 +314,10 @@ impl<'c, T: NcclType> Window<'c, T> {
         buffer: NcclBuffer<T>,
         flags: WindowFlags,
         peer_bytes: Vec<u64>,
+        host_rma: Option<bool>,
     ) -> Self {
-        // Asked once here rather than on every RMA call. A failed query only means RMA
-        // calls learn it from NCCL instead.
-        let host_rma = crate::properties::query(comm)
-            .ok()
-            .and_then(|props| props.host_rma_support);
+        // `host_rma` was asked once at registration (a failed query failed it) rather than
+        // on every RMA call.
         Self {
             comm,
             raw,

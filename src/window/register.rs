@@ -13,7 +13,7 @@ use std::ffi::c_void;
 
 use nccl_sys::ncclWindow_t;
 
-use super::{Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
+use super::{rma, Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
 use crate::collectives::Operation;
 use crate::comm::Comm;
 use crate::comm::Membership;
@@ -175,13 +175,20 @@ struct Entry {
     flags: u32,
     /// `size_of::<T>()`: the element type's size, which every offset here is counted in.
     elem: u64,
+    /// This rank needs NCCL's RMA set-up step now and can take it (see `rma::can_set_up`).
+    rma: bool,
 }
 
 /// Words per [`Entry`] in the exchange.
-const WIDTH: usize = 4;
+const WIDTH: usize = 5;
 
 impl Entry {
-    fn of<T: NcclType>(buffer: &NcclBuffer<T>, flags: WindowFlags, refused: bool) -> Self {
+    fn of<T: NcclType>(
+        buffer: &NcclBuffer<T>,
+        flags: WindowFlags,
+        refused: bool,
+        rma: bool,
+    ) -> Self {
         let elem = std::mem::size_of::<T>();
         Entry {
             refused,
@@ -189,6 +196,7 @@ impl Entry {
             bytes: buffer.len.saturating_mul(elem) as u64,
             flags: flags.bits(),
             elem: elem as u64,
+            rma,
         }
     }
 
@@ -198,6 +206,7 @@ impl Entry {
             self.bytes,
             u64::from(self.flags),
             self.elem,
+            u64::from(self.rma),
         ]
     }
 
@@ -207,6 +216,7 @@ impl Entry {
             bytes: row[1],
             flags: row[2] as u32,
             elem: row[3],
+            rma: row[4] != 0,
         }
     }
 }
@@ -288,23 +298,50 @@ fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
     Ok(all)
 }
 
-/// The exchange and its verdict for `comms[i]` registering `buffers[i]`: `Ok` with every
-/// rank's window size in bytes per communicator where every rank may go on, else the
-/// error every rank returns (this rank's own error first).
+/// What the ranks agreed on for one communicator's registration.
+struct Agreed {
+    /// Every rank's window size in bytes.
+    peer_bytes: Vec<u64>,
+    /// `hostRmaSupport` of this rank's communicator, where reported.
+    host_rma: Option<bool>,
+    /// Every rank takes NCCL's RMA set-up step after registering (see [`rma::set_up`]).
+    set_up_rma: bool,
+}
+
+/// `hostRmaSupport`, where the library reports it; any other failure of the query is this
+/// rank's error (it goes through the exchange like the others).
+fn host_rma(comm: &Comm) -> Result<Option<bool>> {
+    match crate::properties::query(comm) {
+        Ok(props) => Ok(props.host_rma_support),
+        Err(err) if err.is_unsupported() => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// The exchange and its verdict for `comms[i]` registering `buffers[i]`: what every rank
+/// agreed on per communicator, where every rank may go on, else the error every rank
+/// returns (this rank's own error first).
 fn agree<T: NcclType>(
     comms: &[&Comm],
     buffers: &[NcclBuffer<T>],
     flags: WindowFlags,
-) -> Result<Vec<Vec<u64>>> {
-    let local: Vec<Result<()>> = comms
+) -> Result<Vec<Agreed>> {
+    let local: Vec<Result<Option<bool>>> = comms
         .iter()
         .zip(buffers)
-        .map(|(comm, buffer)| check(comm, buffer, flags))
+        .map(|(comm, buffer)| check(comm, buffer, flags).and_then(|()| host_rma(comm)))
         .collect();
-    let mine: Vec<Entry> = buffers
+    let mine: Vec<Entry> = comms
         .iter()
+        .zip(buffers)
         .zip(&local)
-        .map(|(buffer, verdict)| Entry::of(buffer, flags, verdict.is_err()))
+        .map(|((comm, buffer), verdict)| {
+            let rma = match verdict {
+                Ok(host) => rma::can_set_up(comm, *host),
+                Err(_) => false,
+            };
+            Entry::of(buffer, flags, verdict.is_err(), rma)
+        })
         .collect();
     // One rank alone has nobody to agree with.
     let all = if comms.iter().all(|comm| comm.size() == 1) {
@@ -312,13 +349,43 @@ fn agree<T: NcclType>(
     } else {
         exchange(comms, &mine)?
     };
-    let mut sizes = Vec::with_capacity(comms.len());
+    let mut agreed = Vec::with_capacity(comms.len());
     for ((comm, verdict), entries) in comms.iter().zip(local).zip(&all) {
-        verdict?;
+        let host_rma = verdict?;
         judge(comm.library().version(), entries)?;
-        sizes.push(entries.iter().map(|e| e.bytes).collect());
+        agreed.push(Agreed {
+            peer_bytes: entries.iter().map(|e| e.bytes).collect(),
+            host_rma,
+            // A lone rank cannot wait for anyone, and NCCL's set-up has nobody to wait for.
+            set_up_rma: comm.size() > 1 && entries.iter().all(|e| e.rma),
+        });
     }
-    Ok(sizes)
+    Ok(agreed)
+}
+
+/// Takes NCCL's RMA set-up step where the ranks agreed to (every rank then calls this with
+/// the same verdict), and records the outcome on each communicator.
+fn finish_rma(comms: &[&Comm], agreed: &[Agreed]) -> Result<()> {
+    let set_up: Vec<&Comm> = comms
+        .iter()
+        .zip(agreed)
+        .filter(|(_, a)| a.set_up_rma)
+        .map(|(comm, _)| *comm)
+        .collect();
+    let outcome = if set_up.is_empty() {
+        Ok(())
+    } else {
+        rma::set_up(&set_up)
+    };
+    for (comm, a) in comms.iter().zip(agreed) {
+        // Only a lazy NCCL still pending changes state; a failed step leaves RMA off. A
+        // lone rank's set-up waits for nobody.
+        if comm.rma_setup.get() == crate::comm::RmaSetup::Pending {
+            let done = comm.size() == 1 || (a.set_up_rma && outcome.is_ok());
+            rma::record_setup(comm, done);
+        }
+    }
+    outcome
 }
 
 /// NCCL refuses empty windows, and needs the window's start 4096-byte aligned in its VMM
@@ -411,10 +478,10 @@ impl Comm {
         buffer: NcclBuffer<T>,
         flags: WindowFlags,
     ) -> std::result::Result<Window<'_, T>, RegisterError<T>> {
-        let peer_bytes = match precheck(self)
+        let agreed = match precheck(self)
             .and_then(|()| agree(&[self], std::slice::from_ref(&buffer), flags))
         {
-            Ok(mut sizes) => sizes.pop().unwrap_or_default(),
+            Ok(agreed) => agreed,
             Err(err) => return Err(RegisterError::returning(err, vec![buffer])),
         };
         let slot = Slot::new();
@@ -441,9 +508,25 @@ impl Comm {
         }
         let raw = slot.read();
         if raw.is_null() {
+            // Every rank gets the NULL window (no symmetric memory on the communicator).
             return Err(RegisterError::returning(no_window(), vec![buffer]));
         }
-        Ok(Window::new(self, raw, buffer, flags, peer_bytes))
+        let rma_done = finish_rma(&[self], &agreed);
+        let Some(agreed) = agreed.into_iter().next() else {
+            return Err(RegisterError::returning(no_window(), vec![buffer]));
+        };
+        let window = Window::new(self, raw, buffer, flags, agreed.peer_bytes, agreed.host_rma);
+        match rma_done {
+            Ok(()) => Ok(window),
+            // Registered, but the set-up every rank took failed: give the buffer back.
+            Err(err) => match window.close() {
+                Ok(buffer) => Err(RegisterError::returning(err, vec![buffer])),
+                Err((window, _)) => {
+                    drop(window);
+                    Err(RegisterError::new(err, vec![None]))
+                }
+            },
+        }
     }
 
     /// Registers `buffers[i]` as a window on `comms[i]`, for every `i`, in one NCCL group:
@@ -467,8 +550,8 @@ impl Comm {
             return Ok(Vec::new());
         };
         let all: Vec<&Comm> = comms.iter().collect();
-        let mut peer_bytes = match agree(&all, &buffers, flags) {
-            Ok(sizes) => sizes.into_iter(),
+        let agreed = match agree(&all, &buffers, flags) {
+            Ok(agreed) => agreed,
             Err(err) => return Err(RegisterError::returning(err, buffers)),
         };
         let mut raw_group = match RawGroup::start(first.library()) {
@@ -527,7 +610,7 @@ impl Comm {
                 } else if i >= issued || slot.read().is_null() {
                     kept.push(Some(buffer));
                 } else {
-                    let window = Window::new(comm, slot.read(), buffer, flags, Vec::new());
+                    let window = Window::new(comm, slot.read(), buffer, flags, Vec::new(), None);
                     kept.push(window.close().ok());
                 }
             }
@@ -536,19 +619,27 @@ impl Comm {
         if failure.is_none() && slots.iter().any(|slot| slot.read().is_null()) {
             failure = Some(no_window());
         }
+        if failure.is_none() {
+            if let Err(err) = finish_rma(&all, &agreed) {
+                failure = Some(err);
+            }
+        }
+        let mut agreed = agreed.into_iter();
         let mut windows = Vec::with_capacity(comms.len());
         let mut returned = Vec::new();
         for ((comm, buffer), slot) in comms.iter().zip(buffers).zip(&slots) {
             let raw = slot.read();
-            let peers = peer_bytes.next().unwrap_or_default();
+            let (peers, host) = agreed
+                .next()
+                .map_or((Vec::new(), None), |a| (a.peer_bytes, a.host_rma));
             if raw.is_null() {
                 returned.push(Some(buffer));
             } else if failure.is_some() {
                 // Registered, but the rest failed: deregister (local) and give it back.
-                let window = Window::new(comm, raw, buffer, flags, peers);
+                let window = Window::new(comm, raw, buffer, flags, peers, host);
                 returned.push(window.close().ok());
             } else {
-                windows.push(Window::new(comm, raw, buffer, flags, peers));
+                windows.push(Window::new(comm, raw, buffer, flags, peers, host));
             }
         }
         match failure {
@@ -588,6 +679,7 @@ mod tests {
             bytes,
             flags,
             elem,
+            rma: true,
         }
     }
 
