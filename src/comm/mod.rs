@@ -219,7 +219,10 @@ impl Comm {
     }
 
     /// Sets how long [`Drop`] may take ([`Comm::drop_timeout`]); zero aborts at once, without
-    /// waiting for enqueued work or for the network proxy to finish sending.
+    /// waiting for enqueued work or for the network proxy to finish sending. Windows wait
+    /// for their work within the same bound before deregistering, so with zero a window
+    /// whose work has not finished yet is leaked (never freed while NCCL may still map it):
+    /// close windows first, or synchronize, when their memory matters.
     pub fn set_drop_timeout(&mut self, timeout: Duration) {
         self.drop_timeout = timeout;
     }

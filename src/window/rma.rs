@@ -520,7 +520,10 @@ impl<T: NcclType> Window<'_, T> {
     ///
     /// It takes the window mutably, as peers' puts change its contents: no view of it is
     /// alive across the wait, and with cudarc's event tracking later readers on other
-    /// streams wait for it. Counts the peers never send hang the stream (see the
+    /// streams wait for it. Puts into *other* windows become visible on `stream` too, but
+    /// only this window records the wait: read another window that peers put into on this
+    /// stream, or order your other stream after this one yourself (that window's own events
+    /// know nothing of the wait). Counts the peers never send hang the stream (see the
     /// [module docs](crate::window::rma)).
     pub fn wait_signal(&mut self, waits: &[SignalWait]) -> Result<()> {
         let stream = self.comm.stream().clone();
