@@ -28,7 +28,7 @@
 //! struct for the loaded library: a 2.31 library gets the 2.31 layout and version, newer ones
 //! the 2.32.3 header's, exactly as a program built against that library's header would pass.
 
-use std::ffi::CString;
+use std::ffi::{CString, NulError};
 use std::marker::PhantomData;
 use std::mem::offset_of;
 use std::os::raw::c_int;
@@ -56,7 +56,10 @@ const RESERVED_TAG_BIT: u64 = 1 << 63;
 /// starts unset (NCCL decides, or inherits the communicator's setting).
 #[derive(Clone, Default)]
 pub struct CollConfig<'e> {
-    algorithm: Option<String>,
+    /// Kept as the C string NCCL gets: NCCL stores only the pointer (its config copy is
+    /// shallow) and may parse it again when a group ends, so it must live as long as the
+    /// operations borrowing this configuration. A selection with a NUL is refused at use.
+    algorithm: Option<std::result::Result<CString, NulError>>,
     allow_fallback: bool,
     min_ctas: Option<u32>,
     max_ctas: Option<u32>,
@@ -96,7 +99,7 @@ impl<'e> CollConfig<'e> {
     /// `"ring"`, `"tree,ring"`, `"^symk"` (see NCCL's `ncclCollConfig_t` docs). An empty
     /// string means automatic selection.
     pub fn algorithm(mut self, selection: impl Into<String>) -> Self {
-        self.algorithm = Some(selection.into());
+        self.algorithm = Some(CString::new(selection.into()));
         self
     }
 
@@ -156,6 +159,17 @@ impl<'e> CollConfig<'e> {
     /// The launch-completion event, if one is set (a group may carry one per communicator).
     pub fn launch_event(&self) -> Option<&'e CudaEvent> {
         self.launch_completion_event
+    }
+
+    /// Whether NCCL may run a call with this configuration on `comm` on copy engines: the
+    /// rules that depend on that (see `check_plan`) must follow the per-call policy too.
+    pub(crate) fn copy_engine(&self, comm: &Comm) -> bool {
+        effective_copy_engine(
+            comm.library().version(),
+            crate::config::env_cta_policy(),
+            self.cta_policy,
+            comm.copy_engine(),
+        )
     }
 
     /// The `cgaClusterSize` set, if any (a group needs the same one for every collective).
@@ -218,7 +232,7 @@ impl<'e> CollConfig<'e> {
                 self.profiler_tag
             )));
         }
-        if self.algorithm.as_deref().is_some_and(|s| s.contains('\0')) {
+        if let Some(Err(_)) = &self.algorithm {
             return Err(Error::invalid(
                 "the algorithm selection contains a NUL byte",
             ));
@@ -257,14 +271,9 @@ impl<'e> CollConfig<'e> {
         }
         config.forceAlgSelection = c_int::from(!self.allow_fallback);
         config.userProfilerTag = self.profiler_tag;
-        let algorithm = match &self.algorithm {
-            Some(selection) => Some(
-                CString::new(selection.as_str())
-                    .map_err(|_| Error::invalid("the algorithm selection contains a NUL byte"))?,
-            ),
-            None => None,
-        };
-        if let Some(selection) = &algorithm {
+        // Points into this configuration, which outlives the raw struct and every
+        // operation that borrows it (see the field).
+        if let Some(Ok(selection)) = &self.algorithm {
             config.algSelection = selection.as_ptr();
         }
         if let Some(event) = self.launch_completion_event {
@@ -272,9 +281,29 @@ impl<'e> CollConfig<'e> {
         }
         Ok(RawCollConfig {
             config,
-            _algorithm: algorithm,
             _borrows: PhantomData,
         })
+    }
+}
+
+/// Whether a configured call takes NCCL's copy-engine path decision (`CTAPolicy` has
+/// `ZERO`), in NCCL's order: 2.28 to 2.30 look only at the communicator's policy
+/// (`comm->config.CTAPolicy`, v2.30.7 `src/enqueue.cc:3054`; no per-call configuration
+/// exists there); from 2.31 `NCCL_CTA_POLICY` wins where set, then a per-call policy that
+/// is set, then the communicator's (`comm`: its own decision, made at creation).
+fn effective_copy_engine(
+    version: Version,
+    env: Option<u32>,
+    call: Option<CtaPolicy>,
+    comm: bool,
+) -> bool {
+    if version < COLL_CONFIG_SINCE {
+        return comm;
+    }
+    match (env, call) {
+        (Some(bits), _) => bits & CtaPolicy::ZERO.0 != 0,
+        (None, Some(policy)) => policy.0 & CtaPolicy::ZERO.0 != 0,
+        (None, None) => comm,
     }
 }
 
@@ -298,11 +327,10 @@ fn gate(has_event: bool, version: Version) -> Result<()> {
     Ok(())
 }
 
-/// An `ncclCollConfig_t` ready for NCCL, with the string and the event its pointers refer
-/// to kept alive (the string owned, the event borrowed).
+/// An `ncclCollConfig_t` ready for NCCL. The string and the event its pointers refer to
+/// belong to the [`CollConfig`] it was built from, which it borrows.
 pub struct RawCollConfig<'a> {
     config: ncclCollConfig_t,
-    _algorithm: Option<CString>,
     _borrows: PhantomData<&'a CollConfig<'a>>,
 }
 
@@ -316,12 +344,13 @@ impl std::fmt::Debug for RawCollConfig<'_> {
 
 impl RawCollConfig<'_> {
     /// The struct, for the `config` argument of `ncclAllReduceConfig` ... `ncclScatterConfig`.
-    /// Valid while `self` lives.
+    /// Valid while `self` lives; the strings and events it points to, while the
+    /// [`CollConfig`] does.
     pub fn as_ptr(&self) -> *const ncclCollConfig_t {
         &self.config
     }
 
-    /// The struct itself (its pointers are valid while `self` lives).
+    /// The struct itself (its pointers are valid while the [`CollConfig`] lives).
     pub fn get(&self) -> &ncclCollConfig_t {
         &self.config
     }
@@ -423,6 +452,54 @@ mod tests {
         let selection = unsafe { std::ffi::CStr::from_ptr(c.algSelection) };
         assert_eq!(selection.to_str(), Ok("ring,tree"));
         assert!(format!("{config:?}").contains("ring,tree"));
+    }
+
+    /// C1: a per-call policy decides the copy-engine path from 2.31, unless
+    /// `NCCL_CTA_POLICY` is set; before the fix only the communicator's decision counted.
+    #[test]
+    fn c1_per_call_cta_policy_decides_copy_engines() {
+        let zero = Some(CtaPolicy::ZERO);
+        let default = Some(CtaPolicy::DEFAULT);
+        let both = Some(CtaPolicy::EFFICIENCY | CtaPolicy::ZERO);
+        // Per call wins over the communicator, both ways.
+        assert!(effective_copy_engine(V2_31, None, zero, false));
+        assert!(effective_copy_engine(V2_32, None, both, false));
+        assert!(!effective_copy_engine(V2_32, None, default, true));
+        // Unset per call: the communicator's.
+        assert!(effective_copy_engine(V2_32, None, None, true));
+        assert!(!effective_copy_engine(V2_32, None, None, false));
+        // The environment wins over both.
+        assert!(!effective_copy_engine(V2_32, Some(0), zero, true));
+        assert!(effective_copy_engine(V2_32, Some(2), default, false));
+        // Before 2.31 no per-call policy reaches NCCL.
+        assert!(!effective_copy_engine(V2_28, None, zero, false));
+        assert!(effective_copy_engine(V2_28, None, default, true));
+    }
+
+    /// M1: NCCL keeps the `algSelection` pointer (a shallow copy) and may parse it again at
+    /// `ncclGroupEnd`, so it must point into the configuration (borrowed by the operation
+    /// until the group ends), not into a string that dies with the raw struct. Before the
+    /// fix every build made its own CString, so two live builds had different pointers.
+    #[test]
+    fn m1_algorithm_selection_lives_in_the_configuration() {
+        let config = CollConfig::new().algorithm("ring");
+        let ptr = {
+            let a = config.build(V2_32).unwrap();
+            let b = config.build(V2_32).unwrap();
+            assert!(!a.get().algSelection.is_null());
+            assert_eq!(a.get().algSelection, b.get().algSelection);
+            a.get().algSelection
+        };
+        // SAFETY: the pointer refers to the CString owned by `config`, still alive.
+        let selection = unsafe { std::ffi::CStr::from_ptr(ptr) };
+        assert_eq!(selection.to_str(), Ok("ring"));
+        // A clone owns its own copy.
+        let clone = config.clone();
+        let ptr = clone.build(V2_32).unwrap().get().algSelection;
+        drop(config);
+        // SAFETY: as above, for `clone`.
+        let selection = unsafe { std::ffi::CStr::from_ptr(ptr) };
+        assert_eq!(selection.to_str(), Ok("ring"));
     }
 
     #[test]

@@ -72,6 +72,14 @@ fn parse_cta_policy(text: &str) -> Option<u32> {
     policy
 }
 
+/// `NCCL_CTA_POLICY` from the environment, where set to something NCCL reads.
+pub(crate) fn env_cta_policy() -> Option<u32> {
+    std::env::var("NCCL_CTA_POLICY")
+        .ok()
+        .as_deref()
+        .and_then(parse_cta_policy)
+}
+
 /// How the communicator will be used with CUDA graphs (`graphUsageMode`, NCCL 2.29).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GraphUsageMode {
@@ -369,11 +377,7 @@ impl CommConfig {
         if version < Version::new(2, 28, 0) {
             return false;
         }
-        let env = std::env::var("NCCL_CTA_POLICY").ok();
-        let policy = env
-            .as_deref()
-            .and_then(parse_cta_policy)
-            .or(self.cta_policy.map(|policy| policy.0));
+        let policy = env_cta_policy().or(self.cta_policy.map(|policy| policy.0));
         policy.is_some_and(|bits| bits & CtaPolicy::ZERO.0 != 0)
     }
 

@@ -381,3 +381,86 @@ fn launch_completion_event_is_recorded_and_waited() {
         }
     });
 }
+
+const M1_CHILD: &str = "NCCL_RS_M1_CHILD";
+
+/// M1: NCCL keeps only the `algSelection` pointer of a configuration, and on its
+/// rearchitected enqueue path (`NCCL_ENQUEUE_REARCH_ENABLE=1`, 2.31) parses it again at
+/// `ncclGroupEnd`. Grouped all-reduces with `algorithm("ring")` (forced: a selection NCCL
+/// cannot read is an error), with the heap churned between enqueue and group end so a freed
+/// string would be overwritten: before the fix the string died with the enqueue; now it
+/// lives in the configuration the group borrows. Results are checked against the host sum.
+/// Runs in a child process, so that NCCL reads the variable fresh.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m1_algorithm_selection_lives_until_the_group_ends() {
+    const TEST: &str = "m1_algorithm_selection_lives_until_the_group_ends";
+    let v = version();
+    if v < V2_31 {
+        common::shape::skip(
+            TEST,
+            &format!("NCCL {v} has no per-collective config (2.31)"),
+        );
+        return;
+    }
+    if std::env::var_os(M1_CHILD).is_none() {
+        let exe = std::env::current_exe().unwrap();
+        let status = std::process::Command::new(exe)
+            .args([TEST, "--exact", "--include-ignored", "--nocapture"])
+            .env(M1_CHILD, "1")
+            .env("NCCL_ENQUEUE_REARCH_ENABLE", "1")
+            .status()
+            .expect("spawn the child");
+        assert!(
+            status.success(),
+            "{TEST} (child, NCCL_ENQUEUE_REARCH_ENABLE=1): {status}"
+        );
+        return;
+    }
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(240)) else {
+        return;
+    };
+    let checked = per_rank(comms(), |comm, _| {
+        let (r, n) = (comm.rank(), comm.size());
+        let stream = comm.stream().clone();
+        let c = 4099;
+        let ops = 4;
+        let configs: Vec<CollConfig> = (0..ops)
+            .map(|_| CollConfig::new().algorithm("ring"))
+            .collect();
+        let inputs: Vec<Vec<Vec<f32>>> = (0..ops)
+            .map(|k| (0..n).map(|q| data(300 + k as u64, q, c)).collect())
+            .collect();
+        let mut bufs: Vec<CudaSlice<f32>> = (0..ops)
+            .map(|k| stream.clone_htod(&inputs[k][r]).unwrap())
+            .collect();
+        let mut churn = Vec::new();
+        {
+            let mut group = Group::start().unwrap();
+            for (buf, config) in bufs.iter_mut().zip(&configs) {
+                group
+                    .enqueue(
+                        &comm,
+                        Operation::all_reduce_in_place(buf, ReduceOp::Sum).with_config(config),
+                    )
+                    .unwrap_or_else(|e| panic!("rank {r}: enqueue: {e}"));
+                // Reuses any small allocation freed by the enqueue.
+                churn.extend((0..64).map(|_| b"xxxx\0".to_vec()));
+            }
+            group
+                .finish()
+                .unwrap_or_else(|e| panic!("rank {r}: ncclGroupEnd: {e}"));
+        }
+        drop(churn);
+        comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+        for (k, buf) in bufs.iter().enumerate() {
+            let want: Vec<f32> = (0..c)
+                .map(|i| inputs[k].iter().map(|x| x[i]).sum())
+                .collect();
+            assert_eq!(stream.clone_dtoh(buf).unwrap(), want, "rank {r}, op {k}");
+        }
+        ops
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}, NCCL_ENQUEUE_REARCH_ENABLE=1"));
+    assert!(checked.iter().all(|&k| k == 4), "{checked:?}");
+}

@@ -331,3 +331,155 @@ fn point_to_point_with_oneself_needs_a_group() {
     }
     println!("SELF_P2P_OK n={n}");
 }
+
+/// C3: a nonblocking window registration that only rank 0 makes stays in progress (NCCL's
+/// job waits in its bootstrap all-gather for the others). When its `ready_timeout` runs out,
+/// the communicator must be aborted before anything else touches it: before the fix it was
+/// left in progress, and dropping the earlier window then deregistered it on this thread
+/// while NCCL's job still registered the new one. The earlier window's all-reduce is checked
+/// against the host reference first, and dropping it after the abort makes no NCCL call.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn c3_timed_out_nonblocking_registration_aborts_the_communicator() {
+    const TEST: &str = "c3_timed_out_nonblocking_registration_aborts_the_communicator";
+    let Some(_deadline) = common::threaded::gpu_test(TEST, Duration::from_secs(240)) else {
+        return;
+    };
+    let devices = common::threaded::devices();
+    let n = devices.len();
+    let version = nccl::version().unwrap();
+    let id = UniqueId::new().unwrap();
+    let rank0_done = Barrier::new(n);
+    let registered = Barrier::new(n);
+    let len = 4096;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| random(31 + r as u64, len)).collect();
+    let want: Vec<f32> = (0..len)
+        .map(|i| inputs.iter().map(|x| x[i]).sum())
+        .collect();
+    let skipped = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for rank in 0..n {
+            let (id, rank0_done, registered, devices) = (&id, &rank0_done, &registered, &devices);
+            let (inputs, want, skipped) = (&inputs, &want, &skipped);
+            scope.spawn(move || {
+                let stream = stream_on(devices[rank]);
+                let config = CommConfig::new()
+                    .blocking(false)
+                    .ready_timeout(Duration::from_secs(120));
+                let mut comm = Comm::init_rank_with_config(stream.clone(), id, rank, n, &config)
+                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                // The window borrows the communicator, so rank 0's shorter timeout is set
+                // now: long enough for the registration both ranks make.
+                if rank == 0 {
+                    comm.set_ready_timeout(Duration::from_secs(20));
+                }
+                let buffer = nccl::NcclBuffer::<f32>::alloc_zeros(&stream, len).unwrap();
+                let mut first = match comm.register_window(buffer, nccl::WindowFlags::DEFAULT) {
+                    Ok(window) => window,
+                    Err(err) if err.error().is_unsupported() => {
+                        // Every rank sees the same answer (NULL window or too old).
+                        skipped.store(true, std::sync::atomic::Ordering::Relaxed);
+                        println!("rank {rank}: no windows on NCCL {version}: {err}");
+                        return;
+                    }
+                    Err(err) => panic!("rank {rank}: register: {err}"),
+                };
+                stream.memcpy_htod(&inputs[rank], &mut first).unwrap();
+                comm.all_reduce_in_place(&mut first, ReduceOp::Sum).unwrap();
+                comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+                assert_eq!(&stream.clone_dtoh(&first).unwrap(), want, "rank {rank}");
+                registered.wait();
+                if rank == 0 {
+                    let lone = nccl::NcclBuffer::<f32>::alloc_zeros(&stream, len).unwrap();
+                    let start = Instant::now();
+                    let err = comm
+                        .register_window(lone, nccl::WindowFlags::DEFAULT)
+                        .expect_err("a registration no peer joins cannot complete")
+                        .into_error();
+                    println!(
+                        "rank 0: lone registration after {:?}: {err}",
+                        start.elapsed()
+                    );
+                    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                    assert!(err.to_string().contains("aborted"), "{err}");
+                    let failure = comm.failure().expect("a failure is recorded");
+                    assert!(failure.to_string().contains("aborted"), "{failure}");
+                    // The earlier window: NCCL freed it with the communicator, so dropping it
+                    // makes no call and comes back at once.
+                    let start = Instant::now();
+                    drop(first);
+                    assert!(start.elapsed() < Duration::from_secs(5));
+                    stream.synchronize().expect("stream usable after the abort");
+                    drop(comm);
+                    rank0_done.wait();
+                } else {
+                    rank0_done.wait();
+                    drop(first);
+                    drop(comm);
+                }
+            });
+        }
+    });
+    if skipped.load(std::sync::atomic::Ordering::Relaxed) {
+        common::shape::skip(TEST, &format!("NCCL {version} registers no windows here"));
+    } else {
+        common::shape::ran(TEST, &format!("NCCL {version}, {n} ranks"));
+    }
+}
+
+/// C3 for split: a nonblocking split only rank 0 makes stays in progress; when its timeout
+/// runs out the parent must be aborted (before the fix it was left in progress). The parent
+/// first does a checked all-reduce, so the communicator is known to work before.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn c3_timed_out_nonblocking_split_aborts_the_parent() {
+    const TEST: &str = "c3_timed_out_nonblocking_split_aborts_the_parent";
+    let Some(_deadline) = common::threaded::gpu_test(TEST, Duration::from_secs(240)) else {
+        return;
+    };
+    let devices = common::threaded::devices();
+    let n = devices.len();
+    let id = UniqueId::new().unwrap();
+    let rank0_done = Barrier::new(n);
+    let len = 1024;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| random(57 + r as u64, len)).collect();
+    let want: Vec<f32> = (0..len)
+        .map(|i| inputs.iter().map(|x| x[i]).sum())
+        .collect();
+    std::thread::scope(|scope| {
+        for rank in 0..n {
+            let (id, rank0_done, devices, inputs, want) =
+                (&id, &rank0_done, &devices, &inputs, &want);
+            scope.spawn(move || {
+                let stream = stream_on(devices[rank]);
+                let config = CommConfig::new()
+                    .blocking(false)
+                    .ready_timeout(Duration::from_secs(120));
+                let mut comm = Comm::init_rank_with_config(stream.clone(), id, rank, n, &config)
+                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                let mut buf: CudaSlice<f32> = stream.clone_htod(&inputs[rank]).unwrap();
+                comm.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
+                comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+                assert_eq!(&stream.clone_dtoh(&buf).unwrap(), want, "rank {rank}");
+                if rank == 0 {
+                    // The child's timeout is the parent's (no config given).
+                    comm.set_ready_timeout(Duration::from_secs(3));
+                    let err = comm
+                        .split(Some(0), 0)
+                        .expect_err("a lone split cannot complete");
+                    println!("rank 0: lone split: {err}");
+                    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                    assert!(err.to_string().contains("aborted"), "{err}");
+                    assert!(comm.failure().is_some(), "a failure is recorded");
+                    stream.synchronize().expect("stream usable after the abort");
+                    drop(comm);
+                    rank0_done.wait();
+                } else {
+                    rank0_done.wait();
+                    drop(comm);
+                }
+            });
+        }
+    });
+    common::shape::ran(TEST, &format!("{n} ranks"));
+}

@@ -580,9 +580,8 @@ fn per_thread<R: Send + 'static>(
     let id = UniqueId::new().unwrap();
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel();
-    for rank in 0..n {
+    for (rank, &device) in devices.iter().enumerate() {
         let (tx, body, id, config) = (tx.clone(), body.clone(), id, config.clone());
-        let device = devices[rank];
         std::thread::spawn(move || {
             let stream = CudaContext::new(device).unwrap().new_stream().unwrap();
             let comm = Comm::init_rank_with_config(stream, &id, rank, n, &config).unwrap();
@@ -773,4 +772,66 @@ fn nonblocking_communicators_run_v_collectives() {
         return;
     };
     assert_eq!(results.len(), results.iter().max().unwrap() + 1);
+}
+
+/// M3: a checked v-collective whose count exchange times out (only rank 0 calls it) leaves
+/// the exchange's all-gather queued on the stream; a late rank would pair with it. The
+/// communicator must be aborted (before the fix the timeout came back and the communicator
+/// stayed usable). First a checked all-to-all-v that every rank makes moves real data,
+/// checked against the host reference.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m3_timed_out_checked_exchange_aborts_the_communicator() {
+    const TEST: &str = "m3_timed_out_checked_exchange_aborts_the_communicator";
+    let Some(_deadline) = common::threaded::gpu_test(TEST, Duration::from_secs(240)) else {
+        return;
+    };
+    let devices = common::threaded::devices();
+    let n = devices.len();
+    let id = UniqueId::new().unwrap();
+    let rank0_done = std::sync::Barrier::new(n);
+    let c = 16;
+    // Rank q sends block j (c elements) to rank j: values q * 1000 + j * 100 + i.
+    let value = |q: usize, j: usize, i: usize| (q * 1000 + j * 100 + i) as f32;
+    std::thread::scope(|scope| {
+        for rank in 0..n {
+            let (id, rank0_done, devices) = (&id, &rank0_done, &devices);
+            scope.spawn(move || {
+                let stream = CudaContext::new(devices[rank])
+                    .unwrap()
+                    .new_stream()
+                    .unwrap();
+                let comm =
+                    Comm::init_rank_with_config(stream.clone(), id, rank, n, &CommConfig::new())
+                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                let mine: Vec<f32> = (0..n * c).map(|k| value(rank, k / c, k % c)).collect();
+                let send = stream.clone_htod(&mine).unwrap();
+                let mut recv = stream.alloc_zeros::<f32>(n * c).unwrap();
+                let call = VOperation::all_to_all_v(&send, vec![c; n], &mut recv, vec![c; n])
+                    .checked_within(Duration::from_secs(60));
+                comm.enqueue_v(call).unwrap();
+                comm.synchronize_timeout(Duration::from_secs(60)).unwrap();
+                let want: Vec<f32> = (0..n * c).map(|k| value(k / c, rank, k % c)).collect();
+                assert_eq!(stream.clone_dtoh(&recv).unwrap(), want, "rank {rank}");
+                if rank == 0 {
+                    let call = VOperation::all_to_all_v(&send, vec![c; n], &mut recv, vec![c; n])
+                        .checked_within(Duration::from_secs(3));
+                    let err = comm
+                        .enqueue_v(call)
+                        .expect_err("no peer joins the exchange");
+                    println!("rank 0: lone checked all_to_all_v: {err}");
+                    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                    assert!(err.to_string().contains("aborted"), "{err}");
+                    let failure = comm.failure().expect("a failure is recorded");
+                    assert!(failure.to_string().contains("aborted"), "{failure}");
+                    drop(comm);
+                    rank0_done.wait();
+                } else {
+                    rank0_done.wait();
+                    drop(comm);
+                }
+            });
+        }
+    });
+    common::shape::ran(TEST, &format!("{n} ranks"));
 }

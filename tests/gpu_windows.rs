@@ -285,13 +285,18 @@ fn collectives_on_windows<T: Elem>(
                     }
                     // Shown with --nocapture: where a stalled run stopped.
                     println!("step: {what}");
-                    if in_place && op == Op::Scatter && comm.copy_engine() {
-                        // NCCL's copy-engine in-place scatter misplaces blocks: refused on
-                        // every rank, before NCCL.
-                        let mut buf = send.view_mut(off..off + c).unwrap();
-                        let err = comm.scatter_in_place(&mut buf, root).unwrap_err();
+                    if in_place && matches!(op, Op::Scatter | Op::Gather) && comm.copy_engine() {
+                        // NCCL's copy-engine in-place scatter and gather place blocks at the
+                        // root's offset plus the rank's: refused on every rank, before NCCL.
+                        let mut buf = send.view_mut(off..off + n * c).unwrap();
+                        let err = if op == Op::Scatter {
+                            comm.scatter_in_place(&mut buf, root).unwrap_err()
+                        } else {
+                            comm.enqueue(Operation::gather_in_place(&mut buf, root))
+                                .unwrap_err()
+                        };
                         assert!(
-                            matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place scatter")),
+                            matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place")),
                             "{what}: {err}"
                         );
                         checked += 1;
@@ -1139,6 +1144,134 @@ fn zero_cta_policy_collectives_on_symmetric_windows() {
     assert!(checked.iter().all(|&k| k >= 8), "{checked:?}");
 }
 
+/// C1 and M2 on real GPUs (NCCL 2.31+, symmetric windows, communicators with the default CTA
+/// policy): a per-call `CtaPolicy::ZERO` must bring the copy-engine guards with it. Before
+/// the fix `scatter_in_place` with root 1 and a per-call ZERO was accepted, and NCCL's
+/// copy-engine scatter left misplaced blocks (2 ranks sharing one H100, NCCL 2.32.3). Now:
+/// the in-place forms are refused on every rank, an off-root gather without (or with a
+/// short) receive view is refused, and the out-of-place forms with a per-call ZERO give the
+/// host reference's results, with the window tail past the collective untouched.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn c1_per_call_zero_policy_keeps_the_copy_engine_guards() {
+    const TEST: &str = "c1_per_call_zero_policy_keeps_the_copy_engine_guards";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(300)) else {
+        return;
+    };
+    let v = version();
+    if v < V2_31 {
+        common::shape::skip(TEST, &format!("NCCL {v} has no per-call CTA policy (2.31)"));
+        return;
+    }
+    let comms = comms(&CommConfig::new());
+    if comms.iter().any(|comm| comm.copy_engine()) {
+        common::shape::skip(
+            TEST,
+            "NCCL_CTA_POLICY asks for ZERO on every communicator here",
+        );
+        return;
+    }
+    let n = comms.len();
+    let c = 256;
+    // As in the report: a window of 2 x 256 + 1024 elements, collectives on its start.
+    let len = n * c + 1024;
+    let config = nccl::CollConfig::new().cta_policy(CtaPolicy::ZERO);
+    let checked = per_rank(comms, |comm, barrier| {
+        let r = comm.rank();
+        let root = 1 % n;
+        let stream = comm.stream().clone();
+        let mut a = window::<f32>(&comm, len, WindowFlags::COLL_SYMMETRIC);
+        let mut b = window::<f32>(&comm, len, WindowFlags::COLL_SYMMETRIC);
+        let tail = vec![SENTINEL as f32; len];
+        stream.memcpy_htod(&tail, &mut a).unwrap();
+        stream.memcpy_htod(&tail, &mut b).unwrap();
+        // In place, scatter and gather: refused on every rank before NCCL sees them.
+        {
+            let mut buf = a.view_mut(0..n * c).unwrap();
+            let err = comm
+                .enqueue(Operation::scatter_in_place(&mut buf, root).with_config(&config))
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place scatter")),
+                "rank {r}: {err}"
+            );
+            let err = comm
+                .enqueue(Operation::gather_in_place(&mut buf, root).with_config(&config))
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("out-of-place gather")),
+                "rank {r}: {err}"
+            );
+        }
+        // Off the root, a gather without a receive view or with a short one: refused
+        // (the root does not call, or it would wait for them).
+        if r != root {
+            let src = a.view(0..c).unwrap();
+            let err = comm
+                .enqueue(Operation::gather(&src, None, root).with_config(&config))
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("pass the receive buffer")),
+                "rank {r}: {err}"
+            );
+            let mut short = b.view_mut(0..c).unwrap();
+            let err = comm
+                .enqueue(
+                    Operation::gather(&src, Some(&mut short as &mut dyn DevicePtrMut<f32>), root)
+                        .with_config(&config),
+                )
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("must hold")),
+                "rank {r}: {err}"
+            );
+        }
+        barrier.wait();
+        // Out of place with the per-call ZERO: real results against the host reference.
+        let mut checked = 0;
+        for op in [Op::Scatter, Op::Gather] {
+            let seed = 77 + op as u64;
+            let input = |q: usize| data(seed, q, op.input_len(false, q, root, n, c));
+            let mine = input(r);
+            stream.memcpy_htod(&tail, &mut b).unwrap();
+            {
+                let mut src = a.view_mut(0..mine.len()).unwrap();
+                stream.memcpy_htod(&cast::<f32>(&mine), &mut src).unwrap();
+            }
+            let src = a.view(0..mine.len()).unwrap();
+            let out_len = if op == Op::Scatter { c } else { n * c };
+            let mut dst = b.view_mut(0..out_len).unwrap();
+            let call = if op == Op::Scatter {
+                Operation::scatter(Some(&src as &dyn DevicePtr<f32>), &mut dst, root)
+            } else {
+                Operation::gather(&src, Some(&mut dst as &mut dyn DevicePtrMut<f32>), root)
+            };
+            comm.enqueue(call.with_config(&config))
+                .unwrap_or_else(|e| panic!("{op:?} on rank {r}: {e}"));
+            comm.synchronize_timeout(SYNC).unwrap();
+            let got = stream.clone_dtoh(&b).unwrap();
+            if let Some((range, want)) = expected(op, false, r, root, n, c, &input) {
+                assert_eq!(
+                    &got[range.clone()],
+                    &cast::<f32>(&want)[..],
+                    "{op:?} rank {r}"
+                );
+                checked += 1;
+            }
+            // Nothing past the collective's own extent was written (a misplaced copy-engine
+            // block would land there).
+            assert!(
+                got[out_len..].iter().all(|&x| x == SENTINEL as f32),
+                "{op:?} rank {r}: the window past the collective was written"
+            );
+            barrier.wait();
+        }
+        checked
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}, {n} ranks"));
+    assert!(checked.iter().sum::<usize>() > n, "{checked:?}");
+}
+
 /// What NCCL does, element by element, to the buffers the test hands it (the single buffers
 /// in place, the send buffers otherwise); returns each rank's output buffer. Written apart
 /// from [`expected`] so that the two check each other.
@@ -1244,4 +1377,190 @@ fn reference_model_agrees_with_a_direct_simulation() {
         }
     }
     assert!(compared > 500, "{compared}");
+}
+
+/// M5 on real GPUs: ranks registering windows of different sizes. Before NCCL 2.30.7 that
+/// is refused on every rank (NCCL sized the peers' mappings by the local registration);
+/// from 2.30.7 it is accepted, and a put that fits this rank's window but not the smaller
+/// target's is refused, while one that fits both moves real data (checked against the
+/// host). Different flags are refused on every version. Before the fix nothing compared.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m5_window_sizes_and_flags_are_agreed_across_ranks() {
+    const TEST: &str = "m5_window_sizes_and_flags_are_agreed_across_ranks";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(300)) else {
+        return;
+    };
+    let v = version();
+    if v < SYMMETRIC {
+        common::shape::skip(TEST, &format!("NCCL {v}: no symmetric windows (2.28.7)"));
+        return;
+    }
+    let differ_ok = v >= Version::new(2, 30, 7);
+    per_rank(comms(&CommConfig::new()), |comm, barrier| {
+        let (r, n) = (comm.rank(), comm.size());
+        // Flags differing across ranks: refused everywhere, buffer back.
+        let flags = if r == 0 {
+            WindowFlags::COLL_SYMMETRIC
+        } else {
+            WindowFlags::DEFAULT
+        };
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 1024).unwrap();
+        let err = comm.register_window(buffer, flags).unwrap_err();
+        assert!(
+            matches!(err.error(), Error::InvalidArgument(m) if m.contains("flags")),
+            "rank {r}: {}",
+            err.error()
+        );
+        assert!(err.into_buffer().is_some());
+        // Sizes differing: rank 0 has the smallest window.
+        let len = if r == 0 { 1024 } else { 2048 };
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), len).unwrap();
+        let outcome = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC);
+        if !differ_ok {
+            let err = outcome.unwrap_err();
+            assert!(
+                matches!(err.error(), Error::InvalidArgument(m) if m.contains("same size")),
+                "rank {r} on NCCL {v}: {}",
+                err.error()
+            );
+            return;
+        }
+        let mut win = outcome.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        if v < V2_29 || win.host_rma_support() == Some(false) {
+            return;
+        }
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let stream = comm.stream().clone();
+        let payload: Vec<f32> = data(91, r, 64).iter().map(|&x| x as f32).collect();
+        stream
+            .memcpy_htod(&payload, &mut win.view_mut(0..64).unwrap())
+            .unwrap();
+        if next == 0 {
+            // Fits this rank's window of 2048 but not rank 0's of 1024: refused here.
+            let err = win
+                .put_signal(&win.view(0..64).unwrap(), next, 1000, Signal::default())
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m) if m.contains("window of 1024")),
+                "rank {r}: {err}"
+            );
+        }
+        barrier.wait();
+        // Fits every window: real data through the ring.
+        win.put_signal(&win.view(0..64).unwrap(), next, 512, Signal::default())
+            .unwrap_or_else(|e| panic!("rank {r}: put: {e}"));
+        win.wait_signal(&[SignalWait::new(prev, 1)]).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        let got = stream.clone_dtoh(&win.view(512..576).unwrap()).unwrap();
+        let want: Vec<f32> = data(91, prev, 64).iter().map(|&x| x as f32).collect();
+        assert_eq!(got, want, "rank {r}: the put from rank {prev}");
+        barrier.wait();
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}"));
+}
+
+/// M4 on real GPUs: one rank refuses its own registration (an empty buffer), the others
+/// register a good one. Before the fix the refusing rank returned alone while the others
+/// waited in NCCL's bootstrap all-gather forever (the deadline ends such a run); now every
+/// rank returns the refusal, and a registration after it works and carries a checked
+/// all-reduce.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m4_a_refused_registration_is_reported_on_every_rank() {
+    const TEST: &str = "m4_a_refused_registration_is_reported_on_every_rank";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(180)) else {
+        return;
+    };
+    let v = version();
+    if v < SYMMETRIC {
+        common::shape::skip(TEST, &format!("NCCL {v}: no symmetric windows (2.28.7)"));
+        return;
+    }
+    per_rank(comms(&CommConfig::new()), |comm, _| {
+        let (r, n) = (comm.rank(), comm.size());
+        let len = if r == n - 1 { 0 } else { 1024 };
+        let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), len).unwrap();
+        let err = comm
+            .register_window(buffer, WindowFlags::COLL_SYMMETRIC)
+            .unwrap_err();
+        let text = err.error().to_string();
+        if r == n - 1 {
+            assert!(text.contains("at least one element"), "rank {r}: {text}");
+        } else {
+            assert!(
+                text.contains(&format!("rank {} refused its own window", n - 1)),
+                "rank {r}: {text}"
+            );
+        }
+        assert_eq!(err.into_buffer().map(|b| b.len()), Some(len));
+        // The communicator is unharmed: a registration on every rank, and a collective on it.
+        let mut win = window::<f32>(&comm, 1024, WindowFlags::COLL_SYMMETRIC);
+        let stream = comm.stream().clone();
+        let mine: Vec<f32> = data(5, r, 1024).iter().map(|&x| x as f32).collect();
+        stream.memcpy_htod(&mine, &mut win).unwrap();
+        comm.all_reduce_in_place(&mut win, ReduceOp::Sum).unwrap();
+        comm.synchronize_timeout(SYNC).unwrap();
+        let want: Vec<f32> = (0..1024)
+            .map(|i| (0..n).map(|q| data(5, q, 1024)[i]).sum::<i64>() as f32)
+            .collect();
+        assert_eq!(stream.clone_dtoh(&win).unwrap(), want, "rank {r}");
+    });
+    common::shape::ran(TEST, &format!("NCCL {v}"));
+}
+
+/// C2: on NCCL 2.29 and 2.30 the first RMA call on a rank sets RMA up with a step every rank
+/// must take (a bootstrap all-gather and barrier). Rank 0 puts into rank 1's window and
+/// waits for its stream to finish before rank 1 makes any RMA call: before the fix rank 0's
+/// put waited in NCCL's set-up for ranks that were waiting for rank 0 (the deadline ends
+/// that run); now the step was taken at registration, and rank 1's wait then finds the
+/// data, checked against the host. Ranks past 1 never touch RMA. On 2.31+ NCCL sets up at
+/// registration itself, and the same test must pass.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn c2_rma_between_two_ranks_does_not_wait_for_the_others() {
+    const TEST: &str = "c2_rma_between_two_ranks_does_not_wait_for_the_others";
+    let Some(_deadline) = gpu_test(TEST, Duration::from_secs(180)) else {
+        return;
+    };
+    let v = version();
+    if v < V2_29 {
+        common::shape::skip(TEST, &format!("NCCL {v} has no one-sided RMA (2.29)"));
+        return;
+    }
+    let c = 1000;
+    let outcomes = per_rank(comms(&CommConfig::new()), |comm, barrier| {
+        let r = comm.rank();
+        let stream = comm.stream().clone();
+        let mut win = window::<f32>(&comm, 4096, WindowFlags::COLL_SYMMETRIC);
+        if win.host_rma_support() == Some(false) {
+            return false;
+        }
+        let payload: Vec<f32> = data(23, 0, c).iter().map(|&x| x as f32).collect();
+        if r == 0 {
+            stream
+                .memcpy_htod(&payload, &mut win.view_mut(0..c).unwrap())
+                .unwrap();
+            win.put_signal(&win.view(0..c).unwrap(), 1, 2048, Signal::default())
+                .unwrap_or_else(|e| panic!("rank 0: put: {e}"));
+            comm.synchronize_timeout(SYNC)
+                .unwrap_or_else(|e| panic!("rank 0: the put did not finish alone: {e}"));
+        }
+        barrier.wait();
+        if r == 1 {
+            win.wait_signal(&[SignalWait::new(0, 1)]).unwrap();
+            comm.synchronize_timeout(SYNC).unwrap();
+            let got = stream
+                .clone_dtoh(&win.view(2048..2048 + c).unwrap())
+                .unwrap();
+            assert_eq!(got, payload, "rank 1: the put from rank 0");
+        }
+        barrier.wait();
+        true
+    });
+    if outcomes.iter().all(|&ran| ran) {
+        common::shape::ran(TEST, &format!("NCCL {v}"));
+    } else {
+        common::shape::skip(TEST, &format!("NCCL {v}: no host RMA support here"));
+    }
 }

@@ -52,7 +52,8 @@ pub(crate) fn dispatch<'b, 'a: 'b, T: NcclType>(
 
 /// [`dispatch`] for an operation with a [`CollConfig`]: refuses it on send and receive,
 /// builds the raw struct for the loaded library (version gates and field checks live in
-/// [`CollConfig::to_raw`]) and keeps it alive until NCCL has returned.
+/// [`CollConfig::to_raw`]) and keeps it alive until NCCL has returned; what its pointers
+/// refer to lives in the borrowed `config`.
 #[cold]
 #[inline(never)]
 fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
@@ -70,11 +71,13 @@ fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
     let launch = Configured {
         name,
         config: raw.as_ptr(),
+        copy_engine: config.copy_engine(comm),
     };
-    let outcome = validate_and_launch(comm, stream, call, in_group, keep, launch);
-    // NCCL reads the struct (and the selection string it points to) during the call only.
-    drop(raw);
-    outcome
+    // `raw` lives to the end of this function: NCCL copies the struct during the call, but
+    // keeps its `algSelection` pointer (and may parse it again at ncclGroupEnd, NCCL 2.31's
+    // rearchitected enqueue): that string lives in `config`, which the operation borrows
+    // until it is enqueued or its group has ended.
+    validate_and_launch(comm, stream, call, in_group, keep, launch)
 }
 
 /// Validates `call` completely, enqueues it through `launch`, completes the call and hands
@@ -105,7 +108,7 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
         call.send.as_ref().map(|b| b.len),
         call.recv.as_ref().map(|b| b.len),
         call.in_place,
-        comm.copy_engine(),
+        launch.copy_engine(comm),
     )
     .and_then(|plan| check_self_p2p(kind, rank, in_group).map(|()| plan))
     .map_err(|broken| broken.to_error(kind, rank, size))?;
@@ -202,6 +205,10 @@ trait Launch {
     /// The C name of the function called for `kind`, for errors.
     fn name(&self, kind: Kind) -> &'static str;
 
+    /// Whether NCCL may take its copy-engine path for this call (the rules in
+    /// [`check_plan`] depend on it).
+    fn copy_engine(&self, comm: &Comm) -> bool;
+
     /// Calls NCCL.
     ///
     /// # Safety
@@ -230,6 +237,11 @@ impl Launch for Plain {
     #[inline(always)]
     fn name(&self, kind: Kind) -> &'static str {
         kind.name()
+    }
+
+    #[inline(always)]
+    fn copy_engine(&self, comm: &Comm) -> bool {
+        comm.copy_engine()
     }
 
     #[inline(always)]
@@ -277,11 +289,17 @@ struct Configured {
     /// The `*Config` function's name, from [`check_config_kind`].
     name: &'static str,
     config: *const ncclCollConfig_t,
+    /// The call's copy-engine decision: its own CTA policy where NCCL lets that win.
+    copy_engine: bool,
 }
 
 impl Launch for Configured {
     fn name(&self, _kind: Kind) -> &'static str {
         self.name
+    }
+
+    fn copy_engine(&self, _comm: &Comm) -> bool {
+        self.copy_engine
     }
 
     unsafe fn launch(

@@ -312,11 +312,15 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Gather (NCCL 2.28): the root's `recv` (`size * send.len()` elements) receives rank
     /// `i`'s `send` at `i * send.len()`. `recv` is required on the root; elsewhere NCCL
-    /// writes nothing into it, and it may be `None` unless the communicator may use copy
-    /// engines ([`Comm::copy_engine`](crate::Comm::copy_engine)): there NCCL picks the path
-    /// per rank from whether `recv` lies in a symmetric window, and ranks off the root
-    /// address the root's window through their own `recv`'s offset, so every rank passes a
-    /// view at the root's window offset (a missing one is refused, not left to hang).
+    /// writes nothing into it, and it may be `None` unless the call may use copy engines
+    /// (a CTA policy with `ZERO`: the communicator's, [`Comm::copy_engine`](crate::Comm::copy_engine),
+    /// or from NCCL 2.31 the call's own [`CollConfig`](crate::CollConfig), with
+    /// `NCCL_CTA_POLICY` over both): there NCCL picks the path per rank from whether `recv`
+    /// lies in a symmetric window, and rank `i` off the root writes its block into the
+    /// root's window at its own `recv`'s window offset plus `i * send.len()`. So there every
+    /// rank passes a `recv` of `size * send.len()` elements, like the root's (a missing or
+    /// shorter one is refused, not left to hang or write past the window), at the root's
+    /// window offset (the caller's rule: only this rank's side is visible here).
     #[inline(always)]
     pub fn gather(
         send: &'a impl DevicePtr<T>,
@@ -328,6 +332,9 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Gather in place: on the root `buf` holds `size * count` elements with the root's own
     /// part at `root * count`; on other ranks `buf` is the `count` elements they send.
+    /// Refused on every rank where the call may use copy engines (see [`Operation::gather`]):
+    /// NCCL's copy-engine gather writes each block at its rank's offset in the root's
+    /// window, past a single block; use the out-of-place form there.
     #[inline(always)]
     pub fn gather_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
         Self::new(Kind::Gather { root }, None, None, Some(buf), true)
@@ -348,8 +355,8 @@ impl<'a, T: NcclType> Operation<'a, T> {
 
     /// Scatter in place: on the root `buf` holds all `size * count` elements and keeps its
     /// own block at `root * count`; on other ranks `buf` receives `count` elements. Refused
-    /// on a communicator that may use copy engines ([`Comm::copy_engine`](crate::Comm::copy_engine)):
-    /// NCCL's copy-engine in-place scatter misplaces the blocks there (see the error).
+    /// where the call may use copy engines (see [`Operation::gather`]): NCCL's copy-engine
+    /// in-place scatter misplaces the blocks there (see the error).
     #[inline(always)]
     pub fn scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
         Self::new(Kind::Scatter { root }, None, None, Some(buf), true)

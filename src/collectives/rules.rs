@@ -49,9 +49,15 @@ pub(crate) enum Broken {
     /// A gather without a receive buffer off the root, on a communicator whose CTA policy
     /// lets NCCL pick copy engines (see [`check_plan`]).
     CopyEngineGatherWithoutReceive,
-    /// An in-place scatter on a communicator whose CTA policy lets NCCL pick copy engines
-    /// (see [`check_plan`]).
+    /// An in-place scatter on a call whose CTA policy lets NCCL pick copy engines (see
+    /// [`check_plan`]).
     CopyEngineInPlaceScatter,
+    /// An in-place gather on a call whose CTA policy lets NCCL pick copy engines (see
+    /// [`check_plan`]).
+    CopyEngineInPlaceGather,
+    /// Off the root of a copy-engine gather, a receive buffer shorter than the root's
+    /// (`size` × the send count, see [`check_plan`]).
+    CopyEngineGatherShortReceive { send: usize, recv: usize },
 }
 
 /// How the send and receive lengths of an operation must relate.
@@ -121,19 +127,34 @@ impl Broken {
                  issue the send and the matching receive in one Group"
             ),
             Broken::CopyEngineGatherWithoutReceive => format!(
-                "{name} on rank {rank}: this communicator's CTA policy includes ZERO, so NCCL \
-                 decides on each rank whether the gather runs on copy engines, from whether \
+                "{name} on rank {rank}: this call's CTA policy (per call, the communicator's or \
+                 NCCL_CTA_POLICY) includes ZERO, so NCCL decides on each rank whether the gather runs on copy engines, from whether \
                  that rank's receive buffer lies in a symmetric window, and the ranks off the \
                  root write through their receive buffer's window offset into the root's; \
                  pass the receive buffer on every rank (the same window offset as the root's), \
                  or ranks would disagree and wait for each other forever"
             ),
             Broken::CopyEngineInPlaceScatter => format!(
-                "{name} in place on rank {rank}: this communicator's CTA policy includes ZERO, \
-                 and NCCL's copy-engine scatter (2.28-2.32) places in-place blocks at the root's \
+                "{name} in place on rank {rank}: this call's CTA policy (per call, the \
+                 communicator's or NCCL_CTA_POLICY) includes ZERO, and NCCL's copy-engine scatter (2.28-2.32) places in-place blocks at the root's \
                  own block offset plus the destination's, not in the destination's buffer \
                  (seen on 2.32.3: wrong data, or writes past the window for the last ranks); \
                  use the out-of-place scatter there"
+            ),
+            Broken::CopyEngineInPlaceGather => format!(
+                "{name} in place on rank {rank}: this call's CTA policy (per call, the \
+                 communicator's or NCCL_CTA_POLICY) includes ZERO, and NCCL's copy-engine \
+                 gather (2.28-2.32) writes each rank's block into the root's window at that \
+                 rank's buffer offset plus rank x count, past a single in-place block; use \
+                 the out-of-place gather with a receive view of {size} x count elements at the \
+                 root's window offset on every rank"
+            ),
+            Broken::CopyEngineGatherShortReceive { send, recv } => format!(
+                "{name} on rank {rank}: this call's CTA policy (per call, the communicator's or \
+                 NCCL_CTA_POLICY) includes ZERO, and NCCL's copy-engine gather writes this \
+                 rank's {send} elements into the root's window at this rank's receive offset \
+                 plus {rank} x {send}: the receive buffer must hold {size} x {send} elements, \
+                 as the root's does, at the root's window offset; it has {recv}"
             ),
             Broken::ConfigOnPointToPoint => format!(
                 "{name} on rank {rank} takes no CollConfig: NCCL has configured variants of \
@@ -185,6 +206,18 @@ pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static str,
 /// `copy_engine`. NCCL's copy-engine in-place scatter writes block `d` at the root's
 /// receive pointer plus `d` blocks (`ncclCeScatter`), which for a root other than 0 lies
 /// `root` blocks past the destination's buffer: refused when `copy_engine`.
+///
+/// A copy-engine gather off the root copies its `count` elements to the root's window at
+/// (its own receive pointer's window offset) + `rank` × `count` (`ncclCeGather`, NCCL
+/// 2.28-2.30.7 `src/ce_coll.cc`; NCCL checks only that the start lies in the window). So
+/// with `copy_engine` the receive buffer off the root must hold `size` × `count` elements
+/// like the root's (with windows of equal size on every rank, which registration checks,
+/// the write then stays inside the root's window), and an in-place gather, whose single
+/// block cannot say so, is refused on every rank. That the off-root receive buffer sits at
+/// the root's window offset is the caller's rule: only its own side is visible here.
+///
+/// `copy_engine` is the decision for this call: the per-call CTA policy where NCCL lets it
+/// win (see `CollConfig::copy_engine`), else the communicator's.
 // Inlined (see `dispatch`): with a known kind, only that kind's rules remain.
 #[inline(always)]
 pub(crate) fn check_plan(
@@ -294,6 +327,11 @@ pub(crate) fn check_plan(
             let s = need(send_len, "send")?;
             if rank != root {
                 return match recv_len {
+                    // What `ncclCeGather` writes (`recv + rank x count` in the root's window)
+                    // lies inside a buffer as long as the root's.
+                    Some(r) if copy_engine && s.checked_mul(size).map_or(true, |all| r < all) => {
+                        Err(Broken::CopyEngineGatherShortReceive { send: s, recv: r })
+                    }
                     Some(_) => plan(s, Ptr::Send(0), Ptr::Recv(0)),
                     None if copy_engine => Err(Broken::CopyEngineGatherWithoutReceive),
                     None => plan(s, Ptr::Send(0), Ptr::Null),
@@ -303,6 +341,7 @@ pub(crate) fn check_plan(
             holds_all(LengthRule::RootRecvHoldsAll, r, s, s, r)?;
             plan(s, Ptr::Send(0), Ptr::Recv(0))
         }
+        (Kind::Gather { .. }, true) if copy_engine => Err(Broken::CopyEngineInPlaceGather),
         (Kind::Gather { root }, true) => {
             check_rank(root, "root")?;
             let len = need(recv_len, "in-place")?;
@@ -503,6 +542,53 @@ mod tests {
             .contains("send has 8 elements but receive has 12"));
         assert!(err(Kind::AllToAll, 0, 4, Some(6), Some(6), false).contains("not a multiple"));
         assert!(err(Kind::AllToAll, 0, 4, None, Some(8), true).contains("no in-place all-to-all"));
+    }
+
+    /// M2: off the root, a copy-engine gather writes `count` elements at its receive
+    /// offset plus `rank` × `count` in the root's window, so its receive buffer must be as
+    /// long as the root's; an in-place gather (one block) is refused on every rank. Before
+    /// the fix a receive buffer of any length passed.
+    #[test]
+    fn m2_copy_engine_gather_off_root_needs_the_roots_receive_length() {
+        let gather = Kind::Gather { root: 0 };
+        let off_root = |rank, recv| check_plan(gather, rank, 4, Some(3), Some(recv), false, true);
+        for rank in 1..4 {
+            assert_eq!(
+                off_root(rank, 3),
+                Err(Broken::CopyEngineGatherShortReceive { send: 3, recv: 3 })
+            );
+            assert_eq!(
+                off_root(rank, 11),
+                Err(Broken::CopyEngineGatherShortReceive { send: 3, recv: 11 })
+            );
+            assert_eq!(
+                off_root(rank, 12).map(|p| (p.count, p.recv)),
+                Ok((3, Ptr::Recv(0)))
+            );
+        }
+        let text = Broken::CopyEngineGatherShortReceive { send: 3, recv: 3 }
+            .to_error(gather, 2, 4)
+            .to_string();
+        assert!(
+            text.contains("must hold 4 x 3") && text.contains("it has 3"),
+            "{text}"
+        );
+        // Without copy engines the off-root receive buffer is never written.
+        assert!(check_plan(gather, 1, 4, Some(3), Some(1), false, false).is_ok());
+        // A count too large to multiply is refused, not wrapped.
+        assert!(check_plan(gather, 1, 4, Some(usize::MAX), Some(1), false, true).is_err());
+        // In place: refused on every rank, root included, so no rank waits for another.
+        for rank in 0..4 {
+            assert_eq!(
+                check_plan(gather, rank, 4, None, Some(12), true, true),
+                Err(Broken::CopyEngineInPlaceGather)
+            );
+            assert!(check_plan(gather, rank, 4, None, Some(12), true, false).is_ok());
+        }
+        let text = Broken::CopyEngineInPlaceGather
+            .to_error(gather, 1, 4)
+            .to_string();
+        assert!(text.contains("out-of-place gather"), "{text}");
     }
 
     #[test]

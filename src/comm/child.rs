@@ -113,7 +113,9 @@ impl Comm {
             Ok(_) => match self.poll_in_progress(call, Some(child_config.ready_timeout), false) {
                 Ok(code) => code,
                 Err(err) => {
-                    // NCCL's job may still write the slot and read the argument.
+                    // A parent still in progress is aborted before anything else can touch
+                    // it; NCCL's job may still write the slot and read the argument.
+                    let err = self.abandon_in_progress(err);
                     slot.abandon();
                     std::mem::forget(argument);
                     return Err(err);
@@ -230,13 +232,19 @@ impl Comm {
         if pending {
             // As in `create_child`: NCCL's jobs write the children and keep the parents in
             // progress until done. If a parent never settles, the slots stay allocated.
+            // Every parent is waited for, and aborted if it stays in progress, so none is
+            // left with NCCL's job running when this returns.
+            let mut stalled = None;
             for parent in comms {
                 if let Err(err) =
                     parent.poll_in_progress("ncclCommSplit", Some(parent.ready_timeout), false)
                 {
-                    std::mem::forget(children);
-                    return Err(err);
+                    stalled.get_or_insert(parent.abandon_in_progress(err));
                 }
+            }
+            if let Some(err) = stalled {
+                std::mem::forget(children);
+                return Err(err);
             }
         }
         let mut out = Vec::with_capacity(comms.len());

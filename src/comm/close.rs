@@ -88,6 +88,17 @@ impl Comm {
         if !matches!(self.async_code_raw(), Ok(ResultCode::InProgress)) {
             return err;
         }
+        self.abort_stalled(
+            "a nonblocking call to complete",
+            "NCCL allows no CUDA work on its streams while a call on it is still in progress",
+            err,
+        )
+    }
+
+    /// Aborts the communicator because `what` did not happen (the error `err`, usually a
+    /// timeout), so that nothing else touches it; `why` ends the error's text. Returns the
+    /// error to report, which says so.
+    pub(crate) fn abort_stalled(&self, what: &'static str, why: &str, err: Error) -> Error {
         let waited = match &err {
             Error::Timeout { waited, .. } => *waited,
             _ => Duration::ZERO,
@@ -98,18 +109,12 @@ impl Comm {
             Failure {
                 state: FailureState::Released,
                 by: Actor::Owner,
-                cause: Cause::Stalled {
-                    what: "a nonblocking call to complete",
-                    waited,
-                },
+                cause: Cause::Stalled { what, waited },
             },
         );
         match (err, aborted) {
             (Error::Timeout { what, waited }, Ok(_)) => Error::Timeout {
-                what: format!(
-                    "{what}; the communicator was aborted, since NCCL allows no CUDA work on \
-                     its streams while a call on it is still in progress"
-                ),
+                what: format!("{what}; the communicator was aborted, since {why}"),
                 waited,
             },
             (err, _) => err,

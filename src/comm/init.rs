@@ -204,6 +204,7 @@ impl Comm {
             drop_timeout: Duration::ZERO,
             siblings: None,
             copy_engine: config.copy_engine(lib.version()),
+            rma_setup: std::cell::Cell::new(super::RmaSetup::Pending),
             _not_sync: PhantomData,
         }
     }

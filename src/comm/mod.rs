@@ -98,6 +98,19 @@ pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ContextId(usize);
 
+/// Where one-sided RMA stands on a communicator whose NCCL sets it up at the first RMA call
+/// (2.29, 2.30), a step every rank must take together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RmaSetup {
+    /// Not yet: the next window registration sets it up on every rank.
+    Pending,
+    /// Done (or not needed by this NCCL).
+    Ready,
+    /// Not every rank could take part when it was tried: RMA calls are refused, since the
+    /// first one would wait for ranks that never join.
+    Refused,
+}
+
 impl ContextId {
     #[inline(always)]
     pub(crate) fn of(ctx: &Arc<CudaContext>) -> Self {
@@ -121,6 +134,9 @@ pub struct Comm {
     siblings: Option<Arc<Siblings>>,
     /// Whether NCCL may pick copy engines for its collectives (CTA policy `ZERO`).
     copy_engine: bool,
+    /// Whether one-sided RMA was set up where every rank was present (NCCL 2.29 and 2.30;
+    /// see [`crate::window::rma`]).
+    pub(crate) rma_setup: Cell<RmaSetup>,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -178,6 +194,8 @@ impl Comm {
     /// from the config or `NCCL_CTA_POLICY`, on NCCL 2.28 or later). NCCL then decides per
     /// rank, from whether that rank's buffers lie in symmetric windows, so every rank of a
     /// gather passes its receive buffer (see [`Operation::gather`](crate::Operation::gather)).
+    /// From NCCL 2.31 a call's own [`CollConfig`](crate::CollConfig) policy overrides this
+    /// for that call (unless `NCCL_CTA_POLICY` is set), and the same rules follow it.
     pub fn copy_engine(&self) -> bool {
         self.copy_engine
     }
@@ -201,7 +219,10 @@ impl Comm {
     }
 
     /// Sets how long [`Drop`] may take ([`Comm::drop_timeout`]); zero aborts at once, without
-    /// waiting for enqueued work or for the network proxy to finish sending.
+    /// waiting for enqueued work or for the network proxy to finish sending. Windows wait
+    /// for their work within the same bound before deregistering, so with zero a window
+    /// whose work has not finished yet is leaked (never freed while NCCL may still map it):
+    /// close windows first, or synchronize, when their memory matters.
     pub fn set_drop_timeout(&mut self, timeout: Duration) {
         self.drop_timeout = timeout;
     }

@@ -115,7 +115,9 @@ impl Comm {
     /// Revokes the communicator (`ncclCommRevoke`, NCCL 2.28.7): stops the operations in
     /// flight, waits (up to [`Comm::ready_timeout`]) until it is quiescent, and leaves it
     /// valid for [`Comm::shrink`], [`Comm::split`], abort and destroy. New operations and
-    /// [`Comm::finalize`] are refused afterwards. Revoking again is a no-op.
+    /// [`Comm::finalize`] are refused afterwards. Revoking again is a no-op. A revoke still
+    /// in progress when the timeout runs out aborts the communicator ([`Error::Timeout`]
+    /// says so): nothing may touch it while NCCL still works on it.
     ///
     /// This is a local call: each rank revokes its own communicator.
     pub fn revoke(&self) -> Result<()> {
@@ -138,12 +140,15 @@ impl Comm {
                 )?;
             }
         }
+        // A revoke still in progress after the timeout is aborted, as every other
+        // nonblocking call is: nothing may touch the communicator while NCCL works on it.
         self.poll_in_progress(
             "ncclCommRevoke to complete",
             Some(self.ready_timeout()),
             false,
         )
         .map(drop)
+        .map_err(|err| self.abandon_in_progress(err))
     }
 
     /// Builds a communicator of the surviving ranks (`ncclCommShrink`, NCCL 2.27): every

@@ -17,9 +17,21 @@
 //! finished the registration.
 //!
 //! The window covers the whole buffer, whose start is the start of its VMM allocation, so
-//! NCCL's 4096-byte alignment rule ([`REQUIRED_ALIGNMENT`]) always holds. Before NCCL 2.30.7
-//! every rank must register the same number of bytes; from 2.30.7 the sizes may differ, and
-//! operations must then stay within the smallest. Neither can be checked locally.
+//! NCCL's 4096-byte alignment rule ([`REQUIRED_ALIGNMENT`]) always holds.
+//!
+//! Before calling NCCL, the ranks exchange what they register (a small all-gather on the
+//! communicator's stream, waited for): the element type's size, the flags, the size in
+//! bytes, and whether the rank's own checks (flags the library knows, the communicator's
+//! CUDA context, a non-empty buffer) passed. Every rank then reaches the same verdict, so a
+//! rank that refuses its buffer is reported on every rank instead of leaving the others in
+//! NCCL's registration. Flags and element types must be the same on every rank; before
+//! NCCL 2.30.7 sizes too (NCCL sized the peers' mappings by the local registration), and
+//! from 2.30.7 they may differ: [`Window::put_signal`] checks against the target's size;
+//! collectives must stay within the smallest, which only the caller knows. What cannot go
+//! through the exchange stays the caller's to keep alike on every rank: the library
+//! version, calling from inside a [`Group`](crate::Group), and a communicator that has
+//! failed or been aborted on one rank (its peers then wait as they would in NCCL; see
+//! [`crate::fault`] for watching that).
 //!
 //! Where NCCL cannot make windows (no symmetric-memory support on this communicator) it
 //! reports success with a NULL window (NCCL 2.29.2 and later, and some configurations
@@ -38,9 +50,11 @@
 //!
 //! With [`CtaPolicy::ZERO`](crate::config::CtaPolicy::ZERO) (2.28+), NCCL runs all-gather,
 //! all-to-all, gather and scatter on copy engines when a rank's buffers lie in symmetric
-//! windows, deciding on each rank from its own pointers: every rank of a gather passes its
-//! receive view (refused otherwise), and in-place scatter is refused there (NCCL's copy-engine
-//! version misplaces blocks for a root other than 0, seen on 2.32.3). See
+//! windows, deciding on each rank from its own pointers: every rank of a gather passes a
+//! receive view as long as the root's, at the root's offset (refused otherwise), and
+//! in-place gather and scatter are refused there (NCCL's copy-engine versions write blocks
+//! at the root's offset plus the rank's, past a single block). From NCCL 2.31 a per-call
+//! [`CollConfig`](crate::CollConfig) policy decides this as well. See
 //! [`Comm::copy_engine`](crate::Comm::copy_engine).
 //!
 //! NCCL launches its symmetric kernels with programmatic dependent launch, which the legacy
@@ -276,6 +290,9 @@ pub struct Window<'c, T: NcclType> {
     flags: WindowFlags,
     /// `hostRmaSupport` of the communicator, where the library reports it (2.29.4).
     host_rma: Option<bool>,
+    /// Every rank's window size in bytes, from the registration's exchange (empty where
+    /// unknown): a put must fit the target's window, which NCCL does not check.
+    peer_bytes: Vec<u64>,
 }
 
 impl<T: NcclType> std::fmt::Debug for Window<'_, T> {
@@ -291,19 +308,30 @@ impl<T: NcclType> std::fmt::Debug for Window<'_, T> {
 
 impl<'c, T: NcclType> Window<'c, T> {
     /// Wraps a handle NCCL just filled in for `buffer`.
-    fn new(comm: &'c Comm, raw: ncclWindow_t, buffer: NcclBuffer<T>, flags: WindowFlags) -> Self {
-        // Asked once here rather than on every RMA call. A failed query only means RMA
-        // calls learn it from NCCL instead.
-        let host_rma = crate::properties::query(comm)
-            .ok()
-            .and_then(|props| props.host_rma_support);
+    fn new(
+        comm: &'c Comm,
+        raw: ncclWindow_t,
+        buffer: NcclBuffer<T>,
+        flags: WindowFlags,
+        peer_bytes: Vec<u64>,
+        host_rma: Option<bool>,
+    ) -> Self {
+        // `host_rma` was asked once at registration (a failed query failed it) rather than
+        // on every RMA call.
         Self {
             comm,
             raw,
             buffer: ManuallyDrop::new(buffer),
             flags,
             host_rma,
+            peer_bytes,
         }
+    }
+
+    /// Rank `peer`'s window length in elements, where the registration learnt it.
+    pub(crate) fn peer_len(&self, peer: usize) -> Option<usize> {
+        let bytes = *self.peer_bytes.get(peer)?;
+        usize::try_from(bytes / std::mem::size_of::<T>() as u64).ok()
     }
 
     /// The communicator the window is registered with.

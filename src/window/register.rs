@@ -5,17 +5,22 @@
 //! a nonblocking one (`ncclCommWindowRegister` in `src/dev_runtime.cc`, 2.28 to 2.30.7). The
 //! handle's slot therefore lives on the heap and is read only once NCCL is done with it; if
 //! NCCL never finishes (a timeout), the slot and the buffer are leaked rather than freed
-//! under its feet.
+//! under its feet, and the communicator, still in progress, is aborted before anything else
+//! can touch it (a window dropped next would otherwise deregister while NCCL's job still
+//! registers; NCCL's deregistration skips its readiness check).
 
 use std::ffi::c_void;
 
 use nccl_sys::ncclWindow_t;
 
-use super::{Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
+use super::{rma, Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
+use crate::collectives::Operation;
 use crate::comm::Comm;
 use crate::comm::Membership;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
+use crate::group::Group;
+use crate::library::Version;
 use crate::memory::NcclBuffer;
 use crate::thread_group::{self, RawGroup};
 
@@ -135,23 +140,252 @@ impl Drop for Slot {
     }
 }
 
-/// What can be checked before NCCL sees the buffer.
-fn check<T: NcclType>(comm: &Comm, buffer: &NcclBuffer<T>, flags: WindowFlags) -> Result<()> {
-    let lib = comm.library();
-    lib.require(CALL, WINDOWS_SINCE)?;
-    flags.check(lib.version())?;
+/// What must hold on this rank before it can take part in the registration at all. These
+/// are rank-local (the library, an open group, a failed communicator) and are the caller's
+/// to keep the same on every rank: a rank refused here leaves its peers waiting in the
+/// exchange, as NCCL's own registration would.
+fn precheck(comm: &Comm) -> Result<()> {
+    comm.library().require(CALL, WINDOWS_SINCE)?;
+    thread_group::ensure_outside(CALL)?;
     // Checked up front as well as under the lock of the call: in a group, a communicator
     // refused halfway would leave the registrations already queued waiting for its rank.
-    comm.check_failure(CALL)?;
-    let device = buffer.stream.context().ordinal();
-    if device != comm.device() {
+    comm.check_failure(CALL)
+}
+
+/// What this rank checks of its own buffer. A refusal here is carried through the exchange,
+/// so every rank refuses the registration together instead of leaving its peers in NCCL's
+/// bootstrap all-gather.
+fn check<T: NcclType>(comm: &Comm, buffer: &NcclBuffer<T>, flags: WindowFlags) -> Result<()> {
+    flags.check(comm.library().version())?;
+    // The context, not only the device: NCCL maps the buffer in the communicator's context.
+    comm.check_context(buffer.stream.context(), "the buffer")?;
+    check_extent(buffer.ptr, buffer.len, std::mem::size_of::<T>())
+}
+
+/// First NCCL that lets ranks register windows of different sizes (before, the peers'
+/// mappings were sized by the local registration: v2.29.7 `src/dev_runtime.cc`).
+pub(crate) const SIZES_MAY_DIFFER_SINCE: Version = Version::new(2, 30, 7);
+
+/// What one rank says in the registration's exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    /// This rank refused its own registration (its error says why).
+    refused: bool,
+    bytes: u64,
+    flags: u32,
+    /// `size_of::<T>()`: the element type's size, which every offset here is counted in.
+    elem: u64,
+    /// This rank needs NCCL's RMA set-up step now and can take it (see `rma::can_set_up`).
+    rma: bool,
+}
+
+/// Words per [`Entry`] in the exchange.
+const WIDTH: usize = 5;
+
+impl Entry {
+    fn of<T: NcclType>(
+        buffer: &NcclBuffer<T>,
+        flags: WindowFlags,
+        refused: bool,
+        rma: bool,
+    ) -> Self {
+        let elem = std::mem::size_of::<T>();
+        Entry {
+            refused,
+            // Overflow was refused by `check_extent` (then `refused` is set).
+            bytes: buffer.len.saturating_mul(elem) as u64,
+            flags: flags.bits(),
+            elem: elem as u64,
+            rma,
+        }
+    }
+
+    fn to_row(self) -> [u64; WIDTH] {
+        [
+            u64::from(self.refused),
+            self.bytes,
+            u64::from(self.flags),
+            self.elem,
+            u64::from(self.rma),
+        ]
+    }
+
+    fn from_row(row: &[u64]) -> Self {
+        Entry {
+            refused: row[0] != 0,
+            bytes: row[1],
+            flags: row[2] as u32,
+            elem: row[3],
+            rma: row[4] != 0,
+        }
+    }
+}
+
+/// The verdict on a registration from every rank's entry (rank `i`'s at `all[i]`): the
+/// same on every rank, since every rank judges the same entries. Windows must agree on
+/// flags and element size on every version (NCCL reads every rank's copy through this
+/// rank's handle, in bytes), and before 2.30.7 on their size.
+fn judge(version: Version, all: &[Entry]) -> Result<()> {
+    if let Some(i) = all.iter().position(|e| e.refused) {
         return Err(Error::invalid(format!(
-            "the buffer is on device {device} but the communicator (rank {}) is on device {}",
-            comm.rank(),
-            comm.device()
+            "{CALL}: rank {i} refused its own window (its error says why); no rank registered"
         )));
     }
-    check_extent(buffer.ptr, buffer.len, std::mem::size_of::<T>())
+    let Some(first) = all.first() else {
+        return Ok(());
+    };
+    let differs = |what: &str, i: usize, mine: u64, theirs: u64| {
+        Err(Error::invalid(format!(
+            "{CALL}: rank {i} registers {what} {theirs} where rank 0 registers {mine}; every \
+             rank must register the same, so no rank registered"
+        )))
+    };
+    for (i, e) in all.iter().enumerate().skip(1) {
+        if e.elem != first.elem {
+            return differs("element size", i, first.elem, e.elem);
+        }
+        if e.flags != first.flags {
+            return differs("flags", i, u64::from(first.flags), u64::from(e.flags));
+        }
+        if e.bytes != first.bytes && version < SIZES_MAY_DIFFER_SINCE {
+            return Err(Error::invalid(format!(
+                "{CALL}: rank {i} registers {} bytes where rank 0 registers {}; before NCCL \
+                 {SIZES_MAY_DIFFER_SINCE} every rank must register the same size, so no rank \
+                 registered",
+                e.bytes, first.bytes
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// All-gathers `mine[i]` over `comms[i]`, for every `i`, in one group (one thread may drive
+/// several ranks of a communicator), and waits for it: the entries of every rank, per
+/// communicator. Where a wait runs out (nonblocking communicators, [`Comm::ready_timeout`])
+/// the exchange stays queued and a late rank would pair with it: that communicator is
+/// aborted.
+fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
+    let mut sends = Vec::with_capacity(comms.len());
+    let mut recvs = Vec::with_capacity(comms.len());
+    for (comm, entry) in comms.iter().zip(mine) {
+        let stream = comm.stream();
+        comm.context().bind_to_thread()?;
+        sends.push(stream.clone_htod(&entry.to_row())?);
+        recvs.push(stream.alloc_zeros::<u64>(WIDTH * comm.size())?);
+    }
+    {
+        let mut group = Group::start()?;
+        for ((comm, send), recv) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
+            group.enqueue(comm, Operation::all_gather(send, recv))?;
+        }
+        group.finish()?;
+    }
+    let mut all = Vec::with_capacity(comms.len());
+    for (comm, recv) in comms.iter().zip(&recvs) {
+        let timeout = (!comm.is_blocking()).then(|| comm.ready_timeout());
+        comm.wait_stream(comm.stream(), timeout)
+            .map_err(|err| match err {
+                Error::Timeout { .. } => comm.abort_stalled(
+                    "the window registration's exchange to finish",
+                    "the exchange is still queued and a late rank would pair with it",
+                    err,
+                ),
+                other => other,
+            })?;
+        let rows = comm.stream().clone_dtoh(recv)?;
+        all.push(rows.chunks_exact(WIDTH).map(Entry::from_row).collect());
+    }
+    Ok(all)
+}
+
+/// What the ranks agreed on for one communicator's registration.
+struct Agreed {
+    /// Every rank's window size in bytes.
+    peer_bytes: Vec<u64>,
+    /// `hostRmaSupport` of this rank's communicator, where reported.
+    host_rma: Option<bool>,
+    /// Every rank takes NCCL's RMA set-up step after registering (see [`rma::set_up`]).
+    set_up_rma: bool,
+}
+
+/// `hostRmaSupport`, where the library reports it; any other failure of the query is this
+/// rank's error (it goes through the exchange like the others).
+fn host_rma(comm: &Comm) -> Result<Option<bool>> {
+    match crate::properties::query(comm) {
+        Ok(props) => Ok(props.host_rma_support),
+        Err(err) if err.is_unsupported() => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+/// The exchange and its verdict for `comms[i]` registering `buffers[i]`: what every rank
+/// agreed on per communicator, where every rank may go on, else the error every rank
+/// returns (this rank's own error first).
+fn agree<T: NcclType>(
+    comms: &[&Comm],
+    buffers: &[NcclBuffer<T>],
+    flags: WindowFlags,
+) -> Result<Vec<Agreed>> {
+    let local: Vec<Result<Option<bool>>> = comms
+        .iter()
+        .zip(buffers)
+        .map(|(comm, buffer)| check(comm, buffer, flags).and_then(|()| host_rma(comm)))
+        .collect();
+    let mine: Vec<Entry> = comms
+        .iter()
+        .zip(buffers)
+        .zip(&local)
+        .map(|((comm, buffer), verdict)| {
+            let rma = match verdict {
+                Ok(host) => rma::can_set_up(comm, *host),
+                Err(_) => false,
+            };
+            Entry::of(buffer, flags, verdict.is_err(), rma)
+        })
+        .collect();
+    // One rank alone has nobody to agree with.
+    let all = if comms.iter().all(|comm| comm.size() == 1) {
+        mine.iter().map(|entry| vec![*entry]).collect()
+    } else {
+        exchange(comms, &mine)?
+    };
+    let mut agreed = Vec::with_capacity(comms.len());
+    for ((comm, verdict), entries) in comms.iter().zip(local).zip(&all) {
+        let host_rma = verdict?;
+        judge(comm.library().version(), entries)?;
+        agreed.push(Agreed {
+            peer_bytes: entries.iter().map(|e| e.bytes).collect(),
+            host_rma,
+            // A lone rank cannot wait for anyone, and NCCL's set-up has nobody to wait for.
+            set_up_rma: comm.size() > 1 && entries.iter().all(|e| e.rma),
+        });
+    }
+    Ok(agreed)
+}
+
+/// Takes NCCL's RMA set-up step where the ranks agreed to (every rank then calls this with
+/// the same verdict), and records the outcome on each communicator.
+fn finish_rma(comms: &[&Comm], agreed: &[Agreed]) -> Result<()> {
+    let set_up: Vec<&Comm> = comms
+        .iter()
+        .zip(agreed)
+        .filter(|(_, a)| a.set_up_rma)
+        .map(|(comm, _)| *comm)
+        .collect();
+    let outcome = if set_up.is_empty() {
+        Ok(())
+    } else {
+        rma::set_up(&set_up)
+    };
+    for (comm, a) in comms.iter().zip(agreed) {
+        // Only a lazy NCCL still pending changes state; a failed step leaves RMA off. A
+        // lone rank's set-up waits for nobody.
+        if comm.rma_setup.get() == crate::comm::RmaSetup::Pending {
+            let done = comm.size() == 1 || (a.set_up_rma && outcome.is_ok());
+            rma::record_setup(comm, done);
+        }
+    }
+    outcome
 }
 
 /// NCCL refuses empty windows, and needs the window's start 4096-byte aligned in its VMM
@@ -236,17 +470,20 @@ impl Comm {
     /// 2.27). Operation: every rank calls it. See the [module docs](crate::window).
     ///
     /// On failure the buffer comes back inside the [`RegisterError`] (which converts into
-    /// [`Error`] with `?`), unless NCCL may still be registering it.
+    /// [`Error`] with `?`), unless NCCL may still be registering it. A nonblocking
+    /// registration that does not finish within [`Comm::ready_timeout`] aborts the
+    /// communicator (its windows are then freed by NCCL) and leaks the buffer.
     pub fn register_window<T: NcclType>(
         &self,
         buffer: NcclBuffer<T>,
         flags: WindowFlags,
     ) -> std::result::Result<Window<'_, T>, RegisterError<T>> {
-        if let Err(err) =
-            check(self, &buffer, flags).and_then(|()| thread_group::ensure_outside(CALL))
+        let agreed = match precheck(self)
+            .and_then(|()| agree(&[self], std::slice::from_ref(&buffer), flags))
         {
-            return Err(RegisterError::returning(err, vec![buffer]));
-        }
+            Ok(agreed) => agreed,
+            Err(err) => return Err(RegisterError::returning(err, vec![buffer])),
+        };
         let slot = Slot::new();
         let pending = match issue(self, &buffer, flags, &slot) {
             Ok(pending) => pending,
@@ -260,19 +497,36 @@ impl Comm {
         // so the wait must not depend on the status.
         if pending || !self.is_blocking() {
             if let Err(err) = self.wait_ready(self.ready_timeout()) {
+                // Still in progress, the communicator is aborted before anything else can
+                // touch it (a dropped earlier window would deregister while NCCL's job
+                // still registers this one).
+                let err = self.abandon_in_progress(not_settled(self.rank(), err));
                 slot.leak();
                 std::mem::forget(buffer);
-                return Err(RegisterError::new(
-                    not_settled(self.rank(), err),
-                    vec![None],
-                ));
+                return Err(RegisterError::new(err, vec![None]));
             }
         }
         let raw = slot.read();
         if raw.is_null() {
+            // Every rank gets the NULL window (no symmetric memory on the communicator).
             return Err(RegisterError::returning(no_window(), vec![buffer]));
         }
-        Ok(Window::new(self, raw, buffer, flags))
+        let rma_done = finish_rma(&[self], &agreed);
+        let Some(agreed) = agreed.into_iter().next() else {
+            return Err(RegisterError::returning(no_window(), vec![buffer]));
+        };
+        let window = Window::new(self, raw, buffer, flags, agreed.peer_bytes, agreed.host_rma);
+        match rma_done {
+            Ok(()) => Ok(window),
+            // Registered, but the set-up every rank took failed: give the buffer back.
+            Err(err) => match window.close() {
+                Ok(buffer) => Err(RegisterError::returning(err, vec![buffer])),
+                Err((window, _)) => {
+                    drop(window);
+                    Err(RegisterError::new(err, vec![None]))
+                }
+            },
+        }
     }
 
     /// Registers `buffers[i]` as a window on `comms[i]`, for every `i`, in one NCCL group:
@@ -281,18 +535,24 @@ impl Comm {
     ///
     /// Every window is valid when this returns: NCCL fills them in when the group ends, and
     /// nonblocking communicators are waited for (each for at most its
-    /// [`Comm::ready_timeout`]). On failure no window is kept: the buffers come back in the
+    /// [`Comm::ready_timeout`]; one still in progress then is aborted, the others still
+    /// waited for). On failure no window is kept: the buffers come back in the
     /// [`RegisterError`], except those NCCL may still be registering.
     pub fn register_windows<'c, T: NcclType>(
         comms: &'c [Comm],
         buffers: Vec<NcclBuffer<T>>,
         flags: WindowFlags,
     ) -> std::result::Result<Vec<Window<'c, T>>, RegisterError<T>> {
-        if let Err(err) = check_all(comms, &buffers, flags) {
+        if let Err(err) = check_all(comms, &buffers) {
             return Err(RegisterError::returning(err, buffers));
         }
         let Some(first) = comms.first() else {
             return Ok(Vec::new());
+        };
+        let all: Vec<&Comm> = comms.iter().collect();
+        let agreed = match agree(&all, &buffers, flags) {
+            Ok(agreed) => agreed,
+            Err(err) => return Err(RegisterError::returning(err, buffers)),
         };
         let mut raw_group = match RawGroup::start(first.library()) {
             Ok(group) => group,
@@ -325,41 +585,61 @@ impl Comm {
             failure.get_or_insert(err);
         }
         // As in `register_window`: nonblocking registrations finish in NCCL's job whatever
-        // the status said.
+        // the status said. Every communicator is waited for (and aborted if it stays in
+        // progress), so none is left with NCCL's job running when this returns.
+        let mut unsettled = vec![false; comms.len()];
+        let mut stalled = None;
         if pending || !first.is_blocking() {
-            for comm in comms.iter().take(issued) {
+            for (i, comm) in comms.iter().enumerate().take(issued) {
                 if let Err(err) = comm.wait_ready(comm.ready_timeout()) {
-                    // NCCL may still write any slot and map any buffer handed to it.
-                    let error = not_settled(comm.rank(), err);
-                    let mut kept = Vec::with_capacity(buffers.len());
-                    for (i, (buffer, slot)) in buffers.into_iter().zip(slots).enumerate() {
-                        if i < issued {
-                            slot.leak();
-                            std::mem::forget(buffer);
-                            kept.push(None);
-                        } else {
-                            kept.push(Some(buffer));
-                        }
-                    }
-                    return Err(RegisterError::new(error, kept));
+                    unsettled[i] = true;
+                    stalled.get_or_insert(comm.abandon_in_progress(not_settled(comm.rank(), err)));
                 }
             }
+        }
+        if let Some(error) = stalled {
+            // NCCL may still write the slot and map the buffer of a communicator that did not
+            // settle: those are leaked, the rest given back (a settled communicator's window
+            // is deregistered, which is local).
+            let mut kept = Vec::with_capacity(buffers.len());
+            for (i, ((comm, buffer), slot)) in comms.iter().zip(buffers).zip(slots).enumerate() {
+                if unsettled[i] {
+                    slot.leak();
+                    std::mem::forget(buffer);
+                    kept.push(None);
+                } else if i >= issued || slot.read().is_null() {
+                    kept.push(Some(buffer));
+                } else {
+                    let window = Window::new(comm, slot.read(), buffer, flags, Vec::new(), None);
+                    kept.push(window.close().ok());
+                }
+            }
+            return Err(RegisterError::new(error, kept));
         }
         if failure.is_none() && slots.iter().any(|slot| slot.read().is_null()) {
             failure = Some(no_window());
         }
+        if failure.is_none() {
+            if let Err(err) = finish_rma(&all, &agreed) {
+                failure = Some(err);
+            }
+        }
+        let mut agreed = agreed.into_iter();
         let mut windows = Vec::with_capacity(comms.len());
         let mut returned = Vec::new();
         for ((comm, buffer), slot) in comms.iter().zip(buffers).zip(&slots) {
             let raw = slot.read();
+            let (peers, host) = agreed
+                .next()
+                .map_or((Vec::new(), None), |a| (a.peer_bytes, a.host_rma));
             if raw.is_null() {
                 returned.push(Some(buffer));
             } else if failure.is_some() {
                 // Registered, but the rest failed: deregister (local) and give it back.
-                let window = Window::new(comm, raw, buffer, flags);
+                let window = Window::new(comm, raw, buffer, flags, peers, host);
                 returned.push(window.close().ok());
             } else {
-                windows.push(Window::new(comm, raw, buffer, flags));
+                windows.push(Window::new(comm, raw, buffer, flags, peers, host));
             }
         }
         match failure {
@@ -369,12 +649,9 @@ impl Comm {
     }
 }
 
-/// The checks of [`Comm::register_windows`] that need no NCCL call.
-fn check_all<T: NcclType>(
-    comms: &[Comm],
-    buffers: &[NcclBuffer<T>],
-    flags: WindowFlags,
-) -> Result<()> {
+/// The checks of [`Comm::register_windows`] that need no NCCL call and come before the
+/// exchange (see [`precheck`]).
+fn check_all<T: NcclType>(comms: &[Comm], buffers: &[NcclBuffer<T>]) -> Result<()> {
     if comms.len() != buffers.len() {
         return Err(Error::invalid(format!(
             "register_windows got {} communicators and {} buffers",
@@ -382,7 +659,6 @@ fn check_all<T: NcclType>(
             buffers.len()
         )));
     }
-    thread_group::ensure_outside(CALL)?;
     if let Some(first) = comms.first() {
         if comms.iter().any(|c| c.is_blocking() != first.is_blocking()) {
             return Err(Error::invalid(
@@ -390,15 +666,63 @@ fn check_all<T: NcclType>(
             ));
         }
     }
-    for (comm, buffer) in comms.iter().zip(buffers) {
-        check(comm, buffer, flags)?;
-    }
-    Ok(())
+    comms.iter().try_for_each(precheck)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn entry(bytes: u64, flags: u32, elem: u64) -> Entry {
+        Entry {
+            refused: false,
+            bytes,
+            flags,
+            elem,
+            rma: true,
+        }
+    }
+
+    const V2_29: Version = Version::new(2, 29, 7);
+    const V2_32: Version = Version::new(2, 32, 3);
+
+    /// M5: windows whose size (before 2.30.7), flags or element type differ across ranks are
+    /// refused on every rank; before the fix nothing compared them.
+    #[test]
+    fn m5_mismatched_windows_are_refused_on_every_rank() {
+        let same = [entry(4096, 1, 4), entry(4096, 1, 4)];
+        assert!(judge(V2_29, &same).is_ok());
+        let sizes = [entry(4096, 1, 4), entry(8192, 1, 4)];
+        let err = judge(V2_29, &sizes).unwrap_err().to_string();
+        assert!(err.contains("rank 1 registers 8192 bytes"), "{err}");
+        assert!(err.contains("same size"), "{err}");
+        // From 2.30.7 sizes may differ (puts are then checked against the peer's size).
+        assert!(judge(SIZES_MAY_DIFFER_SINCE, &sizes).is_ok());
+        let flags = [entry(4096, 1, 4), entry(4096, 0, 4)];
+        let err = judge(V2_32, &flags).unwrap_err().to_string();
+        assert!(err.contains("rank 1 registers flags 0"), "{err}");
+        let types = [entry(4096, 1, 4), entry(4096, 1, 4), entry(4096, 1, 8)];
+        let err = judge(V2_32, &types).unwrap_err().to_string();
+        assert!(err.contains("rank 2 registers element size 8"), "{err}");
+        // The entries survive the exchange's encoding.
+        let e = Entry {
+            refused: true,
+            ..entry(1 << 40, 9, 2)
+        };
+        assert_eq!(Entry::from_row(&e.to_row()), e);
+    }
+
+    /// M4: a rank refusing its own window (empty, misaligned, wrong context, flags the
+    /// library lacks) is reported to every rank through the exchange, so none is left in
+    /// NCCL's bootstrap all-gather; before the fix the refusing rank returned alone.
+    #[test]
+    fn m4_a_rank_refusing_its_window_is_reported_to_all() {
+        let mut all = [entry(4096, 1, 4), entry(4096, 1, 4), entry(4096, 1, 4)];
+        all[2].refused = true;
+        let err = judge(V2_32, &all).unwrap_err().to_string();
+        assert!(err.contains("rank 2 refused its own window"), "{err}");
+        assert!(err.contains("no rank registered"), "{err}");
+    }
 
     #[test]
     fn extents_are_checked() {

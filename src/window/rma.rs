@@ -11,9 +11,9 @@
 //!
 //! * The peer's window is named by **this rank's own** handle of the collectively registered
 //!   window: call `put_signal` on your `Window` of that registration. Offsets into it are in
-//!   elements here (bytes in C) and are checked against this rank's window length; from NCCL
-//!   2.30.7, where ranks may register different sizes, the target's window must be at least
-//!   as large.
+//!   elements here (bytes in C) and are checked against this rank's window length and the
+//!   target's (learnt at registration; from NCCL 2.30.7 ranks may register different sizes,
+//!   and NCCL itself checks only the local one). A put to this rank itself is refused.
 //! * The source must lie in a window registered with [`WindowFlags::COLL_SYMMETRIC`] on the
 //!   same communicator, so it is a [`WindowView`].
 //! * Signals are numbered by [`Signal::index`] below the communicator's `numRmaSig` and
@@ -30,6 +30,26 @@
 //!   [`Comm::properties`](crate::Comm::properties)), and the CUDA driver must be 12.5 or
 //!   newer; otherwise the calls fail with [`Error::Unavailable`] before reaching NCCL.
 //! * Capturing RMA into a CUDA graph needs NCCL 2.30.3.
+//!
+//! # Setting RMA up: every rank at once
+//!
+//! NCCL sets RMA up with a step every rank of the communicator must take together (a window
+//! registration of its own, a bootstrap all-gather and a barrier: `ncclRmaCeInit` in
+//! `src/dev_runtime.cc`), and when depends on the version:
+//!
+//! * 2.29 and 2.30: at the first `ncclPutSignal`, `ncclSignal` or `ncclWaitSignal` on each
+//!   rank (`ncclRmaCeInitTask`, v2.29.2 `src/enqueue.cc:2779`, v2.30.7 `:2912`). Ranks that
+//!   never make an RMA call would leave the others waiting forever. So this crate takes that
+//!   step at the first window registration on the communicator, where every rank is
+//!   present: once the window is registered, each rank signals the next and waits for one
+//!   signal from the previous, on the communicator's stream, and waits for that. Where not
+//!   every rank can (no host RMA support, a CUDA driver older than 12.5, on any rank; the
+//!   ranks agree on it at registration), RMA stays off on that communicator and every RMA
+//!   call is refused with [`Error::Unavailable`].
+//! * 2.31 and later: at the first window registration (or at creation, with
+//!   `rmaEagerInit`/`NCCL_RMA_EAGER_INIT`), which is collective anyway; nothing to do here.
+//!   A signal or wait before any registration is `ncclInvalidUsage` there, which cannot
+//!   happen here (RMA calls are methods of a registered window).
 //!
 //! A wait changes what the window holds, so no view of it may be alive across one:
 //!
@@ -58,10 +78,11 @@ use nccl_sys::ncclWaitSignalDesc_t;
 
 use super::view::WindowView;
 use super::{Window, WindowFlags};
+use crate::comm::{Comm, Membership, RmaSetup};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::library::Version;
-use crate::thread_group;
+use crate::thread_group::{self, RawGroup};
 
 /// First NCCL with `ncclPutSignal`, `ncclSignal` and `ncclWaitSignal`.
 pub const RMA_SINCE: Version = Version::new(2, 29, 0);
@@ -69,6 +90,9 @@ pub const RMA_SINCE: Version = Version::new(2, 29, 0);
 pub const RMA_GRAPH_CAPTURE_SINCE: Version = Version::new(2, 30, 3);
 /// First NCCL with more than one RMA context and signal (`numRmaCtx`, `numRmaSig`).
 pub const RMA_SIGNALS_SINCE: Version = Version::new(2, 31, 0);
+/// First NCCL that sets RMA up at the first window registration (or at creation with
+/// `rmaEagerInit`) instead of at the first RMA call.
+pub const RMA_SETUP_AT_REGISTRATION_SINCE: Version = Version::new(2, 31, 0);
 /// The oldest CUDA driver NCCL runs one-sided RMA on (12.5, as `cuDriverGetVersion` codes
 /// it).
 pub const RMA_MIN_DRIVER: i32 = 12050;
@@ -155,6 +179,20 @@ fn put_extent(offset: usize, count: usize, window_len: usize, elem: usize) -> Re
              {window_len} elements"
         ))),
     }
+}
+
+/// The most elements a put to `peer` may reach: this rank's window length (what NCCL checks)
+/// and the target's (`peer_len`, learnt at registration; from NCCL 2.30.7 it may be
+/// smaller, and NCCL does not check it). A put to this rank itself is refused: it has no
+/// peer to signal, and a copy within the window does the same.
+fn put_bound(me: usize, peer: usize, own_len: usize, peer_len: Option<usize>) -> Result<usize> {
+    if peer == me {
+        return Err(Error::invalid(format!(
+            "ncclPutSignal: the peer {peer} is this rank; put to another rank (or copy within \
+             the window)"
+        )));
+    }
+    Ok(peer_len.map_or(own_len, |len| len.min(own_len)))
 }
 
 /// The source of a put must be a view of a symmetric window of the same communicator.
@@ -245,6 +283,111 @@ fn check_driver(version: i32) -> Result<()> {
     Ok(())
 }
 
+/// Whether NCCL `version` sets RMA up at the first RMA call (2.29, 2.30).
+pub(crate) fn lazy_setup(version: Version) -> bool {
+    (RMA_SINCE..RMA_SETUP_AT_REGISTRATION_SINCE).contains(&version)
+}
+
+/// Whether this rank needs RMA set up at this registration and can take the step: a lazy
+/// NCCL, not set up yet, host RMA support not denied, a driver NCCL runs RMA on. The ranks
+/// agree on it through the registration's exchange.
+pub(crate) fn can_set_up(comm: &Comm, host_rma: Option<bool>) -> bool {
+    lazy_setup(comm.library().version())
+        && comm.rma_setup.get() == RmaSetup::Pending
+        && host_rma != Some(false)
+        && driver_version().is_ok_and(|v| check_driver(v).is_ok())
+}
+
+/// Records the registration's verdict on RMA for `comm`: set up (`done`), or off when the
+/// NCCL needed the step and not every rank could take it.
+pub(crate) fn record_setup(comm: &Comm, done: bool) {
+    let state = if done || !lazy_setup(comm.library().version()) {
+        RmaSetup::Ready
+    } else {
+        RmaSetup::Refused
+    };
+    comm.rma_setup.set(state);
+}
+
+/// Takes NCCL's RMA set-up step on every communicator of `comms` together (see the module
+/// docs): each rank signals the next and waits for the previous one, all in one group, then
+/// waits for the stream. Used right after a registration, where every rank is present.
+pub(crate) fn set_up(comms: &[&Comm]) -> Result<()> {
+    let Some(first) = comms.first() else {
+        return Ok(());
+    };
+    let lib = first.library();
+    let mut group = RawGroup::start(lib)?;
+    let mut membership = Membership::enter(comms.iter().copied());
+    let mut failure = None;
+    for comm in comms {
+        let (r, n) = (comm.rank(), comm.size());
+        // Sizes came from NCCL as C ints.
+        let (next, prev) = (((r + 1) % n) as c_int, ((r + n - 1) % n) as c_int);
+        let mut wait = [ncclWaitSignalDesc_t {
+            opCnt: 1,
+            peer: prev,
+            sigIdx: 0,
+            ctx: 0,
+        }];
+        let stream = comm.stream().cu_stream() as nccl_sys::cudaStream_t;
+        let issued = comm
+            .with_raw("ncclSignal", |raw| {
+                // SAFETY: live communicator under its lock; `next` is a rank of it; signal
+                // and context 0 exist on every version; flags are reserved (0).
+                unsafe { lib.api().ncclSignal(next, 0, 0, 0, raw, stream) }
+            })
+            .and_then(|status| lib.check_pending("ncclSignal", status))
+            .and_then(|_| {
+                comm.with_raw("ncclWaitSignal", |raw| {
+                    // SAFETY: live communicator under its lock; one checked descriptor that
+                    // outlives the call (NCCL copies it).
+                    unsafe { lib.api().ncclWaitSignal(1, wait.as_mut_ptr(), raw, stream) }
+                })
+            })
+            .and_then(|status| lib.check_pending("ncclWaitSignal", status));
+        if let Err(err) = issued {
+            failure = Some(err);
+            break;
+        }
+    }
+    let ended = group.end();
+    if let Some(err) = membership.leave("RMA set-up") {
+        failure.get_or_insert(err);
+    }
+    if let Err(err) = ended {
+        failure.get_or_insert(err);
+    }
+    // Nonblocking communicators finish the group (and NCCL's set-up) in the background.
+    for comm in comms {
+        let timeout = (!comm.is_blocking()).then(|| comm.ready_timeout());
+        let settled = match timeout {
+            Some(limit) => comm
+                .wait_ready(limit)
+                .map_err(|err| comm.abandon_in_progress(err)),
+            None => Ok(()),
+        };
+        let waited = settled.and_then(|()| {
+            comm.wait_stream(comm.stream(), timeout)
+                .map_err(|err| match err {
+                    Error::Timeout { .. } => comm.abort_stalled(
+                        "the RMA set-up signals to arrive",
+                        "a late rank would pair with them",
+                        err,
+                    ),
+                    other => other,
+                })
+        });
+        if let Err(err) = waited {
+            failure.get_or_insert(err);
+        }
+    }
+    match failure {
+        Some(err) => Err(err),
+        None => Ok(()),
+    }
+}
+
 impl<T: NcclType> Window<'_, T> {
     /// What every RMA call checks before NCCL sees it.
     fn rma_ready(&self, api: &'static str, stream: &CudaStream) -> Result<()> {
@@ -252,6 +395,18 @@ impl<T: NcclType> Window<'_, T> {
         lib.require(api, RMA_SINCE)?;
         thread_group::ensure_outside(api)?;
         self.comm.check_stream(stream, "the stream")?;
+        if self.comm.rma_setup.get() != RmaSetup::Ready && lazy_setup(lib.version()) {
+            return Err(Error::Unavailable {
+                api,
+                reason: format!(
+                    "NCCL {} sets RMA up at the first RMA call, a step every rank takes \
+                     together; not every rank could take it when this communicator's first \
+                     window was registered (no host RMA support or a CUDA driver older than \
+                     12.5 on some rank), so RMA is off here",
+                    lib.version()
+                ),
+            });
+        }
         if self.host_rma == Some(false) {
             return Err(Error::Unavailable {
                 api,
@@ -304,8 +459,10 @@ impl<T: NcclType> Window<'_, T> {
             source.comm().shared_ptr() == self.comm.shared_ptr(),
             source.window_flags(),
         )?;
+        let target = peer as usize;
+        let target_len = put_bound(self.comm.rank(), target, self.len(), self.peer_len(target))?;
         let count = source.len();
-        let byte_offset = put_extent(offset, count, self.len(), std::mem::size_of::<T>())?;
+        let byte_offset = put_extent(offset, count, target_len, std::mem::size_of::<T>())?;
         let win = self.raw;
         // Orders the stream after earlier writes of the source; records the read afterwards.
         let (src, _read) = source.device_ptr(stream);
@@ -363,7 +520,10 @@ impl<T: NcclType> Window<'_, T> {
     ///
     /// It takes the window mutably, as peers' puts change its contents: no view of it is
     /// alive across the wait, and with cudarc's event tracking later readers on other
-    /// streams wait for it. Counts the peers never send hang the stream (see the
+    /// streams wait for it. Puts into *other* windows become visible on `stream` too, but
+    /// only this window records the wait: read another window that peers put into on this
+    /// stream, or order your other stream after this one yourself (that window's own events
+    /// know nothing of the wait). Counts the peers never send hang the stream (see the
     /// [module docs](crate::window::rma)).
     pub fn wait_signal(&mut self, waits: &[SignalWait]) -> Result<()> {
         let stream = self.comm.stream().clone();
@@ -429,6 +589,25 @@ mod tests {
         assert!(put_extent(usize::MAX, 2, 8, 4).is_err());
     }
 
+    /// M5: a put is bounded by the target's window, which may be smaller than this rank's
+    /// from NCCL 2.30.7 (before the fix only this rank's length counted).
+    #[test]
+    fn m5_puts_fit_the_targets_window() {
+        assert_eq!(put_bound(0, 1, 1024, Some(256)).unwrap(), 256);
+        assert_eq!(put_bound(0, 1, 1024, Some(4096)).unwrap(), 1024);
+        assert_eq!(put_bound(0, 1, 1024, None).unwrap(), 1024);
+        let bound = put_bound(1, 0, 1024, Some(256)).unwrap();
+        let err = put_extent(200, 100, bound, 4).unwrap_err().to_string();
+        assert!(err.contains("window of 256 elements"), "{err}");
+    }
+
+    /// Minor: a put to one's own rank is refused before NCCL (before, it went through).
+    #[test]
+    fn minor_put_to_self_is_refused() {
+        let err = put_bound(2, 2, 1024, Some(1024)).unwrap_err().to_string();
+        assert!(err.contains("is this rank"), "{err}");
+    }
+
     #[test]
     fn sources_must_be_symmetric_windows_of_the_same_communicator() {
         assert!(check_source(true, WindowFlags::COLL_SYMMETRIC).is_ok());
@@ -477,6 +656,19 @@ mod tests {
             wait_descriptors(&[SignalWait::new(1, 1).on(Signal::new(1, 0))], 2, V2_29),
             Err(Error::Unsupported { .. })
         ));
+    }
+
+    /// C2: NCCL 2.29 and 2.30 set RMA up at the first RMA call (a step of every rank), so
+    /// the crate takes it at registration there; 2.28 has no RMA, 2.31 sets up at
+    /// registration itself. Before the fix no version was treated specially.
+    #[test]
+    fn c2_rma_set_up_is_taken_at_registration_on_2_29_and_2_30() {
+        assert!(lazy_setup(Version::new(2, 29, 0)));
+        assert!(lazy_setup(Version::new(2, 29, 7)));
+        assert!(lazy_setup(Version::new(2, 30, 7)));
+        assert!(!lazy_setup(Version::new(2, 28, 9)));
+        assert!(!lazy_setup(Version::new(2, 31, 0)));
+        assert!(!lazy_setup(Version::new(2, 32, 3)));
     }
 
     #[test]

@@ -80,6 +80,26 @@ pub(crate) fn judge(name: &'static str, size: usize, all: &[u64]) -> Result<()> 
     Ok(())
 }
 
+/// A count exchange that did not finish in time is still queued on the communicator's
+/// stream: a late rank would pair with it (and its next collective with this rank's next
+/// one), so the ranks' views diverge. The communicator is aborted instead; other failures
+/// already left it failed.
+fn abandon_exchange(comm: &Comm, err: Error) -> Error {
+    if !stalled(&err) {
+        return err;
+    }
+    comm.abort_stalled(
+        "the checked mode's count exchange to finish",
+        "the exchange is still queued and a late rank would pair with it",
+        err,
+    )
+}
+
+/// Whether a failed wait for the count exchange left it queued (a timeout).
+fn stalled(err: &Error) -> bool {
+    matches!(err, Error::Timeout { .. })
+}
+
 /// The checked mode: every rank's counts are all-gathered and compared, and every rank
 /// returns the same verdict before anything of `call` is enqueued (on any stream). This
 /// rank's own invalid arguments (anything the enqueue itself would refuse: counts, layouts,
@@ -110,7 +130,8 @@ pub(crate) fn verify<T: NcclType>(
     let send = own.clone_htod(&mine)?;
     let mut all = own.alloc_zeros::<u64>(mine.len() * size)?;
     comm.enqueue_on(own, Operation::all_gather(&send, &mut all))?;
-    comm.wait_stream(own, Some(timeout))?;
+    comm.wait_stream(own, Some(timeout))
+        .map_err(|err| abandon_exchange(comm, err))?;
     let all = own.clone_dtoh(&all)?;
     local?;
     judge(kind.name(), size, &all)
@@ -197,6 +218,20 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    /// M3: a timed-out count exchange leaves the all-gather queued, so the communicator
+    /// must be aborted (before the fix the error was returned as is and it stayed usable);
+    /// other failures of the wait already come from a failed communicator.
+    #[test]
+    fn m3_a_timed_out_exchange_is_abandoned() {
+        let timeout = Error::Timeout {
+            what: "work on the stream of rank 0".into(),
+            waited: Duration::from_secs(1),
+        };
+        assert!(stalled(&timeout));
+        assert!(!stalled(&Error::usage("aborted")));
+        assert!(!stalled(&Error::invalid("x")));
     }
 
     #[test]

@@ -264,7 +264,9 @@ impl<'a, T: NcclType> VOperation<'a, T> {
     /// still takes part in the exchange, so the others learn about it instead of waiting.
     ///
     /// Every rank must ask for it (a rank that does not would never join the exchange), and
-    /// the wait for the others is bounded by [`DEFAULT_CHECK_TIMEOUT`]. It synchronises, so
+    /// the wait for the others is bounded by [`DEFAULT_CHECK_TIMEOUT`]; when it runs out, the
+    /// communicator is aborted ([`Error::Timeout`](crate::Error::Timeout) says so), since the
+    /// exchange stays queued and a late rank would pair with it. It synchronises, so
     /// it cannot run inside a [`Group`](crate::Group), and costs a round trip: use it while
     /// debugging, or where counts come from untrusted input.
     pub fn checked(self) -> Self {
