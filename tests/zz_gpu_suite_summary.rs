@@ -32,9 +32,18 @@ fn summary_of_the_gpu_tests_that_ran_and_were_skipped() {
         };
         let entry = binaries.entry(binary.to_owned()).or_default();
         let row = (test.to_owned(), detail.to_owned());
+        // A test that started, then found it could not go on, counts as skipped, once.
         match outcome {
-            "ran" => entry.ran.push(row),
-            _ => entry.skipped.push(row),
+            "ran" if !entry.ran.iter().chain(&entry.skipped).any(|(t, _)| t == test) => {
+                entry.ran.push(row)
+            }
+            "ran" => {}
+            _ => {
+                entry.ran.retain(|(t, _)| t != test);
+                if !entry.skipped.iter().any(|(t, _)| t == test) {
+                    entry.skipped.push(row);
+                }
+            }
         }
         if !entry.versions.iter().any(|v| v == version) {
             entry.versions.push(version.to_owned());
