@@ -210,6 +210,48 @@ fn enqueue_checked(
     }
 }
 
+/// [`enqueue_checked`] for every rank at once, from this thread, in one group: how one
+/// process drives ranks that share a GPU. (A thread per rank there can hang: NCCL may set up
+/// a connection for a configuration from one rank's thread, with a call that waits for the
+/// GPU, while the other rank's kernel already waits on this GPU for it.)
+fn enqueue_checked_together(comms: &[Comm], coll: Coll, config: &CollConfig<'_>, seed: u64) {
+    let n = comms.len();
+    let (root, c) = (n - 1, 1031);
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|q| data(seed, q, coll.lens(q, root, n, c).0))
+        .collect();
+    let sends: Vec<CudaSlice<f32>> = comms
+        .iter()
+        .map(|comm| comm.stream().clone_htod(&inputs[comm.rank()]).unwrap())
+        .collect();
+    let mut recvs: Vec<CudaSlice<f32>> = comms
+        .iter()
+        .map(|comm| {
+            let recv_len = coll.lens(comm.rank(), root, n, c).1;
+            comm.stream().alloc_zeros::<f32>(recv_len).unwrap()
+        })
+        .collect();
+    {
+        let mut group = Group::start().unwrap();
+        for ((comm, send), recv) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
+            let op = coll
+                .operation(send, recv, comm.rank(), root)
+                .with_config(config);
+            group
+                .enqueue(comm, op)
+                .unwrap_or_else(|e| panic!("rank {}: {coll:?} with {config:?}: {e}", comm.rank()));
+        }
+        group.finish().unwrap();
+    }
+    for (comm, recv) in comms.iter().zip(&recvs) {
+        let r = comm.rank();
+        let got = comm.stream().clone_dtoh(recv).unwrap();
+        if let Some(want) = coll.expected(r, root, n, c, &inputs) {
+            assert_eq!(got, want, "rank {r}: {coll:?} with {config:?}");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn every_collective_with_a_config_matches_the_host_reference() {
@@ -220,6 +262,25 @@ fn every_collective_with_a_config_matches_the_host_reference() {
         return;
     };
     let v = version();
+    let devices = common::threaded::devices();
+    if v >= V2_31 && (1..devices.len()).any(|i| devices[..i].contains(&devices[i])) {
+        // Ranks sharing a GPU: one thread drives them (see `enqueue_checked_together`).
+        let streams: Vec<_> = devices
+            .iter()
+            .map(|&d| CudaContext::new(d).unwrap().new_stream().unwrap())
+            .collect();
+        let comms = Comm::init_all(&streams).unwrap();
+        let mut checked = 0;
+        for (seed, coll) in COLLS.into_iter().enumerate() {
+            for (name, config) in configs(coll) {
+                enqueue_checked_together(&comms, coll, &config, seed as u64 * 100 + checked);
+                checked += 1;
+                println!("NCCL {v}: {coll:?} with {name}: right on every rank");
+            }
+        }
+        assert!(checked > 30, "{checked} cases");
+        return;
+    }
     let checked = per_rank(comms(), |comm, _| {
         let stream = comm.stream().clone();
         let r = comm.rank();

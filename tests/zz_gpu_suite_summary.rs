@@ -34,7 +34,13 @@ fn summary_of_the_gpu_tests_that_ran_and_were_skipped() {
         let row = (test.to_owned(), detail.to_owned());
         // A test that started, then found it could not go on, counts as skipped, once.
         match outcome {
-            "ran" if !entry.ran.iter().chain(&entry.skipped).any(|(t, _)| t == test) => {
+            "ran"
+                if !entry
+                    .ran
+                    .iter()
+                    .chain(&entry.skipped)
+                    .any(|(t, _)| t == test) =>
+            {
                 entry.ran.push(row)
             }
             "ran" => {}
