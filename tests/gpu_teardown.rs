@@ -12,10 +12,10 @@
 //! The ranks run as simulated hosts (each its own `NCCL_HOSTID`, NET/Socket over loopback),
 //! also on a multi-GPU host: that is the path where the proxy carries the data. Each rank, in
 //! a loop: split a child from the parent communicator, all-reduce 1 MiB on it, synchronize,
-//! check, and end the child at once; every failure of either rank counts. One job of two
-//! ranks per way of ending (drop; finalize, drop; finalize, destroy), 300 iterations each,
-//! all jobs at once. A control job ends the child with `abort()` (what Drop did before) and
-//! only reports its count, so a run shows the race is there to be lost.
+//! end the child at once, then check the result; every failure of either rank counts. One job
+//! of two ranks per way of ending (drop; finalize, drop; finalize, destroy), 300 iterations
+//! each, all jobs at once. A control job, run alone before them, ends the child with
+//! `abort()` (what Drop did before) and only reports its count: how often the race is lost.
 //!
 //! ```text
 //! NCCL_RS_TEARDOWN_ITERS=300 NCCL_RS_TEARDOWN_CONTROL_ITERS=100 cargo test --release --test gpu_teardown -- --include-ignored --nocapture
@@ -84,13 +84,33 @@ fn ending_a_communicator_never_fails_a_peer_s_completed_collective() {
     let Some(layout) = processes(test, &[Shape::Hosts], 2) else {
         return;
     };
+    let start = Instant::now();
+    // The control alone first (as the race was first seen), then one job per way of ending
+    // of the crate's, all at once (the time goes to sockets, not to the GPU).
+    let control = ENDS
+        .iter()
+        .position(|&e| e == End::Abort)
+        .expect("a control");
+    let waves: [&[End]; 2] = [&ENDS[control..=control], &ENDS[..control]];
+    let version = nccl::version().unwrap();
+    for wave in waves {
+        run_wave(test, &layout, wave, version, start);
+    }
+}
+
+/// Runs one job of two ranks per way of ending in `wave`, all at once, and checks them.
+fn run_wave(
+    test: &str,
+    layout: &common::shape::Layout,
+    wave: &[End],
+    version: nccl::Version,
+    start: Instant,
+) {
     let n = layout.size();
     let ranks: Vec<usize> = (0..n).collect();
-    let start = Instant::now();
-    // One job per way of ending, all at once (the time goes to sockets, not to the GPU).
-    let jobs: Vec<(End, usize, Children)> = ENDS
-        .into_iter()
-        .map(|end| {
+    let jobs: Vec<(End, usize, Children)> = wave
+        .iter()
+        .map(|&end| {
             let iters = end.iterations();
             let id = UniqueId::new().expect("ncclGetUniqueId");
             let children = Children::spawn("child_teardown", &ranks, |rank| {
@@ -105,7 +125,6 @@ fn ending_a_communicator_never_fails_a_peer_s_completed_collective() {
             (end, iters, children)
         })
         .collect();
-    let version = nccl::version().unwrap();
     for (end, iters, children) in jobs {
         let lines = children.finish(Duration::from_secs(1200));
         let failed = fields(&lines, "TEARDOWN", "failed");
@@ -163,21 +182,7 @@ fn child_teardown() {
         let outcome = child
             .all_reduce_in_place(&mut buf, ReduceOp::Sum)
             .and_then(|()| child.synchronize_timeout(sync));
-        match outcome {
-            Ok(()) => {
-                let got = stream.clone_dtoh(&buf).unwrap();
-                let want: f32 = (0..size).map(value).sum();
-                assert!(
-                    got.iter().all(|&v| v == want),
-                    "rank {rank}: {end:?} iteration {iter}: wrong sum"
-                );
-            }
-            Err(err) => {
-                failed += 1;
-                first.get_or_insert_with(|| format!("iteration {iter}: {err}"));
-            }
-        }
-        // At once, as a program that is done with it would.
+        // At once, as a program that is done with it would (the result is checked after).
         match end {
             End::Drop => drop(child),
             End::FinalizeDrop => {
@@ -192,6 +197,20 @@ fn child_teardown() {
             }
             End::Abort => {
                 let _ = child.abort();
+            }
+        }
+        match outcome {
+            Ok(()) => {
+                let got = stream.clone_dtoh(&buf).unwrap();
+                let want: f32 = (0..size).map(value).sum();
+                assert!(
+                    got.iter().all(|&v| v == want),
+                    "rank {rank}: {end:?} iteration {iter}: wrong sum"
+                );
+            }
+            Err(err) => {
+                failed += 1;
+                first.get_or_insert_with(|| format!("iteration {iter}: {err}"));
             }
         }
     }
