@@ -465,6 +465,8 @@ fn m1_algorithm_selection_lives_until_the_group_ends() {
         return;
     }
     if std::env::var_os(M1_CHILD).is_none() {
+        // The child records in this binary's ledger.
+        common::shape::setup();
         let exe = std::env::current_exe().unwrap();
         let status = std::process::Command::new(exe)
             .args([TEST, "--exact", "--include-ignored", "--nocapture"])

@@ -201,6 +201,8 @@ impl Children {
         ranks: &[usize],
         env: impl Fn(usize) -> Vec<(String, String)>,
     ) -> Children {
+        // The children inherit this process's NCCL settings and its suite ledger.
+        super::shape::setup();
         let exe = std::env::current_exe().expect("current_exe");
         let lines = Arc::new(Mutex::new(Vec::new()));
         let mut children = Children {

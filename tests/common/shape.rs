@@ -24,6 +24,8 @@ use super::procs::{var, visible_gpu};
 
 /// Forces a shape: `gpus`, `hosts` or `shared`.
 pub const SHAPE_VAR: &str = "NCCL_RS_GPU_SHAPE";
+/// The ledger a test binary's child processes record in (its own, see [`ledger_path`]).
+const LEDGER_VAR: &str = "NCCL_RS_SUITE_LEDGER";
 /// Tells a child process the CUDA ordinal of its rank's GPU.
 pub const DEVICE_VAR: &str = "NCCL_RS_TEST_DEVICE";
 /// NCCL's switch for several ranks on one GPU.
@@ -84,6 +86,10 @@ fn host() -> &'static Host {
         // will put two there.
         if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
             std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+        // The processes this test binary starts record in its ledger, not in one of their own.
+        if std::env::var_os(LEDGER_VAR).is_none() {
+            std::env::set_var(LEDGER_VAR, ledger_path(std::os::unix::process::parent_id()));
         }
         if host.pick(THREADED) == Ok(Shape::Shared) {
             std::env::set_var(MULTI_RANK_GPU_VAR, "1");
@@ -341,7 +347,8 @@ fn say(line: &str) {
 
 /// The ledger the summary (`tests/zz_gpu_suite_summary.rs`) reads: one file per run of the
 /// suite, named after the process that runs the test binaries one after another (the
-/// `.gpu/run tests` loop, or cargo).
+/// `.gpu/run tests` loop, or cargo). A test's child processes record in their test binary's
+/// ledger (`NCCL_RS_SUITE_LEDGER`), so a test that runs in a child counts too.
 pub fn ledger_path(parent: u32) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("nccl-rs-gpu-suite-{parent}.tsv"))
 }
@@ -357,7 +364,9 @@ fn record(outcome: &str, test: &str, detail: &str) {
         env!("CARGO_CRATE_NAME"),
         detail.replace(['\t', '\n'], " ")
     );
-    let path = ledger_path(std::os::unix::process::parent_id());
+    let path = std::env::var_os(LEDGER_VAR)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| ledger_path(std::os::unix::process::parent_id()));
     if let Ok(mut file) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
