@@ -39,7 +39,7 @@ use nccl_sys::ncclCollConfig_t;
 use crate::comm::Comm;
 use crate::config::CtaPolicy;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 /// First NCCL with `ncclCollConfig_t` and the `nccl*Config` collectives.
 pub const COLL_CONFIG_SINCE: Version = Version::new(2, 31, 0);

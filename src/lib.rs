@@ -118,6 +118,7 @@ pub mod memory;
 pub mod op;
 pub mod p2p;
 pub mod properties;
+mod release;
 mod thread_group;
 pub mod window;
 
@@ -133,10 +134,11 @@ pub use fault::{
 };
 pub use group::Group;
 pub use id::UniqueId;
-pub use library::{version, Version};
+pub use library::version;
 pub use memory::{NcclBuffer, Registration};
 pub use op::{PreMulSum, ReduceOp, Reduction};
 pub use properties::CommProperties;
+pub use release::Version;
 pub use window::{
     RegisterError, Signal, SignalWait, Window, WindowFlags, WindowView, WindowViewMut,
 };

@@ -28,7 +28,8 @@ use cudarc::driver::{
 use crate::comm::{comm_call, Backoff, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::{self, Library, Version};
+use crate::library::{self, Library};
+use crate::release::Version;
 
 /// How long dropping an [`NcclBuffer`] (or deregistering it) waits for the work queued on it.
 /// Work still running then will not finish (a collective whose peer died): the memory is

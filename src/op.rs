@@ -13,7 +13,7 @@ use nccl_sys::{ncclRedOp_t, ncclScalarResidence_t};
 use crate::comm::{comm_call, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 /// NCCL's built-in reduction operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -11,7 +11,7 @@ use nccl_sys::{ncclCommProperties_t, ncclGinConnectionType_t, ncclGinType_t};
 
 use crate::comm::Comm;
 use crate::error::{Error, Result, ResultCode};
-use crate::library::Version;
+use crate::release::Version;
 
 /// First NCCL with `ncclCommQueryProperties`.
 pub const PROPERTIES_SINCE: Version = Version::new(2, 29, 0);

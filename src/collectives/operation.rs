@@ -5,8 +5,8 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use crate::coll_config::CollConfig;
 use crate::comm::ContextId;
 use crate::dtype::NcclType;
-use crate::library::Version;
 use crate::op::Reduction;
+use crate::release::Version;
 
 /// What an operation does, apart from its buffers and reduction: the key to NCCL's count
 /// rules and to the function called.

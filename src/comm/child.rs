@@ -11,7 +11,7 @@ use nccl_sys::ncclComm_t;
 use super::{Comm, Membership, Siblings};
 use crate::config::{CommConfig, CtaPolicy, RawConfig};
 use crate::error::{Error, Result, ResultCode};
-use crate::library::Version;
+use crate::release::Version;
 use crate::thread_group;
 
 impl Comm {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::state::{Actor, Cause, Failure, FailureState};
 use super::Comm;
 use crate::error::{Error, Result, ResultCode};
-use crate::library::Version;
+use crate::release::Version;
 use crate::thread_group;
 
 impl Comm {
@@ -119,6 +119,15 @@ impl Comm {
             },
             (err, _) => err,
         }
+    }
+}
+
+/// Lets `comm.destroy()?` work: the communicator a failed [`Comm::destroy`] gives back is
+/// dropped here, which aborts it.
+impl From<(Comm, Error)> for Error {
+    fn from((comm, err): (Comm, Error)) -> Self {
+        drop(comm);
+        err
     }
 }
 

@@ -15,7 +15,8 @@ use super::{Comm, ContextId, Siblings, DEFAULT_DROP_TIMEOUT};
 use crate::config::CommConfig;
 use crate::error::{Error, Result, ResultCode};
 use crate::id::UniqueId;
-use crate::library::{self, Library, Version};
+use crate::library::{self, Library};
+use crate::release::Version;
 use crate::thread_group;
 
 impl Comm {

@@ -120,7 +120,7 @@ mod watchdog;
 
 use crate::comm::Comm;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 pub use abort::{AbortHandle, AbortOutcome};
 pub use resize::{Recovered, ShrinkMode, Survivor};

@@ -163,8 +163,8 @@ use nccl_sys::ncclWindow_t;
 use crate::comm::{Backoff, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
 use crate::memory::NcclBuffer;
+use crate::release::Version;
 
 pub use register::RegisterError;
 pub use rma::{Signal, SignalWait};

@@ -20,8 +20,8 @@ use crate::comm::Membership;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::Group;
-use crate::library::Version;
 use crate::memory::NcclBuffer;
+use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
 
 const CALL: &str = "ncclCommWindowRegister";

@@ -81,7 +81,7 @@ use super::{Window, WindowFlags};
 use crate::comm::{Comm, Membership, RmaSetup};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
 
 /// First NCCL with `ncclPutSignal`, `ncclSignal` and `ncclWaitSignal`.

@@ -13,7 +13,7 @@ use crate::collectives::{dispatch, Operation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 /// A segment of a buffer whose pointer was already taken: what one step hands to
 /// [`dispatch`]. Its guard does nothing, because the whole buffer's guard is held by the
