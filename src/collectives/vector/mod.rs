@@ -90,8 +90,9 @@ mod layout;
 mod operation;
 mod rules;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+pub(crate) use checked::verify;
 pub(crate) use dispatch::dispatch_v;
 pub use layout::Layout;
 pub use operation::{Construction, VOperation, DEFAULT_CHECK_TIMEOUT};
@@ -99,34 +100,7 @@ pub use operation::{Construction, VOperation, DEFAULT_CHECK_TIMEOUT};
 use super::enqueue_methods;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
-use crate::error::Result;
-use crate::group::Group;
 use crate::op::Reduction;
-use crate::thread_group;
-
-impl Comm {
-    /// Runs `call` on the communicator's stream: its NCCL calls are issued in one group of
-    /// their own (after the checked mode's exchange, if asked for).
-    pub fn enqueue_v<T: NcclType>(&self, call: VOperation<'_, T>) -> Result<()> {
-        self.enqueue_v_on(self.stream(), call)
-    }
-
-    /// Runs `call` on `stream` (in the communicator's CUDA context) instead of the
-    /// communicator's own stream.
-    pub fn enqueue_v_on<T: NcclType>(
-        &self,
-        stream: &CudaStream,
-        mut call: VOperation<'_, T>,
-    ) -> Result<()> {
-        thread_group::ensure_outside(call.kind.name())?;
-        if let Some(timeout) = call.check.take() {
-            checked::verify(self, stream, &call, timeout)?;
-        }
-        let mut group = Group::start()?;
-        group.enqueue_v_on(self, stream, call)?;
-        group.finish()
-    }
-}
 
 enqueue_methods! {
     VOperation => enqueue_v;
