@@ -13,7 +13,7 @@
 //! # Using them
 //!
 //! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`], ...,
-//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`]
+//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`](crate::Group)
 //! (several GPUs driven from one thread, or fused with other operations),
 //! [`Group::enqueue_v`](crate::Group::enqueue_v) takes the same [`VOperation`]. Blocking and
 //! nonblocking communicators both work. Counts and displacements are in elements;
@@ -95,7 +95,8 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 pub(crate) use checked::verify;
 pub(crate) use dispatch::dispatch_v;
 pub use layout::Layout;
-pub use operation::{Construction, VOperation, DEFAULT_CHECK_TIMEOUT};
+pub use operation::{VOperation, DEFAULT_CHECK_TIMEOUT};
+pub use rules::Construction;
 
 use super::enqueue_methods;
 use crate::comm::Comm;
