@@ -103,6 +103,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod bootstrap;
+mod calls;
 pub mod coll_config;
 pub mod collectives;
 pub mod comm;

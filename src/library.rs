@@ -47,6 +47,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use nccl_sys::{ncclResult_t, MissingSymbol, NcclLib};
 
 use self::search::{candidates, env_var, search, Candidate};
+use crate::calls::Call;
 use crate::error::{Error, LibraryNotFound, Result, ResultCode};
 pub use crate::release::Version;
 
@@ -126,6 +127,13 @@ impl Library {
         } else {
             Err(self.too_old(api, needs))
         }
+    }
+
+    /// Fails with [`Error::Unsupported`] unless the library has `call` (its row's first
+    /// version).
+    #[inline(always)]
+    pub(crate) fn require_call(&self, call: &'static Call) -> Result<()> {
+        self.require(call.name, call.since)
     }
 
     #[cold]

@@ -4,6 +4,7 @@
 //! lengths: no communicator or GPU is needed to test them.
 
 use super::operation::Kind;
+use crate::calls::Call;
 use crate::error::Error;
 
 /// Where a pointer handed to NCCL comes from: nothing, or a buffer plus an element offset.
@@ -184,8 +185,8 @@ pub(crate) fn check_self_p2p(
 /// The name of NCCL's `*Config` variant of `kind`, for an operation that carries a
 /// [`CollConfig`](crate::CollConfig); send and receive have none.
 #[inline]
-pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static str, Broken> {
-    kind.config_name().ok_or(Broken::ConfigOnPointToPoint)
+pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static Call, Broken> {
+    kind.config_call().ok_or(Broken::ConfigOnPointToPoint)
 }
 
 /// Applies NCCL's count and buffer rules to one rank's view of an operation.
@@ -740,7 +741,7 @@ mod tests {
             (Kind::Scatter { root: 1 }, "ncclScatterConfig"),
         ];
         for (kind, name) in collectives {
-            assert_eq!(check_config_kind(kind), Ok(name));
+            assert_eq!(check_config_kind(kind).map(|call| call.name), Ok(name));
             // Every configured name is the plain one with "Config" appended, and exported
             // by the 2.32.3 header.
             assert_eq!(name, format!("{}Config", kind.name()));

@@ -13,7 +13,8 @@ use std::ffi::c_void;
 
 use nccl_sys::ncclWindow_t;
 
-use super::{rma, Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
+use super::{rma, Window, WindowFlags, REQUIRED_ALIGNMENT};
+use crate::calls;
 use crate::collectives::Operation;
 use crate::comm::Comm;
 use crate::comm::Membership;
@@ -24,7 +25,7 @@ use crate::memory::NcclBuffer;
 use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
 
-const CALL: &str = "ncclCommWindowRegister";
+const CALL: &str = calls::ncclCommWindowRegister.name;
 
 /// A failed registration: the error, and the buffers given back.
 ///
@@ -145,7 +146,8 @@ impl Drop for Slot {
 /// to keep the same on every rank: a rank refused here leaves its peers waiting in the
 /// exchange, as NCCL's own registration would.
 fn precheck(comm: &Comm) -> Result<()> {
-    comm.library().require(CALL, WINDOWS_SINCE)?;
+    comm.library()
+        .require_call(&calls::ncclCommWindowRegister)?;
     thread_group::ensure_outside(CALL)?;
     // Checked up front as well as under the lock of the call: in a group, a communicator
     // refused halfway would leave the registrations already queued waiting for its rank.
@@ -432,7 +434,7 @@ fn issue<T: NcclType>(
     buffer.stream.context().bind_to_thread()?;
     let bytes = buffer.len * std::mem::size_of::<T>();
     let out = slot.as_ptr();
-    let status = comm.with_raw(CALL, |raw| {
+    let status = comm.with_raw(&calls::ncclCommWindowRegister, |raw| {
         // SAFETY: live communicator under its lock; the buffer is `bytes` of VMM memory on its
         // device, owned by the caller until NCCL is done with it; `out` stays allocated until
         // NCCL can no longer write it (see `Slot`); the flags were checked against the

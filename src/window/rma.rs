@@ -78,6 +78,7 @@ use nccl_sys::ncclWaitSignalDesc_t;
 
 use super::view::WindowView;
 use super::{Window, WindowFlags};
+use crate::calls::{self, Call};
 use crate::comm::{Comm, Membership, RmaSetup};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
@@ -85,7 +86,7 @@ use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
 
 /// First NCCL with `ncclPutSignal`, `ncclSignal` and `ncclWaitSignal`.
-pub const RMA_SINCE: Version = Version::new(2, 29, 0);
+pub const RMA_SINCE: Version = calls::ncclPutSignal.since;
 /// First NCCL that captures one-sided RMA into CUDA graphs.
 pub const RMA_GRAPH_CAPTURE_SINCE: Version = Version::new(2, 30, 3);
 /// First NCCL with more than one RMA context and signal (`numRmaCtx`, `numRmaSig`).
@@ -229,7 +230,7 @@ fn wait_descriptors(
     waits
         .iter()
         .map(|wait| {
-            let peer = check_peer(wait.peer, size, "ncclWaitSignal")?;
+            let peer = check_peer(wait.peer, size, calls::ncclWaitSignal.name)?;
             let count = match c_int::try_from(wait.count) {
                 Ok(count) if count > 0 => count,
                 _ => {
@@ -332,20 +333,20 @@ pub(crate) fn set_up(comms: &[&Comm]) -> Result<()> {
         }];
         let stream = comm.stream().cu_stream() as nccl_sys::cudaStream_t;
         let issued = comm
-            .with_raw("ncclSignal", |raw| {
+            .with_raw(&calls::ncclSignal, |raw| {
                 // SAFETY: live communicator under its lock; `next` is a rank of it; signal
                 // and context 0 exist on every version; flags are reserved (0).
                 unsafe { lib.api().ncclSignal(next, 0, 0, 0, raw, stream) }
             })
-            .and_then(|status| lib.check_pending("ncclSignal", status))
+            .and_then(|status| lib.check_pending(calls::ncclSignal.name, status))
             .and_then(|_| {
-                comm.with_raw("ncclWaitSignal", |raw| {
+                comm.with_raw(&calls::ncclWaitSignal, |raw| {
                     // SAFETY: live communicator under its lock; one checked descriptor that
                     // outlives the call (NCCL copies it).
                     unsafe { lib.api().ncclWaitSignal(1, wait.as_mut_ptr(), raw, stream) }
                 })
             })
-            .and_then(|status| lib.check_pending("ncclWaitSignal", status));
+            .and_then(|status| lib.check_pending(calls::ncclWaitSignal.name, status));
         if let Err(err) = issued {
             failure = Some(err);
             break;
@@ -390,9 +391,10 @@ pub(crate) fn set_up(comms: &[&Comm]) -> Result<()> {
 
 impl<T: NcclType> Window<'_, T> {
     /// What every RMA call checks before NCCL sees it.
-    fn rma_ready(&self, api: &'static str, stream: &CudaStream) -> Result<()> {
+    fn rma_ready(&self, row: &'static Call, stream: &CudaStream) -> Result<()> {
+        let api = row.name;
         let lib = self.comm.library();
-        lib.require(api, RMA_SINCE)?;
+        lib.require_call(row)?;
         thread_group::ensure_outside(api)?;
         self.comm.check_stream(stream, "the stream")?;
         if self.comm.rma_setup.get() != RmaSetup::Ready && lazy_setup(lib.version()) {
@@ -450,8 +452,9 @@ impl<T: NcclType> Window<'_, T> {
         offset: usize,
         signal: Signal,
     ) -> Result<()> {
-        const API: &str = "ncclPutSignal";
-        self.rma_ready(API, stream)?;
+        const ROW: &Call = &calls::ncclPutSignal;
+        const API: &str = ROW.name;
+        self.rma_ready(ROW, stream)?;
         let lib = self.comm.library();
         let peer = check_peer(peer, self.comm.size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
@@ -467,7 +470,7 @@ impl<T: NcclType> Window<'_, T> {
         // Orders the stream after earlier writes of the source; records the read afterwards.
         let (src, _read) = source.device_ptr(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = self.comm.with_raw(API, |raw| {
+        let status = self.comm.with_raw(ROW, |raw| {
             // SAFETY: live communicator under its lock; `src` points to `count` elements of a
             // symmetric window of this communicator, borrowed until the call returns and
             // ordered by cudarc's events; `win` is this rank's handle of a window registered
@@ -489,7 +492,7 @@ impl<T: NcclType> Window<'_, T> {
                 )
             }
         })?;
-        self.comm.complete(API, status)
+        self.comm.complete(ROW, status)
     }
 
     /// Raises `signal` on rank `peer` without data (`ncclSignal`, NCCL 2.29), on the
@@ -500,18 +503,19 @@ impl<T: NcclType> Window<'_, T> {
 
     /// [`Window::signal`] on `stream` (on the communicator's device).
     pub fn signal_on(&self, stream: &CudaStream, peer: usize, signal: Signal) -> Result<()> {
-        const API: &str = "ncclSignal";
-        self.rma_ready(API, stream)?;
+        const ROW: &Call = &calls::ncclSignal;
+        const API: &str = ROW.name;
+        self.rma_ready(ROW, stream)?;
         let lib = self.comm.library();
         let peer = check_peer(peer, self.comm.size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = self.comm.with_raw(API, |raw| {
+        let status = self.comm.with_raw(ROW, |raw| {
             // SAFETY: live communicator under its lock; peer, signal and context checked;
             // flags are reserved (0).
             unsafe { lib.api().ncclSignal(peer, sig_idx, ctx, 0, raw, cu_stream) }
         })?;
-        self.comm.complete(API, status)
+        self.comm.complete(ROW, status)
     }
 
     /// Makes the communicator's stream wait until every wait in `waits` has received its
@@ -532,8 +536,8 @@ impl<T: NcclType> Window<'_, T> {
 
     /// [`Window::wait_signal`] on `stream` (on the communicator's device).
     pub fn wait_signal_on(&mut self, stream: &CudaStream, waits: &[SignalWait]) -> Result<()> {
-        const API: &str = "ncclWaitSignal";
-        self.rma_ready(API, stream)?;
+        const ROW: &Call = &calls::ncclWaitSignal;
+        self.rma_ready(ROW, stream)?;
         let comm = self.comm;
         let lib = comm.library();
         let mut descs = wait_descriptors(waits, comm.size(), lib.version())?;
@@ -541,7 +545,7 @@ impl<T: NcclType> Window<'_, T> {
         // Orders the wait after earlier uses of the window; records it as a write.
         let (_, _write) = self.buffer.device_ptr_mut(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = comm.with_raw(API, |raw| {
+        let status = comm.with_raw(ROW, |raw| {
             // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
             // descriptors and outlives the call (NCCL copies them into its tasks).
             unsafe {
@@ -549,7 +553,7 @@ impl<T: NcclType> Window<'_, T> {
                     .ncclWaitSignal(n_desc, descs.as_mut_ptr(), raw, cu_stream)
             }
         })?;
-        comm.complete(API, status)
+        comm.complete(ROW, status)
     }
 }
 
