@@ -10,6 +10,7 @@
 use nccl_sys::{ncclCommProperties_t, ncclGinConnectionType_t, ncclGinType_t};
 
 use crate::calls::{self, Call};
+use crate::comm::comm_call;
 use crate::comm::Comm;
 use crate::error::{Error, Result, ResultCode};
 use crate::release::Version;
@@ -218,13 +219,10 @@ pub(crate) fn query(comm: &Comm) -> Result<CommProperties> {
     slot.props.version = version.code();
     slot.props.size = struct_size(version);
     let props: *mut ncclCommProperties_t = &mut slot.props;
-    let status = comm.with_raw(ROW, |raw| {
-        // SAFETY: live communicator under its lock; `props` is an initialised
-        // ncclCommProperties_t (size, magic, and a version the library accepts) followed by
-        // spare room, valid for writes until the call returns.
-        unsafe { lib.api().ncclCommQueryProperties(raw, props) }
-    })?;
-    comm.complete(ROW, status)?;
+    // SAFETY: live communicator under its lock; `props` is an initialised
+    // ncclCommProperties_t (size, magic, and a version the library accepts) followed by spare
+    // room, valid for writes until the call returns.
+    unsafe { comm_call!(comm, |raw| ncclCommQueryProperties(raw, props)) }?;
     decode(&slot.props, version)
 }
 

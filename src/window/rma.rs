@@ -79,6 +79,7 @@ use nccl_sys::ncclWaitSignalDesc_t;
 use super::view::WindowView;
 use super::{Window, WindowFlags};
 use crate::calls::{self, Call};
+use crate::comm::comm_call;
 use crate::comm::{Comm, Membership, RmaSetup};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
@@ -470,29 +471,26 @@ impl<T: NcclType> Window<'_, T> {
         // Orders the stream after earlier writes of the source; records the read afterwards.
         let (src, _read) = source.device_ptr(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = self.comm.with_raw(ROW, |raw| {
-            // SAFETY: live communicator under its lock; `src` points to `count` elements of a
-            // symmetric window of this communicator, borrowed until the call returns and
-            // ordered by cudarc's events; `win` is this rank's handle of a window registered
-            // on it, and `byte_offset + count` elements fit this rank's window; the peer,
-            // signal and context were checked; flags are reserved (0).
-            unsafe {
-                lib.api().ncclPutSignal(
-                    src as *const std::ffi::c_void,
-                    count,
-                    T::DATA_TYPE.raw(),
-                    peer,
-                    win,
-                    byte_offset,
-                    sig_idx,
-                    ctx,
-                    0,
-                    raw,
-                    cu_stream,
-                )
-            }
-        })?;
-        self.comm.complete(ROW, status)
+        // SAFETY: live communicator under its lock; `src` points to `count` elements of a
+        // symmetric window of this communicator, borrowed until the call returns and ordered
+        // by cudarc's events; `win` is this rank's handle of a window registered on it, and
+        // `byte_offset + count` elements fit this rank's window; the peer, signal and context
+        // were checked; flags are reserved (0).
+        unsafe {
+            comm_call!(self.comm, |raw| ncclPutSignal(
+                src as *const std::ffi::c_void,
+                count,
+                T::DATA_TYPE.raw(),
+                peer,
+                win,
+                byte_offset,
+                sig_idx,
+                ctx,
+                0,
+                raw,
+                cu_stream,
+            ))
+        }
     }
 
     /// Raises `signal` on rank `peer` without data (`ncclSignal`, NCCL 2.29), on the
@@ -510,12 +508,13 @@ impl<T: NcclType> Window<'_, T> {
         let peer = check_peer(peer, self.comm.size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = self.comm.with_raw(ROW, |raw| {
-            // SAFETY: live communicator under its lock; peer, signal and context checked;
-            // flags are reserved (0).
-            unsafe { lib.api().ncclSignal(peer, sig_idx, ctx, 0, raw, cu_stream) }
-        })?;
-        self.comm.complete(ROW, status)
+        // SAFETY: live communicator under its lock; peer, signal and context checked; flags
+        // are reserved (0).
+        unsafe {
+            comm_call!(self.comm, |raw| ncclSignal(
+                peer, sig_idx, ctx, 0, raw, cu_stream
+            ))
+        }
     }
 
     /// Makes the communicator's stream wait until every wait in `waits` has received its
@@ -545,15 +544,16 @@ impl<T: NcclType> Window<'_, T> {
         // Orders the wait after earlier uses of the window; records it as a write.
         let (_, _write) = self.buffer.device_ptr_mut(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = comm.with_raw(ROW, |raw| {
-            // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
-            // descriptors and outlives the call (NCCL copies them into its tasks).
-            unsafe {
-                lib.api()
-                    .ncclWaitSignal(n_desc, descs.as_mut_ptr(), raw, cu_stream)
-            }
-        })?;
-        comm.complete(ROW, status)
+        // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
+        // descriptors and outlives the call (NCCL copies them into its tasks).
+        unsafe {
+            comm_call!(comm, |raw| ncclWaitSignal(
+                n_desc,
+                descs.as_mut_ptr(),
+                raw,
+                cu_stream
+            ))
+        }
     }
 }
 
