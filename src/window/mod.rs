@@ -148,6 +148,7 @@
 //! assert_send::<nccl::Window<'static, f32>>();
 //! ```
 
+mod agreement;
 mod register;
 pub mod rma;
 mod view;
