@@ -36,13 +36,14 @@ use std::os::raw::c_int;
 use cudarc::driver::CudaEvent;
 use nccl_sys::ncclCollConfig_t;
 
+use crate::calls;
 use crate::comm::Comm;
 use crate::config::CtaPolicy;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 /// First NCCL with `ncclCollConfig_t` and the `nccl*Config` collectives.
-pub const COLL_CONFIG_SINCE: Version = Version::new(2, 31, 0);
+pub const COLL_CONFIG_SINCE: Version = calls::ncclAllReduceConfig.since;
 /// First NCCL with `launchCompletionEvent`.
 pub const LAUNCH_EVENT_SINCE: Version = Version::new(2, 32, 0);
 

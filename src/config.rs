@@ -21,7 +21,8 @@ use std::time::Duration;
 use nccl_sys::ncclConfig_t;
 
 use crate::error::{Error, Result};
-use crate::library::{Library, Version};
+use crate::library::Library;
+use crate::release::Version;
 
 /// Default for [`CommConfig::ready_timeout`].
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(600);

@@ -7,7 +7,7 @@
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use nccl_sys::ncclDataType_t;
 
-use crate::library::Version;
+use crate::release::Version;
 
 /// The NCCL data types (`ncclDataType_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -8,7 +8,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::library::Version;
+use crate::release::Version;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -209,9 +209,11 @@ pub enum Error {
         waited: Duration,
     },
 
-    /// Bootstrapping (launcher detection or unique-id exchange) failed.
+    /// Bootstrapping (launcher detection or unique-id exchange) failed. The bootstrap
+    /// module's own error is inside, carried as a [`BoxedError`] so that this ground-floor
+    /// type does not name a layer above it; `Error::bootstrap()` hands it back typed.
     #[error(transparent)]
-    Bootstrap(#[from] crate::bootstrap::BootstrapError),
+    Bootstrap(BoxedError),
 }
 
 fn last_error_suffix(last: &Option<String>) -> String {
@@ -256,14 +258,42 @@ impl Error {
     }
 }
 
-/// Lets `comm.destroy()?` work: the communicator a failed [`Comm::destroy`] gives back is
-/// dropped here, which aborts it.
-///
-/// [`Comm::destroy`]: crate::Comm::destroy
-impl From<(crate::Comm, Error)> for Error {
-    fn from((comm, err): (crate::Comm, Error)) -> Self {
-        drop(comm);
-        err
+/// An error of a layer built on the core (the `bootstrap` module), carried by [`Error`]
+/// without the core naming its type. Display, `Debug` and `source` are the inner error's.
+pub struct BoxedError(Box<dyn std::error::Error + Send + Sync + 'static>);
+
+impl BoxedError {
+    /// Wraps `error`.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Box::new(error))
+    }
+
+    /// The inner error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref()
+    }
+
+    /// The inner error by value, if it is an `E`; otherwise `self` back.
+    pub fn downcast<E: std::error::Error + 'static>(self) -> std::result::Result<E, Self> {
+        self.0.downcast().map(|boxed| *boxed).map_err(Self)
+    }
+}
+
+impl fmt::Debug for BoxedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for BoxedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for BoxedError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
     }
 }
 

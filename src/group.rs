@@ -28,14 +28,14 @@
 use cudarc::driver::{CudaStream, SyncOnDrop};
 
 use crate::coll_config::CollConfig;
-use crate::collectives::{dispatch, dispatch_v, Operation, VOperation};
+use crate::collectives::{dispatch, dispatch_v, verify_counts, Operation, VOperation};
 use crate::comm::{Comm, Membership};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::inline_list::InlineList;
 use crate::library;
 pub use crate::thread_group::is_open;
-use crate::thread_group::RawGroup;
+use crate::thread_group::{self, RawGroup};
 
 /// An open NCCL group; see the [module docs](self).
 ///
@@ -291,6 +291,32 @@ impl Drop for Group<'_> {
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         let _ = self.end();
         self.guards.clear();
+    }
+}
+
+/// The blocking v-collective: its NCCL calls are issued in a group of their own, which is why
+/// it lives here rather than with the operation it runs.
+impl Comm {
+    /// Runs `call` on the communicator's stream: its NCCL calls are issued in one group of
+    /// their own (after the checked mode's exchange, if asked for).
+    pub fn enqueue_v<T: NcclType>(&self, call: VOperation<'_, T>) -> Result<()> {
+        self.enqueue_v_on(self.stream(), call)
+    }
+
+    /// Runs `call` on `stream` (in the communicator's CUDA context) instead of the
+    /// communicator's own stream.
+    pub fn enqueue_v_on<T: NcclType>(
+        &self,
+        stream: &CudaStream,
+        mut call: VOperation<'_, T>,
+    ) -> Result<()> {
+        thread_group::ensure_outside(call.kind.name())?;
+        if let Some(timeout) = call.check.take() {
+            verify_counts(self, stream, &call, timeout)?;
+        }
+        let mut group = Group::start()?;
+        group.enqueue_v_on(self, stream, call)?;
+        group.finish()
     }
 }
 

@@ -8,6 +8,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::calls;
 use crate::error::{Error, Result};
 use crate::library;
 
@@ -34,7 +35,7 @@ impl UniqueId {
         };
         // SAFETY: `raw` is a valid, writable ncclUniqueId for the duration of the call.
         let status = unsafe { lib.api().ncclGetUniqueId(&mut raw) };
-        lib.check("ncclGetUniqueId", status)?;
+        lib.check(calls::ncclGetUniqueId.name, status)?;
         Ok(Self::from_raw(&raw))
     }
 

@@ -103,6 +103,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod bootstrap;
+mod calls;
 pub mod coll_config;
 pub mod collectives;
 pub mod comm;
@@ -118,6 +119,7 @@ pub mod memory;
 pub mod op;
 pub mod p2p;
 pub mod properties;
+mod release;
 mod thread_group;
 pub mod window;
 
@@ -133,10 +135,11 @@ pub use fault::{
 };
 pub use group::Group;
 pub use id::UniqueId;
-pub use library::{version, Version};
+pub use library::version;
 pub use memory::{NcclBuffer, Registration};
 pub use op::{PreMulSum, ReduceOp, Reduction};
 pub use properties::CommProperties;
+pub use release::Version;
 pub use window::{
     RegisterError, Signal, SignalWait, Window, WindowFlags, WindowView, WindowViewMut,
 };

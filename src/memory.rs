@@ -25,10 +25,11 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
 
+use crate::calls;
 use crate::comm::{comm_call, Backoff, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::{self, Library, Version};
+use crate::library::{self, Library};
 
 /// How long dropping an [`NcclBuffer`] (or deregistering it) waits for the work queued on it.
 /// Work still running then will not finish (a collective whose peer died): the memory is
@@ -71,7 +72,7 @@ impl<T: NcclType> NcclBuffer<T> {
     /// `stream` orders the buffer's first use and its release.
     pub fn alloc_zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
         let lib = library::get()?;
-        lib.require("ncclMemAlloc", Version::new(2, 19, 0))?;
+        lib.require_call(&calls::ncclMemAlloc)?;
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| Error::invalid(format!("{len} elements overflow the address space")))?;
@@ -81,7 +82,7 @@ impl<T: NcclType> NcclBuffer<T> {
         // SAFETY: `raw` is a valid out-pointer; NCCL allocates on the current device, which
         // was just bound.
         let status = unsafe { lib.api().ncclMemAlloc(&mut raw, bytes.max(1)) };
-        lib.check("ncclMemAlloc", status)?;
+        lib.check(calls::ncclMemAlloc.name, status)?;
         let tracked = ctx.is_event_tracking();
         let event = || -> Result<Option<CudaEvent>> {
             Ok(if tracked {
@@ -241,8 +242,7 @@ impl Comm {
         &'a self,
         buffer: &'a mut NcclBuffer<T>,
     ) -> Result<Registration<'a, T>> {
-        self.library()
-            .require("ncclCommRegister", Version::new(2, 19, 0))?;
+        self.library().require_call(&calls::ncclCommRegister)?;
         self.check_context(buffer.stream.context(), "the buffer")?;
         let bytes = buffer.len * std::mem::size_of::<T>();
         let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -290,7 +290,7 @@ impl<'a, T: NcclType> Registration<'a, T> {
         let handle = self.handle;
         // An aborted or destroyed communicator freed its registrations: nothing to call, and
         // with_raw says so without touching the handle.
-        let status = match self.comm.with_raw("ncclCommDeregister", |raw| {
+        let status = match self.comm.with_raw(&calls::ncclCommDeregister, |raw| {
             // SAFETY: the handle came from ncclCommRegister on this live communicator and no
             // queued work uses the buffer.
             unsafe { lib.api().ncclCommDeregister(raw, handle) }
@@ -304,7 +304,7 @@ impl<'a, T: NcclType> Registration<'a, T> {
             }
             Err(err) => return Err(err),
         };
-        lib.check("ncclCommDeregister", status)
+        lib.check(calls::ncclCommDeregister.name, status)
     }
 }
 

@@ -10,10 +10,11 @@ use std::marker::PhantomData;
 use cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
 use nccl_sys::{ncclRedOp_t, ncclScalarResidence_t};
 
+use crate::calls;
 use crate::comm::{comm_call, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 /// NCCL's built-in reduction operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -140,7 +141,7 @@ impl<'c, T: NcclType> PreMulSum<'c, T> {
         device_scalar: Option<SyncOnDrop<'c>>,
     ) -> Result<Self> {
         let lib = comm.library();
-        lib.require("ncclRedOpCreatePreMulSum", Version::new(2, 11, 0))?;
+        lib.require_call(&calls::ncclRedOpCreatePreMulSum)?;
         lib.require(T::DATA_TYPE.name(), T::DATA_TYPE.min_version())?;
         let mut raw = ncclRedOp_t::ncclSum;
         let datatype = T::DATA_TYPE.raw();
@@ -182,12 +183,12 @@ impl<'c, T: NcclType> PreMulSum<'c, T> {
             return Ok(());
         }
         let lib = self.comm.library();
-        let status = self.comm.with_raw("ncclRedOpDestroy", |comm_raw| {
+        let status = self.comm.with_raw(&calls::ncclRedOpDestroy, |comm_raw| {
             // SAFETY: the operator was created on this communicator, which is still alive;
             // every call that used the operator has returned (they borrowed it).
             unsafe { lib.api().ncclRedOpDestroy(self.raw, comm_raw) }
         })?;
-        lib.check("ncclRedOpDestroy", status)
+        lib.check(calls::ncclRedOpDestroy.name, status)
     }
 }
 

@@ -24,7 +24,6 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use crate::collectives::{enqueue_methods, Operation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
-use crate::error::Result;
 
 enqueue_methods! {
     Operation => enqueue;

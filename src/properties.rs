@@ -9,12 +9,14 @@
 
 use nccl_sys::{ncclCommProperties_t, ncclGinConnectionType_t, ncclGinType_t};
 
+use crate::calls::{self, Call};
+use crate::comm::comm_call;
 use crate::comm::Comm;
 use crate::error::{Error, Result, ResultCode};
-use crate::library::Version;
+use crate::release::Version;
 
 /// First NCCL with `ncclCommQueryProperties`.
-pub const PROPERTIES_SINCE: Version = Version::new(2, 29, 0);
+pub const PROPERTIES_SINCE: Version = calls::ncclCommQueryProperties.since;
 /// First NCCL that reports GIN types, LSA teams and host RMA support.
 const HOST_RMA_SINCE: Version = Version::new(2, 29, 4);
 /// First NCCL that reports the communicator hash, GIN stride, connection and support table.
@@ -167,7 +169,7 @@ fn count(call: &'static str, value: i32) -> Result<usize> {
 
 /// Decodes what NCCL wrote for a query with `version`.
 fn decode(raw: &ncclCommProperties_t, version: Version) -> Result<CommProperties> {
-    const CALL: &str = "ncclCommQueryProperties";
+    const CALL: &str = calls::ncclCommQueryProperties.name;
     let since = |needed: Version| version >= needed;
     let rma = since(HOST_RMA_SINCE);
     let gin = since(GIN_DETAILS_SINCE);
@@ -206,9 +208,9 @@ fn decode(raw: &ncclCommProperties_t, version: Version) -> Result<CommProperties
 
 /// Queries `comm` (the body of [`Comm::properties`], also used by windows).
 pub(crate) fn query(comm: &Comm) -> Result<CommProperties> {
-    const CALL: &str = "ncclCommQueryProperties";
+    const ROW: &Call = &calls::ncclCommQueryProperties;
     let lib = comm.library();
-    lib.require(CALL, PROPERTIES_SINCE)?;
+    lib.require_call(ROW)?;
     let version = query_version(lib.version());
     let mut slot = Slot {
         props: nccl_sys::nccl_comm_properties_initializer(),
@@ -217,13 +219,10 @@ pub(crate) fn query(comm: &Comm) -> Result<CommProperties> {
     slot.props.version = version.code();
     slot.props.size = struct_size(version);
     let props: *mut ncclCommProperties_t = &mut slot.props;
-    let status = comm.with_raw(CALL, |raw| {
-        // SAFETY: live communicator under its lock; `props` is an initialised
-        // ncclCommProperties_t (size, magic, and a version the library accepts) followed by
-        // spare room, valid for writes until the call returns.
-        unsafe { lib.api().ncclCommQueryProperties(raw, props) }
-    })?;
-    comm.complete(CALL, status)?;
+    // SAFETY: live communicator under its lock; `props` is an initialised
+    // ncclCommProperties_t (size, magic, and a version the library accepts) followed by spare
+    // room, valid for writes until the call returns.
+    unsafe { comm_call!(comm, |raw| ncclCommQueryProperties(raw, props)) }?;
     decode(&slot.props, version)
 }
 

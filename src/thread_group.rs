@@ -6,6 +6,7 @@
 use std::cell::Cell;
 use std::marker::PhantomData;
 
+use crate::calls;
 use crate::error::{Error, Result};
 use crate::library::Library;
 
@@ -53,7 +54,7 @@ impl RawGroup {
         }
         // SAFETY: ncclGroupStart only updates this thread's group depth.
         let status = unsafe { lib.api().ncclGroupStart() };
-        lib.check("ncclGroupStart", status)?;
+        lib.check(calls::ncclGroupStart.name, status)?;
         OPEN_GROUPS.with(|open| open.set(open.get() + 1));
         Ok(Self {
             lib,
@@ -72,7 +73,7 @@ impl RawGroup {
         // SAFETY: matches the ncclGroupStart of `start` on this same thread (the type is
         // neither Send nor Sync).
         let status = unsafe { self.lib.api().ncclGroupEnd() };
-        self.lib.check_pending("ncclGroupEnd", status)
+        self.lib.check_pending(calls::ncclGroupEnd.name, status)
     }
 
     /// Whether `ncclGroupEnd` is still to come.

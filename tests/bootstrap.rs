@@ -296,8 +296,8 @@ fn play(role: &str) -> Result<i32, String> {
             }
             let result = job.exchange_id_with(|| Ok(sample_id(1)));
             if job.placement().rank == 0 {
-                let Err(nccl::Error::Bootstrap(BootstrapError::ChildFailed { rank: 2, .. })) =
-                    result
+                let Some(BootstrapError::ChildFailed { rank: 2, .. }) =
+                    result.as_ref().err().and_then(nccl::Error::bootstrap)
                 else {
                     return Err(format!("rank 0's exchange returned {result:?}"));
                 };

@@ -151,6 +151,25 @@ pub enum BootstrapError {
     },
 }
 
+/// Lets `?` turn a bootstrap error into the crate's [`Error`](crate::Error): the conversion
+/// lives here, above the core, so the core's error type never names this module.
+impl From<BootstrapError> for crate::Error {
+    fn from(error: BootstrapError) -> Self {
+        crate::Error::Bootstrap(crate::error::BoxedError::new(error))
+    }
+}
+
+impl crate::Error {
+    /// The bootstrap error inside [`Error::Bootstrap`](crate::Error::Bootstrap), typed; `None`
+    /// for every other error.
+    pub fn bootstrap(&self) -> Option<&BootstrapError> {
+        match self {
+            crate::Error::Bootstrap(boxed) => boxed.downcast_ref(),
+            _ => None,
+        }
+    }
+}
+
 /// How a rank started by [`spawn_local`] ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

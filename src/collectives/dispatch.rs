@@ -16,6 +16,7 @@ use nccl_sys::{
 
 use super::operation::{Kind, Operation};
 use super::rules::{check_config_kind, check_plan, check_self_p2p, Ptr};
+use crate::calls::Call;
 use crate::coll_config::CollConfig;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
@@ -65,11 +66,11 @@ fn dispatch_configured<'b, 'a: 'b, T: NcclType>(
     config: &CollConfig<'_>,
 ) -> Result<()> {
     let kind = call.kind;
-    let name = check_config_kind(kind)
+    let call_row = check_config_kind(kind)
         .map_err(|broken| broken.to_error(kind, comm.rank(), comm.size()))?;
     let raw = config.to_raw(comm)?;
     let launch = Configured {
-        name,
+        call: call_row,
         config: raw.as_ptr(),
         copy_engine: config.copy_engine(comm),
     };
@@ -94,8 +95,7 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
 ) -> Result<()> {
     let lib = comm.library();
     let kind = call.kind;
-    let name = kind.name();
-    lib.require(name, kind.min_version())?;
+    lib.require_call(kind.call())?;
     let dtype = T::DATA_TYPE;
     lib.require(dtype.name(), dtype.min_version())?;
     comm.check_stream(stream, "the stream")?;
@@ -170,9 +170,9 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
         stream: stream.cu_stream() as cudaStream_t,
     };
     let api = lib.api();
-    let call_name = launch.name(kind);
+    let row = launch.call(kind);
 
-    let state = comm.usable(call_name)?;
+    let state = comm.usable(row)?;
     // SAFETY: every pointer lies inside a buffer on the communicator's device whose length
     // was checked against `count` and the rank/root offsets above; the buffers stay borrowed
     // (and alive) at least until the work is enqueued, and their events are recorded
@@ -181,9 +181,9 @@ fn validate_and_launch<'b, 'a: 'b, T: NcclType>(
     let status = unsafe { launch.launch(api, kind, args, state.ptr) };
     drop(state);
     if in_group {
-        lib.check_pending(call_name, status)?;
+        lib.check_pending(row.name, status)?;
     } else {
-        comm.complete(call_name, status)?;
+        comm.complete(row, status)?;
     }
     keep([send_guard, recv_guard]);
     Ok(())
@@ -202,8 +202,8 @@ struct Args {
 
 /// Which NCCL function a validated operation goes to.
 trait Launch {
-    /// The C name of the function called for `kind`, for errors.
-    fn name(&self, kind: Kind) -> &'static str;
+    /// The NCCL function called for `kind`.
+    fn call(&self, kind: Kind) -> &'static Call;
 
     /// Whether NCCL may take its copy-engine path for this call (the rules in
     /// [`check_plan`] depend on it).
@@ -235,8 +235,8 @@ struct Plain;
 
 impl Launch for Plain {
     #[inline(always)]
-    fn name(&self, kind: Kind) -> &'static str {
-        kind.name()
+    fn call(&self, kind: Kind) -> &'static Call {
+        kind.call()
     }
 
     #[inline(always)]
@@ -286,16 +286,16 @@ impl Launch for Plain {
 
 /// The `*Config` variants (NCCL 2.31), with a raw configuration that outlives the call.
 struct Configured {
-    /// The `*Config` function's name, from [`check_config_kind`].
-    name: &'static str,
+    /// The `*Config` function, from [`check_config_kind`].
+    call: &'static Call,
     config: *const ncclCollConfig_t,
     /// The call's copy-engine decision: its own CTA policy where NCCL lets that win.
     copy_engine: bool,
 }
 
 impl Launch for Configured {
-    fn name(&self, _kind: Kind) -> &'static str {
-        self.name
+    fn call(&self, _kind: Kind) -> &'static Call {
+        self.call
     }
 
     fn copy_engine(&self, _comm: &Comm) -> bool {

@@ -41,7 +41,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 pub(crate) use dispatch::dispatch;
 pub use operation::Operation;
-pub(crate) use vector::dispatch_v;
+pub(crate) use vector::{dispatch_v, verify as verify_counts};
 pub use vector::{Construction, Layout, VOperation};
 
 use crate::comm::Comm;
@@ -99,7 +99,7 @@ macro_rules! enqueue_methods {
                 )]
                 #[allow(clippy::extra_unused_lifetimes)]
                 #[inline]
-                pub fn $name<'a, T: NcclType>(&self, $($arg: $ty),*) -> Result<()> {
+                pub fn $name<'a, T: NcclType>(&self, $($arg: $ty),*) -> $crate::error::Result<()> {
                     self.$enqueue($call::$name($($arg),*))
                 }
             )*

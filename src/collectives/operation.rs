@@ -2,10 +2,10 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+use crate::calls::{self, Call};
 use crate::coll_config::CollConfig;
 use crate::comm::ContextId;
 use crate::dtype::NcclType;
-use crate::library::Version;
 use crate::op::Reduction;
 
 /// What an operation does, apart from its buffers and reduction: the key to NCCL's count
@@ -25,46 +25,43 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    /// The NCCL function the operation calls (its row in [`calls`]).
+    #[inline]
+    pub(crate) fn call(self) -> &'static Call {
+        match self {
+            Kind::AllReduce => &calls::ncclAllReduce,
+            Kind::Broadcast { .. } => &calls::ncclBroadcast,
+            Kind::Reduce { .. } => &calls::ncclReduce,
+            Kind::AllGather => &calls::ncclAllGather,
+            Kind::ReduceScatter => &calls::ncclReduceScatter,
+            Kind::AllToAll => &calls::ncclAlltoAll,
+            Kind::Gather { .. } => &calls::ncclGather,
+            Kind::Scatter { .. } => &calls::ncclScatter,
+            Kind::Send { .. } => &calls::ncclSend,
+            Kind::Recv { .. } => &calls::ncclRecv,
+        }
+    }
+
+    /// The C name of the function the operation calls.
     #[inline]
     pub(crate) fn name(self) -> &'static str {
-        match self {
-            Kind::AllReduce => "ncclAllReduce",
-            Kind::Broadcast { .. } => "ncclBroadcast",
-            Kind::Reduce { .. } => "ncclReduce",
-            Kind::AllGather => "ncclAllGather",
-            Kind::ReduceScatter => "ncclReduceScatter",
-            Kind::AllToAll => "ncclAlltoAll",
-            Kind::Gather { .. } => "ncclGather",
-            Kind::Scatter { .. } => "ncclScatter",
-            Kind::Send { .. } => "ncclSend",
-            Kind::Recv { .. } => "ncclRecv",
-        }
+        self.call().name
     }
 
-    /// The name of the `*Config` variant NCCL 2.31 has for the collective; none for send
-    /// and receive, which take no configuration.
-    pub(crate) fn config_name(self) -> Option<&'static str> {
+    /// The `*Config` variant NCCL 2.31 has for the collective; none for send and receive,
+    /// which take no configuration.
+    pub(crate) fn config_call(self) -> Option<&'static Call> {
         Some(match self {
-            Kind::AllReduce => "ncclAllReduceConfig",
-            Kind::Broadcast { .. } => "ncclBroadcastConfig",
-            Kind::Reduce { .. } => "ncclReduceConfig",
-            Kind::AllGather => "ncclAllGatherConfig",
-            Kind::ReduceScatter => "ncclReduceScatterConfig",
-            Kind::AllToAll => "ncclAlltoAllConfig",
-            Kind::Gather { .. } => "ncclGatherConfig",
-            Kind::Scatter { .. } => "ncclScatterConfig",
+            Kind::AllReduce => &calls::ncclAllReduceConfig,
+            Kind::Broadcast { .. } => &calls::ncclBroadcastConfig,
+            Kind::Reduce { .. } => &calls::ncclReduceConfig,
+            Kind::AllGather => &calls::ncclAllGatherConfig,
+            Kind::ReduceScatter => &calls::ncclReduceScatterConfig,
+            Kind::AllToAll => &calls::ncclAlltoAllConfig,
+            Kind::Gather { .. } => &calls::ncclGatherConfig,
+            Kind::Scatter { .. } => &calls::ncclScatterConfig,
             Kind::Send { .. } | Kind::Recv { .. } => return None,
         })
-    }
-
-    #[inline]
-    pub(crate) fn min_version(self) -> Version {
-        match self {
-            Kind::AllToAll | Kind::Gather { .. } | Kind::Scatter { .. } => Version::new(2, 28, 0),
-            Kind::Send { .. } | Kind::Recv { .. } => Version::new(2, 7, 0),
-            Kind::Broadcast { .. } => Version::new(2, 2, 0),
-            _ => Version::new(2, 0, 0),
-        }
     }
 }
 

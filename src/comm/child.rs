@@ -9,9 +9,9 @@ use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
 use super::{Comm, Membership, Siblings};
+use crate::calls::{self, Call};
 use crate::config::{CommConfig, CtaPolicy, RawConfig};
 use crate::error::{Error, Result, ResultCode};
-use crate::library::Version;
 use crate::thread_group;
 
 impl Comm {
@@ -34,7 +34,7 @@ impl Comm {
         config: Option<&CommConfig>,
         stream: Arc<CudaStream>,
     ) -> Result<Option<Comm>> {
-        self.lib.require("ncclCommSplit", Version::new(2, 18, 0))?;
+        self.lib.require_call(&calls::ncclCommSplit)?;
         thread_group::ensure_outside("Comm::split")?;
         let color = split_color(color)?;
         self.check_stream(&stream, "the split stream")?;
@@ -42,7 +42,7 @@ impl Comm {
         let mut raw_config = RawConfig::inherit_or(config, self.lib)?;
         let cfg_ptr = raw_config.as_mut_ptr();
         self.create_child(
-            "ncclCommSplit",
+            &calls::ncclCommSplit,
             stream,
             &child_config,
             color != nccl_sys::NCCL_SPLIT_NOCOLOR,
@@ -92,7 +92,7 @@ impl Comm {
     /// without color, which yields no communicator.
     pub(crate) fn create_child<A>(
         &self,
-        call: &'static str,
+        row: &'static Call,
         stream: Arc<CudaStream>,
         child_config: &CommConfig,
         expect_child: bool,
@@ -105,7 +105,8 @@ impl Comm {
     ) -> Result<Option<Comm>> {
         self.stream.context().bind_to_thread()?;
         let slot = JobMemory::new(ptr::null_mut::<nccl_sys::ncclComm>());
-        let status = self.with_raw(call, |raw| issue(raw, slot.as_ptr()))?;
+        let call = row.name;
+        let status = self.with_raw(row, |raw| issue(raw, slot.as_ptr()))?;
         let parent_error = match self.lib.check_pending(call, status) {
             // The parent settles when every member has joined the child, so the wait is the
             // child's creation timeout, not the parent's (which may be short, for detecting
@@ -184,7 +185,7 @@ impl Comm {
             return Ok(Vec::new());
         };
         let lib = first.lib;
-        lib.require("ncclCommSplit", Version::new(2, 18, 0))?;
+        lib.require_call(&calls::ncclCommSplit)?;
         if comms
             .iter()
             .any(|c| c.shared.blocking != first.shared.blocking)
@@ -205,11 +206,13 @@ impl Comm {
         // deferred from here on, none can be released below, so no split is left out of a
         // group whose other splits wait for it (a blocking group end would never return).
         for comm in comms {
-            comm.shared.lock().usable_for("ncclCommSplit", comm.rank)?;
+            comm.shared
+                .lock()
+                .usable_for(&calls::ncclCommSplit, comm.rank)?;
         }
         for (i, comm) in comms.iter().enumerate() {
             let child = &mut children[i];
-            let status = comm.with_raw("ncclCommSplit", |raw| {
+            let status = comm.with_raw(&calls::ncclCommSplit, |raw| {
                 // SAFETY: live handle under its lock; `child` outlives the group, where NCCL
                 // fills it in; a null config inherits the parent's.
                 unsafe {
@@ -217,7 +220,8 @@ impl Comm {
                         .ncclCommSplit(raw, colors[i], keys[i], child, ptr::null_mut())
                 }
             });
-            let checked = status.and_then(|status| lib.check_pending("ncclCommSplit", status));
+            let checked =
+                status.and_then(|status| lib.check_pending(calls::ncclCommSplit.name, status));
             if let Err(err) = checked {
                 group.end_ignoring_errors();
                 // The splits already in the group may still be finished by NCCL's jobs,

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use super::state::{Actor, Cause, Failure, FailureState};
 use super::Comm;
+use crate::calls;
 use crate::error::{Error, Result, ResultCode};
-use crate::library::Version;
 use crate::thread_group;
 
 impl Comm {
@@ -14,8 +14,7 @@ impl Comm {
     /// 2.14). It is collective: every rank calls it, then [`Comm::destroy`]. Returns once the
     /// communicator is quiescent (a nonblocking one is polled to completion).
     pub fn finalize(&self) -> Result<()> {
-        self.lib
-            .require("ncclCommFinalize", Version::new(2, 14, 0))?;
+        self.lib.require_call(&calls::ncclCommFinalize)?;
         thread_group::ensure_outside("Comm::finalize")?;
         // SAFETY: live handle under its lock; no other argument.
         unsafe { comm_call!(self, |raw| ncclCommFinalize(raw)) }
@@ -122,6 +121,15 @@ impl Comm {
     }
 }
 
+/// Lets `comm.destroy()?` work: the communicator a failed [`Comm::destroy`] gives back is
+/// dropped here, which aborts it.
+impl From<(Comm, Error)> for Error {
+    fn from((comm, err): (Comm, Error)) -> Self {
+        drop(comm);
+        err
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         let (live, failed) = {
@@ -208,7 +216,7 @@ impl Comm {
                 // SAFETY: the handle was taken out of the state under its lock, so this thread
                 // is its only user; its work is complete (the stream was waited for).
                 let status = unsafe { lib.api().ncclCommDestroy(raw) };
-                if lib.check("ncclCommDestroy", status).is_err() {
+                if lib.check(calls::ncclCommDestroy.name, status).is_err() {
                     // A refused destroy leaves the handle allocated: free it the other way.
                     // SAFETY: as above; NCCL did not free it.
                     let _ = unsafe { lib.api().ncclCommAbort(raw) };

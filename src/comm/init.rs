@@ -12,10 +12,12 @@ use nccl_sys::ncclComm_t;
 
 use super::state::Shared;
 use super::{Comm, ContextId, Siblings, DEFAULT_DROP_TIMEOUT};
+use crate::calls::{self, Call};
 use crate::config::CommConfig;
 use crate::error::{Error, Result, ResultCode};
 use crate::id::UniqueId;
-use crate::library::{self, Library, Version};
+use crate::library::{self, Library};
+use crate::release::Version;
 use crate::thread_group;
 
 impl Comm {
@@ -62,9 +64,9 @@ impl Comm {
             },
         };
         let call = if raw_config.as_mut().is_some() {
-            "ncclCommInitRankConfig"
+            calls::ncclCommInitRankConfig.name
         } else {
-            "ncclCommInitRank"
+            calls::ncclCommInitRank.name
         };
         Self::adopt(lib, raw, stream, config, call, status).map_err(|err| match err {
             // Say what a nonblocking init waits for: usually a rank that never joined.
@@ -124,7 +126,7 @@ impl Comm {
             lib.api()
                 .ncclCommInitAll(raws.as_mut_ptr(), ndev, devices.as_ptr())
         };
-        if let Err(err) = lib.check("ncclCommInitAll", status) {
+        if let Err(err) = lib.check(calls::ncclCommInitAll.name, status) {
             for raw in raws.into_iter().filter(|raw| !raw.is_null()) {
                 // SAFETY: a handle NCCL returned and nobody else holds; the init failed, so
                 // it is released without waiting for peers.
@@ -212,15 +214,15 @@ impl Comm {
     /// Waits until a new communicator is ready and reads back its rank, size and device.
     fn read_back(&mut self) -> Result<()> {
         self.wait_ready(self.ready_timeout)?;
-        self.size = self.query("ncclCommCount", |lib, raw, out| {
+        self.size = self.query(&calls::ncclCommCount, |lib, raw, out| {
             // SAFETY: `raw` is a live handle (held under the lock) and `out` a valid int.
             unsafe { lib.api().ncclCommCount(raw, out) }
         })?;
-        self.rank = self.query("ncclCommUserRank", |lib, raw, out| {
+        self.rank = self.query(&calls::ncclCommUserRank, |lib, raw, out| {
             // SAFETY: as above.
             unsafe { lib.api().ncclCommUserRank(raw, out) }
         })?;
-        self.device = self.query("ncclCommCuDevice", |lib, raw, out| {
+        self.device = self.query(&calls::ncclCommCuDevice, |lib, raw, out| {
             // SAFETY: as above.
             unsafe { lib.api().ncclCommCuDevice(raw, out) }
         })?;
@@ -237,7 +239,7 @@ impl Comm {
 
     fn query(
         &self,
-        call: &'static str,
+        row: &'static Call,
         f: impl FnOnce(
             &Library,
             ncclComm_t,
@@ -245,7 +247,8 @@ impl Comm {
         ) -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<usize> {
         let mut value: c_int = -1;
-        let status = self.with_raw(call, |raw| f(self.lib, raw, &mut value))?;
+        let call = row.name;
+        let status = self.with_raw(row, |raw| f(self.lib, raw, &mut value))?;
         self.lib.check(call, status)?;
         usize::try_from(value).map_err(|_| Error::Nccl {
             call,

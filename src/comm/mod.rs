@@ -55,8 +55,9 @@
 macro_rules! comm_call {
     ($comm:expr, |$raw:ident| $f:ident($($arg:expr),* $(,)?)) => {{
         let comm: &$crate::comm::Comm = $comm;
-        let status = comm.with_raw(stringify!($f), |$raw| comm.library().api().$f($($arg),*))?;
-        comm.complete(stringify!($f), status)
+        let call = &$crate::calls::$f;
+        let status = comm.with_raw(call, |$raw| comm.library().api().$f($($arg),*))?;
+        comm.complete(call, status)
     }};
 }
 pub(crate) use comm_call;
@@ -84,6 +85,7 @@ pub(crate) use membership::Membership;
 pub(crate) use state::{Shared, State};
 pub(crate) use wait::Backoff;
 
+use crate::calls::Call;
 use crate::error::{Error, Result};
 use crate::library::Library;
 
@@ -247,7 +249,7 @@ impl Comm {
     /// failed (see [`crate::fault`]).
     pub(crate) fn with_raw<R>(
         &self,
-        call: &'static str,
+        call: &'static Call,
         f: impl FnOnce(ncclComm_t) -> R,
     ) -> Result<R> {
         let state = self.usable(call)?;
@@ -258,7 +260,7 @@ impl Comm {
     /// [`Comm::with_raw`]); for the enqueue path, which must stay one inlined run of code
     /// (a closure's body is judged before the kind it matches on is known).
     #[inline(always)]
-    pub(crate) fn usable(&self, call: &'static str) -> Result<MutexGuard<'_, State>> {
+    pub(crate) fn usable(&self, call: &'static Call) -> Result<MutexGuard<'_, State>> {
         let state = self.shared.lock();
         state.usable_for(call, self.rank)?;
         Ok(state)
@@ -274,7 +276,7 @@ impl Comm {
     #[inline]
     pub(crate) fn complete(
         &self,
-        call: &'static str,
+        call: &'static Call,
         status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<()> {
         if matches!(status, Ok(nccl_sys::ncclResult_t::ncclSuccess)) {
@@ -287,10 +289,10 @@ impl Comm {
     #[inline(never)]
     fn complete_slow(
         &self,
-        call: &'static str,
+        call: &'static Call,
         status: std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<()> {
-        if self.lib.check_pending(call, status)? {
+        if self.lib.check_pending(call.name, status)? {
             if let Err(err) = self.wait_ready(self.ready_timeout) {
                 return Err(self.abandon_in_progress(err));
             }

@@ -12,6 +12,7 @@ use cudarc::driver::{CudaContext, DriverError};
 use nccl_sys::ncclComm_t;
 use parking_lot::{Mutex, MutexGuard};
 
+use crate::calls::{self, Call};
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
 
@@ -79,7 +80,7 @@ impl State {
     /// Fails unless `call` may be made now: never once released, and after a failure only
     /// calls that inspect, tear down or rebuild the communicator.
     #[inline]
-    pub(crate) fn usable_for(&self, call: &'static str, rank: usize) -> Result<()> {
+    pub(crate) fn usable_for(&self, call: &'static Call, rank: usize) -> Result<()> {
         if !self.ptr.is_null() && self.failure.is_none() {
             return Ok(());
         }
@@ -88,12 +89,12 @@ impl State {
 
     #[cold]
     #[inline(never)]
-    fn unusable_for(&self, call: &'static str, rank: usize) -> Result<()> {
+    fn unusable_for(&self, call: &'static Call, rank: usize) -> Result<()> {
         if self.ptr.is_null() {
-            return Err(self.released_error(call, rank));
+            return Err(self.released_error(call.name, rank));
         }
         match &self.failure {
-            Some(failure) if !allowed_after_failure(call) => Err(failure.to_error(call, rank)),
+            Some(failure) if !call.after_failure => Err(failure.to_error(call.name, rank)),
             _ => Ok(()),
         }
     }
@@ -151,7 +152,7 @@ impl State {
         // use it. An abort from another thread additionally needs a nonblocking communicator
         // that no group holds, which its callers check (see `crate::fault`).
         let status = unsafe { lib.api().ncclCommAbort(raw) };
-        lib.check("ncclCommAbort", status)
+        lib.check(calls::ncclCommAbort.name, status)
     }
 
     /// Carries out `action` now (no group holds the communicator), recording `failure`.
@@ -174,7 +175,7 @@ impl State {
                     lib.api()
                         .ncclCommRevoke(self.ptr, nccl_sys::NCCL_REVOKE_DEFAULT)
                 };
-                lib.check_pending("ncclCommRevoke", status)?;
+                lib.check_pending(calls::ncclCommRevoke.name, status)?;
                 self.record(FailureState::Revoked, failure);
                 Ok(())
             }
@@ -189,26 +190,6 @@ impl State {
             None => self.failure = Some(Box::new(Failure { state, ..failure })),
         }
     }
-}
-
-/// Calls allowed on a communicator that failed but was not released: queries, tear-down,
-/// and the calls that build a replacement from it.
-fn allowed_after_failure(call: &str) -> bool {
-    matches!(
-        call,
-        "ncclCommGetAsyncError"
-            | "ncclCommCount"
-            | "ncclCommUserRank"
-            | "ncclCommCuDevice"
-            | "ncclRedOpDestroy"
-            | "ncclCommDeregister"
-            | "ncclCommWindowDeregister"
-            | "ncclCommSplit"
-            | "ncclCommShrink"
-            | "ncclCommRevoke"
-            | "ncclCommAbort"
-            | "ncclCommDestroy"
-    )
 }
 
 /// What happened to a communicator, from least to most final.
@@ -356,7 +337,7 @@ pub(crate) mod tests {
     #[test]
     fn calls_after_a_failure_are_refused_except_management() {
         let mut state = live_state();
-        assert!(state.usable_for("ncclAllReduce", 1).is_ok());
+        assert!(state.usable_for(&calls::ncclAllReduce, 1).is_ok());
         state.record(
             FailureState::Failed,
             Failure {
@@ -368,15 +349,19 @@ pub(crate) mod tests {
                 },
             },
         );
-        let err = state.usable_for("ncclAllReduce", 1).unwrap_err();
+        let err = state.usable_for(&calls::ncclAllReduce, 1).unwrap_err();
         assert!(matches!(err, Error::Timeout { .. }), "{err}");
         let text = err.to_string();
         assert!(text.contains("marked failed by its watchdog"), "{text}");
         assert!(text.contains("ncclAllReduce cannot go on"), "{text}");
         assert!(text.contains("rank 1"), "{text}");
         assert!(text.contains("ShrinkMode::Abort"), "{text}");
-        for call in ["ncclCommShrink", "ncclCommAbort", "ncclCommGetAsyncError"] {
-            assert!(state.usable_for(call, 1).is_ok(), "{call}");
+        for call in [
+            &calls::ncclCommShrink,
+            &calls::ncclCommAbort,
+            &calls::ncclCommGetAsyncError,
+        ] {
+            assert!(state.usable_for(call, 1).is_ok(), "{}", call.name);
         }
         assert!(state.check_failure("Comm::synchronize", 1).is_err());
         // A later revoke keeps the cause and author, and gets worse only.
@@ -391,7 +376,7 @@ pub(crate) mod tests {
         assert!(!raw.is_null());
         assert!(state.ptr.is_null());
         let text = state
-            .usable_for("ncclCommShrink", 1)
+            .usable_for(&calls::ncclCommShrink, 1)
             .unwrap_err()
             .to_string();
         assert!(text.contains("aborted by its watchdog"), "{text}");
@@ -405,11 +390,11 @@ pub(crate) mod tests {
             h
         };
         let text = released_by_owner
-            .usable_for("ncclAllReduce", 0)
+            .usable_for(&calls::ncclAllReduce, 0)
             .unwrap_err()
             .to_string();
         assert!(text.contains("already aborted or destroyed"), "{text}");
-        assert!(null_state().usable_for("ncclAllReduce", 0).is_err());
+        assert!(null_state().usable_for(&calls::ncclAllReduce, 0).is_err());
 
         let by_handle = Failure {
             state: FailureState::Released,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 
 use super::Comm;
+use crate::calls;
 use crate::error::{Error, Result, ResultCode};
 
 impl Comm {
@@ -64,11 +65,11 @@ impl Comm {
 
     pub(crate) fn async_code(&self) -> Result<ResultCode> {
         let mut code = nccl_sys::ncclResult_t::ncclSuccess;
-        let status = self.with_raw("ncclCommGetAsyncError", |raw| {
+        let status = self.with_raw(&calls::ncclCommGetAsyncError, |raw| {
             // SAFETY: live handle under the lock; `code` is a valid out-pointer.
             unsafe { self.lib.api().ncclCommGetAsyncError(raw, &mut code) }
         })?;
-        self.lib.check("ncclCommGetAsyncError", status)?;
+        self.lib.check(calls::ncclCommGetAsyncError.name, status)?;
         Ok(ResultCode::from_raw(code))
     }
 
@@ -81,7 +82,7 @@ impl Comm {
         let mut code = nccl_sys::ncclResult_t::ncclSuccess;
         // SAFETY: live handle under its lock; `code` is a valid out-pointer.
         let status = unsafe { self.lib.api().ncclCommGetAsyncError(state.ptr, &mut code) };
-        self.lib.check("ncclCommGetAsyncError", status)?;
+        self.lib.check(calls::ncclCommGetAsyncError.name, status)?;
         Ok(ResultCode::from_raw(code))
     }
 

@@ -170,6 +170,7 @@ impl Comm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::calls;
     use crate::comm::state::tests::{live_state, null_state};
 
     #[test]
@@ -195,7 +196,10 @@ mod tests {
         );
         assert_eq!(h.deferred, Some(Action::Abort));
         assert!(!h.ptr.is_null());
-        let text = h.usable_for("ncclAllReduce", 0).unwrap_err().to_string();
+        let text = h
+            .usable_for(&calls::ncclAllReduce, 0)
+            .unwrap_err()
+            .to_string();
         assert!(text.contains("aborted through an AbortHandle"), "{text}");
         // A second abort, or a revoke, while one is pending does nothing.
         assert_eq!(

@@ -118,22 +118,23 @@ mod abort;
 mod resize;
 mod watchdog;
 
+use crate::calls;
 use crate::comm::Comm;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 
 pub use abort::{AbortHandle, AbortOutcome};
 pub use resize::{Recovered, ShrinkMode, Survivor};
 pub use watchdog::{Watchdog, WatchdogAction, WatchdogOptions, WatchdogTrip};
 
 /// First NCCL with `ncclCommShrink`.
-pub const SHRINK_SINCE: Version = Version::new(2, 27, 0);
+pub const SHRINK_SINCE: Version = calls::ncclCommShrink.since;
 
 /// First NCCL with `ncclCommRevoke`.
-pub const REVOKE_SINCE: Version = Version::new(2, 28, 7);
+pub const REVOKE_SINCE: Version = calls::ncclCommRevoke.since;
 
 /// First NCCL with `ncclCommGrow` and `ncclCommGetUniqueId`.
-pub const GROW_SINCE: Version = Version::new(2, 29, 0);
+pub const GROW_SINCE: Version = calls::ncclCommGrow.since;
 
 fn require_nonblocking(comm: &Comm, what: &str) -> Result<()> {
     if comm.is_blocking() {
@@ -186,7 +187,7 @@ mod tests {
         assert_eq!(on(Version::new(2, 28, 7)), [true, true, false, false]);
         assert_eq!(on(Version::new(2, 29, 0)), [true, true, true, true]);
         assert_eq!(on(Version::HEADER), [true, true, true, true]);
-        match gate("ncclCommGrow", GROW_SINCE, Version::new(2, 28, 9)) {
+        match gate(calls::ncclCommGrow.name, GROW_SINCE, Version::new(2, 28, 9)) {
             Err(Error::Unsupported { api, needs, found }) => {
                 assert_eq!(api, "ncclCommGrow");
                 assert_eq!(needs, Version::new(2, 29, 0));

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
-use super::{GROW_SINCE, REVOKE_SINCE, SHRINK_SINCE};
+use crate::calls;
 use crate::comm::state::{Action, Cause, Failure, FailureState};
 use crate::comm::{comm_call, rank_and_size, Comm};
 use crate::config::{CommConfig, RawConfig};
@@ -121,11 +121,11 @@ impl Comm {
     ///
     /// This is a local call: each rank revokes its own communicator.
     pub fn revoke(&self) -> Result<()> {
-        self.library().require("ncclCommRevoke", REVOKE_SINCE)?;
+        self.library().require_call(&calls::ncclCommRevoke)?;
         thread_group::ensure_outside("Comm::revoke")?;
         {
             let mut state = self.shared().lock();
-            state.usable_for("ncclCommRevoke", self.rank())?;
+            state.usable_for(&calls::ncclCommRevoke, self.rank())?;
             let revoked = state
                 .failure
                 .as_ref()
@@ -167,7 +167,7 @@ impl Comm {
         config: Option<&CommConfig>,
     ) -> Result<Comm> {
         let lib = self.library();
-        lib.require("ncclCommShrink", SHRINK_SINCE)?;
+        lib.require_call(&calls::ncclCommShrink)?;
         thread_group::ensure_outside("Comm::shrink")?;
         let mut list = exclude_list(exclude, self.rank(), self.size())?;
         let count =
@@ -178,7 +178,7 @@ impl Comm {
         // The exclude list goes with the call: NCCL may read it from its background job.
         let list_ptr = list.as_mut_ptr();
         let child = self.create_child(
-            "ncclCommShrink",
+            &calls::ncclCommShrink,
             self.stream().clone(),
             &child_config,
             true,
@@ -194,7 +194,7 @@ impl Comm {
                 }
             },
         );
-        expect_child(child, "ncclCommShrink")
+        expect_child(child, calls::ncclCommShrink.name)
     }
 
     /// Builds the communicator of the survivors after the ranks in `failed` died, and
@@ -284,7 +284,7 @@ impl Comm {
     /// it to the new ranks for [`Comm::join_grow`]. Each id can be used for one grow only.
     pub fn get_unique_id_for_grow(&self) -> Result<UniqueId> {
         let lib = self.library();
-        lib.require("ncclCommGetUniqueId", GROW_SINCE)?;
+        lib.require_call(&calls::ncclCommGetUniqueId)?;
         thread_group::ensure_outside("Comm::get_unique_id_for_grow")?;
         let mut id = nccl_sys::ncclUniqueId {
             internal: [0; UNIQUE_ID_BYTES],
@@ -306,7 +306,7 @@ impl Comm {
         config: Option<&CommConfig>,
     ) -> Result<Comm> {
         let lib = self.library();
-        lib.require("ncclCommGrow", GROW_SINCE)?;
+        lib.require_call(&calls::ncclCommGrow)?;
         thread_group::ensure_outside("Comm::grow")?;
         let nranks = grow_size(self.size(), new_size)?;
         let child_config = self.child_config(config);
@@ -318,7 +318,7 @@ impl Comm {
             .as_deref()
             .map_or(ptr::null(), |id| id as *const nccl_sys::ncclUniqueId);
         let child = self.create_child(
-            "ncclCommGrow",
+            &calls::ncclCommGrow,
             self.stream().clone(),
             &child_config,
             true,
@@ -334,7 +334,7 @@ impl Comm {
                 }
             },
         );
-        expect_child(child, "ncclCommGrow")
+        expect_child(child, calls::ncclCommGrow.name)
     }
 
     /// Joins a growing communicator as new rank `rank` of `new_size` (`ncclCommGrow` without
@@ -347,7 +347,7 @@ impl Comm {
         config: Option<&CommConfig>,
     ) -> Result<Comm> {
         let lib = library::get()?;
-        lib.require("ncclCommGrow", GROW_SINCE)?;
+        lib.require_call(&calls::ncclCommGrow)?;
         thread_group::ensure_outside("Comm::join_grow")?;
         let (rank, nranks) = rank_and_size(rank, new_size)?;
         let config = config.cloned().unwrap_or_default();
@@ -362,7 +362,14 @@ impl Comm {
             lib.api()
                 .ncclCommGrow(ptr::null_mut(), nranks, &raw_id, rank, &mut child, cfg_ptr)
         };
-        Comm::adopt(lib, child, stream, &config, "ncclCommGrow", status)
+        Comm::adopt(
+            lib,
+            child,
+            stream,
+            &config,
+            calls::ncclCommGrow.name,
+            status,
+        )
     }
 }
 

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 
 use super::abort::act;
-use super::{require_nonblocking, REVOKE_SINCE};
+use super::require_nonblocking;
+use crate::calls;
 use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
 use crate::comm::{Comm, Shared};
 use crate::error::{Error, Result, ResultCode};
@@ -156,7 +157,7 @@ impl Watchdog {
             return Err(Error::invalid("the watchdog timeout must be positive"));
         }
         if options.action == WatchdogAction::Revoke {
-            comm.library().require("ncclCommRevoke", REVOKE_SINCE)?;
+            comm.library().require_call(&calls::ncclCommRevoke)?;
         }
         require_nonblocking(comm, "a watchdog")?;
         let shared = Arc::new(WatchdogShared {
@@ -292,22 +293,24 @@ impl Worker {
     fn trip(&self, state: &mut State, cause: Cause) {
         // NCCL's own texts for an asynchronous error.
         let cause = match cause {
-            Cause::AsyncError { code, .. } => match self.lib.error("ncclCommGetAsyncError", code) {
-                Error::Nccl {
-                    description,
-                    last_error,
-                    ..
-                } => Cause::AsyncError {
-                    code,
-                    description,
-                    last_error,
-                },
-                _ => Cause::AsyncError {
-                    code,
-                    description: code.name().to_string(),
-                    last_error: None,
-                },
-            },
+            Cause::AsyncError { code, .. } => {
+                match self.lib.error(calls::ncclCommGetAsyncError.name, code) {
+                    Error::Nccl {
+                        description,
+                        last_error,
+                        ..
+                    } => Cause::AsyncError {
+                        code,
+                        description,
+                        last_error,
+                    },
+                    _ => Cause::AsyncError {
+                        code,
+                        description: code.name().to_string(),
+                        last_error: None,
+                    },
+                }
+            }
             other => other,
         };
         let action = self.options.action.action();

@@ -148,6 +148,7 @@
 //! assert_send::<nccl::Window<'static, f32>>();
 //! ```
 
+mod agreement;
 mod register;
 pub mod rma;
 mod view;
@@ -160,11 +161,12 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use nccl_sys::ncclWindow_t;
 
+use crate::calls;
 use crate::comm::{Backoff, Comm};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
 use crate::memory::NcclBuffer;
+use crate::release::Version;
 
 pub use register::RegisterError;
 pub use rma::{Signal, SignalWait};
@@ -175,7 +177,7 @@ pub use view::{WindowView, WindowViewMut};
 pub const REQUIRED_ALIGNMENT: usize = nccl_sys::NCCL_WIN_REQUIRED_ALIGNMENT;
 
 /// First NCCL with `ncclCommWindowRegister` and `ncclCommWindowDeregister`.
-pub const WINDOWS_SINCE: Version = Version::new(2, 27, 0);
+pub const WINDOWS_SINCE: Version = calls::ncclCommWindowRegister.since;
 /// First NCCL whose symmetric kernels this crate lets run: NCCL 2.28.7's release notes fix
 /// "potential data corruption with built-in symmetric kernels for small messages with size
 /// granularity under 8 bytes or when multiple symmetric operations were aggregated in a
@@ -184,7 +186,7 @@ pub const WINDOWS_SINCE: Version = Version::new(2, 27, 0);
 /// [`Error::Unsupported`] rather than risk it.
 pub const SYMMETRIC_SINCE: Version = Version::new(2, 28, 7);
 /// First NCCL with `ncclWinGetUserPtr` and one-sided RMA.
-pub const USER_PTR_SINCE: Version = Version::new(2, 29, 0);
+pub const USER_PTR_SINCE: Version = calls::ncclWinGetUserPtr.since;
 
 /// Window registration flags (`NCCL_WIN_*`), combinable with `|`; each needs the NCCL
 /// release that introduced it.
@@ -375,15 +377,15 @@ impl<'c, T: NcclType> Window<'c, T> {
     /// start of the buffer.
     pub fn user_ptr(&self) -> Result<u64> {
         let lib = self.comm.library();
-        lib.require("ncclWinGetUserPtr", USER_PTR_SINCE)?;
+        lib.require_call(&calls::ncclWinGetUserPtr)?;
         let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
-        let status = self.comm.with_raw("ncclWinGetUserPtr", |raw| {
+        let status = self.comm.with_raw(&calls::ncclWinGetUserPtr, |raw| {
             // SAFETY: live communicator under its lock; `self.raw` is a window registered on
             // it and still registered (it is only deregistered by value); `ptr` is a valid
             // out-pointer.
             unsafe { lib.api().ncclWinGetUserPtr(raw, self.raw, &mut ptr) }
         })?;
-        lib.check("ncclWinGetUserPtr", status)?;
+        lib.check(calls::ncclWinGetUserPtr.name, status)?;
         Ok(ptr as u64)
     }
 
@@ -415,7 +417,7 @@ impl<'c, T: NcclType> Window<'c, T> {
         self.wait_idle(self.comm.drop_timeout())?;
         let lib = self.comm.library();
         let win = self.raw;
-        let outcome = self.comm.with_raw("ncclCommWindowDeregister", |raw| {
+        let outcome = self.comm.with_raw(&calls::ncclCommWindowDeregister, |raw| {
             // SAFETY: live communicator under its lock (an abort from another thread takes
             // the same lock, and NCCL frees the window then); `win` was registered on it and
             // no work uses the buffer any more (waited for above).
@@ -431,7 +433,7 @@ impl<'c, T: NcclType> Window<'c, T> {
             }
             Err(err) => Err(err),
             Ok(status) => {
-                lib.check("ncclCommWindowDeregister", status)?;
+                lib.check(calls::ncclCommWindowDeregister.name, status)?;
                 self.raw = std::ptr::null_mut();
                 Ok(())
             }

@@ -13,18 +13,17 @@ use std::ffi::c_void;
 
 use nccl_sys::ncclWindow_t;
 
-use super::{rma, Window, WindowFlags, REQUIRED_ALIGNMENT, WINDOWS_SINCE};
-use crate::collectives::Operation;
+use super::agreement::{agree, finish_rma};
+use super::{Window, WindowFlags};
+use crate::calls;
 use crate::comm::Comm;
 use crate::comm::Membership;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::group::Group;
-use crate::library::Version;
 use crate::memory::NcclBuffer;
 use crate::thread_group::{self, RawGroup};
 
-const CALL: &str = "ncclCommWindowRegister";
+const CALL: &str = calls::ncclCommWindowRegister.name;
 
 /// A failed registration: the error, and the buffers given back.
 ///
@@ -145,268 +144,12 @@ impl Drop for Slot {
 /// to keep the same on every rank: a rank refused here leaves its peers waiting in the
 /// exchange, as NCCL's own registration would.
 fn precheck(comm: &Comm) -> Result<()> {
-    comm.library().require(CALL, WINDOWS_SINCE)?;
+    comm.library()
+        .require_call(&calls::ncclCommWindowRegister)?;
     thread_group::ensure_outside(CALL)?;
     // Checked up front as well as under the lock of the call: in a group, a communicator
     // refused halfway would leave the registrations already queued waiting for its rank.
     comm.check_failure(CALL)
-}
-
-/// What this rank checks of its own buffer. A refusal here is carried through the exchange,
-/// so every rank refuses the registration together instead of leaving its peers in NCCL's
-/// bootstrap all-gather.
-fn check<T: NcclType>(comm: &Comm, buffer: &NcclBuffer<T>, flags: WindowFlags) -> Result<()> {
-    flags.check(comm.library().version())?;
-    // The context, not only the device: NCCL maps the buffer in the communicator's context.
-    comm.check_context(buffer.stream.context(), "the buffer")?;
-    check_extent(buffer.ptr, buffer.len, std::mem::size_of::<T>())
-}
-
-/// First NCCL that lets ranks register windows of different sizes (before, the peers'
-/// mappings were sized by the local registration: v2.29.7 `src/dev_runtime.cc`).
-pub(crate) const SIZES_MAY_DIFFER_SINCE: Version = Version::new(2, 30, 7);
-
-/// What one rank says in the registration's exchange.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Entry {
-    /// This rank refused its own registration (its error says why).
-    refused: bool,
-    bytes: u64,
-    flags: u32,
-    /// `size_of::<T>()`: the element type's size, which every offset here is counted in.
-    elem: u64,
-    /// This rank needs NCCL's RMA set-up step now and can take it (see `rma::can_set_up`).
-    rma: bool,
-}
-
-/// Words per [`Entry`] in the exchange.
-const WIDTH: usize = 5;
-
-impl Entry {
-    fn of<T: NcclType>(
-        buffer: &NcclBuffer<T>,
-        flags: WindowFlags,
-        refused: bool,
-        rma: bool,
-    ) -> Self {
-        let elem = std::mem::size_of::<T>();
-        Entry {
-            refused,
-            // Overflow was refused by `check_extent` (then `refused` is set).
-            bytes: buffer.len.saturating_mul(elem) as u64,
-            flags: flags.bits(),
-            elem: elem as u64,
-            rma,
-        }
-    }
-
-    fn to_row(self) -> [u64; WIDTH] {
-        [
-            u64::from(self.refused),
-            self.bytes,
-            u64::from(self.flags),
-            self.elem,
-            u64::from(self.rma),
-        ]
-    }
-
-    fn from_row(row: &[u64]) -> Self {
-        Entry {
-            refused: row[0] != 0,
-            bytes: row[1],
-            flags: row[2] as u32,
-            elem: row[3],
-            rma: row[4] != 0,
-        }
-    }
-}
-
-/// The verdict on a registration from every rank's entry (rank `i`'s at `all[i]`): the
-/// same on every rank, since every rank judges the same entries. Windows must agree on
-/// flags and element size on every version (NCCL reads every rank's copy through this
-/// rank's handle, in bytes), and before 2.30.7 on their size.
-fn judge(version: Version, all: &[Entry]) -> Result<()> {
-    if let Some(i) = all.iter().position(|e| e.refused) {
-        return Err(Error::invalid(format!(
-            "{CALL}: rank {i} refused its own window (its error says why); no rank registered"
-        )));
-    }
-    let Some(first) = all.first() else {
-        return Ok(());
-    };
-    let differs = |what: &str, i: usize, mine: u64, theirs: u64| {
-        Err(Error::invalid(format!(
-            "{CALL}: rank {i} registers {what} {theirs} where rank 0 registers {mine}; every \
-             rank must register the same, so no rank registered"
-        )))
-    };
-    for (i, e) in all.iter().enumerate().skip(1) {
-        if e.elem != first.elem {
-            return differs("element size", i, first.elem, e.elem);
-        }
-        if e.flags != first.flags {
-            return differs("flags", i, u64::from(first.flags), u64::from(e.flags));
-        }
-        if e.bytes != first.bytes && version < SIZES_MAY_DIFFER_SINCE {
-            return Err(Error::invalid(format!(
-                "{CALL}: rank {i} registers {} bytes where rank 0 registers {}; before NCCL \
-                 {SIZES_MAY_DIFFER_SINCE} every rank must register the same size, so no rank \
-                 registered",
-                e.bytes, first.bytes
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// All-gathers `mine[i]` over `comms[i]`, for every `i`, in one group (one thread may drive
-/// several ranks of a communicator), and waits for it: the entries of every rank, per
-/// communicator. Where a wait runs out (nonblocking communicators, [`Comm::ready_timeout`])
-/// the exchange stays queued and a late rank would pair with it: that communicator is
-/// aborted.
-fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
-    let mut sends = Vec::with_capacity(comms.len());
-    let mut recvs = Vec::with_capacity(comms.len());
-    for (comm, entry) in comms.iter().zip(mine) {
-        let stream = comm.stream();
-        comm.context().bind_to_thread()?;
-        sends.push(stream.clone_htod(&entry.to_row())?);
-        recvs.push(stream.alloc_zeros::<u64>(WIDTH * comm.size())?);
-    }
-    {
-        let mut group = Group::start()?;
-        for ((comm, send), recv) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
-            group.enqueue(comm, Operation::all_gather(send, recv))?;
-        }
-        group.finish()?;
-    }
-    let mut all = Vec::with_capacity(comms.len());
-    for (comm, recv) in comms.iter().zip(&recvs) {
-        let timeout = (!comm.is_blocking()).then(|| comm.ready_timeout());
-        comm.wait_stream(comm.stream(), timeout)
-            .map_err(|err| match err {
-                Error::Timeout { .. } => comm.abort_stalled(
-                    "the window registration's exchange to finish",
-                    "the exchange is still queued and a late rank would pair with it",
-                    err,
-                ),
-                other => other,
-            })?;
-        let rows = comm.stream().clone_dtoh(recv)?;
-        all.push(rows.chunks_exact(WIDTH).map(Entry::from_row).collect());
-    }
-    Ok(all)
-}
-
-/// What the ranks agreed on for one communicator's registration.
-struct Agreed {
-    /// Every rank's window size in bytes.
-    peer_bytes: Vec<u64>,
-    /// `hostRmaSupport` of this rank's communicator, where reported.
-    host_rma: Option<bool>,
-    /// Every rank takes NCCL's RMA set-up step after registering (see [`rma::set_up`]).
-    set_up_rma: bool,
-}
-
-/// `hostRmaSupport`, where the library reports it; any other failure of the query is this
-/// rank's error (it goes through the exchange like the others).
-fn host_rma(comm: &Comm) -> Result<Option<bool>> {
-    match crate::properties::query(comm) {
-        Ok(props) => Ok(props.host_rma_support),
-        Err(err) if err.is_unsupported() => Ok(None),
-        Err(err) => Err(err),
-    }
-}
-
-/// The exchange and its verdict for `comms[i]` registering `buffers[i]`: what every rank
-/// agreed on per communicator, where every rank may go on, else the error every rank
-/// returns (this rank's own error first).
-fn agree<T: NcclType>(
-    comms: &[&Comm],
-    buffers: &[NcclBuffer<T>],
-    flags: WindowFlags,
-) -> Result<Vec<Agreed>> {
-    let local: Vec<Result<Option<bool>>> = comms
-        .iter()
-        .zip(buffers)
-        .map(|(comm, buffer)| check(comm, buffer, flags).and_then(|()| host_rma(comm)))
-        .collect();
-    let mine: Vec<Entry> = comms
-        .iter()
-        .zip(buffers)
-        .zip(&local)
-        .map(|((comm, buffer), verdict)| {
-            let rma = match verdict {
-                Ok(host) => rma::can_set_up(comm, *host),
-                Err(_) => false,
-            };
-            Entry::of(buffer, flags, verdict.is_err(), rma)
-        })
-        .collect();
-    // One rank alone has nobody to agree with.
-    let all = if comms.iter().all(|comm| comm.size() == 1) {
-        mine.iter().map(|entry| vec![*entry]).collect()
-    } else {
-        exchange(comms, &mine)?
-    };
-    let mut agreed = Vec::with_capacity(comms.len());
-    for ((comm, verdict), entries) in comms.iter().zip(local).zip(&all) {
-        let host_rma = verdict?;
-        judge(comm.library().version(), entries)?;
-        agreed.push(Agreed {
-            peer_bytes: entries.iter().map(|e| e.bytes).collect(),
-            host_rma,
-            // A lone rank cannot wait for anyone, and NCCL's set-up has nobody to wait for.
-            set_up_rma: comm.size() > 1 && entries.iter().all(|e| e.rma),
-        });
-    }
-    Ok(agreed)
-}
-
-/// Takes NCCL's RMA set-up step where the ranks agreed to (every rank then calls this with
-/// the same verdict), and records the outcome on each communicator.
-fn finish_rma(comms: &[&Comm], agreed: &[Agreed]) -> Result<()> {
-    let set_up: Vec<&Comm> = comms
-        .iter()
-        .zip(agreed)
-        .filter(|(_, a)| a.set_up_rma)
-        .map(|(comm, _)| *comm)
-        .collect();
-    let outcome = if set_up.is_empty() {
-        Ok(())
-    } else {
-        rma::set_up(&set_up)
-    };
-    for (comm, a) in comms.iter().zip(agreed) {
-        // Only a lazy NCCL still pending changes state; a failed step leaves RMA off. A
-        // lone rank's set-up waits for nobody.
-        if comm.rma_setup.get() == crate::comm::RmaSetup::Pending {
-            let done = comm.size() == 1 || (a.set_up_rma && outcome.is_ok());
-            rma::record_setup(comm, done);
-        }
-    }
-    outcome
-}
-
-/// NCCL refuses empty windows, and needs the window's start 4096-byte aligned in its VMM
-/// allocation; an `NcclBuffer` starts its own allocation, so its address must be aligned.
-fn check_extent(ptr: u64, len: usize, elem: usize) -> Result<()> {
-    if len == 0 {
-        return Err(Error::invalid(
-            "a window needs at least one element (NCCL refuses empty windows)",
-        ));
-    }
-    if len.checked_mul(elem).is_none() {
-        return Err(Error::invalid(format!(
-            "{len} elements overflow the address space"
-        )));
-    }
-    if ptr % REQUIRED_ALIGNMENT as u64 != 0 {
-        return Err(Error::invalid(format!(
-            "the buffer at {ptr:#x} is not {REQUIRED_ALIGNMENT}-byte aligned, as NCCL requires"
-        )));
-    }
-    Ok(())
 }
 
 fn no_window() -> Error {
@@ -432,7 +175,7 @@ fn issue<T: NcclType>(
     buffer.stream.context().bind_to_thread()?;
     let bytes = buffer.len * std::mem::size_of::<T>();
     let out = slot.as_ptr();
-    let status = comm.with_raw(CALL, |raw| {
+    let status = comm.with_raw(&calls::ncclCommWindowRegister, |raw| {
         // SAFETY: live communicator under its lock; the buffer is `bytes` of VMM memory on its
         // device, owned by the caller until NCCL is done with it; `out` stays allocated until
         // NCCL can no longer write it (see `Slot`); the flags were checked against the
@@ -670,112 +413,4 @@ fn check_all<T: NcclType>(comms: &[Comm], buffers: &[NcclBuffer<T>]) -> Result<(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry(bytes: u64, flags: u32, elem: u64) -> Entry {
-        Entry {
-            refused: false,
-            bytes,
-            flags,
-            elem,
-            rma: true,
-        }
-    }
-
-    const V2_29: Version = Version::new(2, 29, 7);
-    const V2_32: Version = Version::new(2, 32, 3);
-
-    /// M5: windows whose size (before 2.30.7), flags or element type differ across ranks are
-    /// refused on every rank; before the fix nothing compared them.
-    #[test]
-    fn m5_mismatched_windows_are_refused_on_every_rank() {
-        let same = [entry(4096, 1, 4), entry(4096, 1, 4)];
-        assert!(judge(V2_29, &same).is_ok());
-        let sizes = [entry(4096, 1, 4), entry(8192, 1, 4)];
-        let err = judge(V2_29, &sizes).unwrap_err().to_string();
-        assert!(err.contains("rank 1 registers 8192 bytes"), "{err}");
-        assert!(err.contains("same size"), "{err}");
-        // From 2.30.7 sizes may differ (puts are then checked against the peer's size).
-        assert!(judge(SIZES_MAY_DIFFER_SINCE, &sizes).is_ok());
-        let flags = [entry(4096, 1, 4), entry(4096, 0, 4)];
-        let err = judge(V2_32, &flags).unwrap_err().to_string();
-        assert!(err.contains("rank 1 registers flags 0"), "{err}");
-        let types = [entry(4096, 1, 4), entry(4096, 1, 4), entry(4096, 1, 8)];
-        let err = judge(V2_32, &types).unwrap_err().to_string();
-        assert!(err.contains("rank 2 registers element size 8"), "{err}");
-        // The entries survive the exchange's encoding.
-        let e = Entry {
-            refused: true,
-            ..entry(1 << 40, 9, 2)
-        };
-        assert_eq!(Entry::from_row(&e.to_row()), e);
-    }
-
-    /// M4: a rank refusing its own window (empty, misaligned, wrong context, flags the
-    /// library lacks) is reported to every rank through the exchange, so none is left in
-    /// NCCL's bootstrap all-gather; before the fix the refusing rank returned alone.
-    #[test]
-    fn m4_a_rank_refusing_its_window_is_reported_to_all() {
-        let mut all = [entry(4096, 1, 4), entry(4096, 1, 4), entry(4096, 1, 4)];
-        all[2].refused = true;
-        let err = judge(V2_32, &all).unwrap_err().to_string();
-        assert!(err.contains("rank 2 refused its own window"), "{err}");
-        assert!(err.contains("no rank registered"), "{err}");
-    }
-
-    #[test]
-    fn extents_are_checked() {
-        assert!(check_extent(0x10_0000, 1, 4).is_ok());
-        assert!(check_extent(0x10_1000, 1 << 20, 8).is_ok());
-        let err = check_extent(0x10_0000, 0, 4).unwrap_err().to_string();
-        assert!(err.contains("at least one element"), "{err}");
-        let err = check_extent(0x10_0800, 4, 4).unwrap_err().to_string();
-        assert!(err.contains("4096-byte aligned"), "{err}");
-        let err = check_extent(0x10_0000, usize::MAX, 2)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("overflow"), "{err}");
-    }
-
-    #[test]
-    fn a_null_window_is_unavailable_not_a_window() {
-        let err = no_window();
-        assert!(err.is_unsupported() && !err.is_fatal());
-        assert!(
-            matches!(err, Error::Unavailable { api: CALL, .. }),
-            "{err:?}"
-        );
-    }
-
-    #[test]
-    fn unsettled_registrations_say_the_buffer_was_leaked() {
-        let waited = std::time::Duration::from_secs(1);
-        let err = not_settled(
-            3,
-            Error::Timeout {
-                what: "x".into(),
-                waited,
-            },
-        );
-        match err {
-            Error::Timeout { what, waited: w } => {
-                assert_eq!(w, waited);
-                assert!(what.contains("rank 3") && what.contains("leaked"), "{what}");
-                assert!(what.contains("every rank must register"), "{what}");
-            }
-            other => panic!("{other:?}"),
-        }
-        let other = not_settled(0, Error::invalid("y"));
-        assert!(matches!(other, Error::InvalidArgument(_)));
-    }
-
-    #[test]
-    fn slots_start_null_and_free_themselves() {
-        let slot = Slot::new();
-        assert!(slot.read().is_null());
-        // SAFETY: the test plays NCCL, writing the slot before it is read.
-        unsafe { *slot.as_ptr() = 0x40 as ncclWindow_t };
-        assert_eq!(slot.read() as usize, 0x40);
-    }
-}
+mod tests;

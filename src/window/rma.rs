@@ -78,14 +78,16 @@ use nccl_sys::ncclWaitSignalDesc_t;
 
 use super::view::WindowView;
 use super::{Window, WindowFlags};
+use crate::calls::{self, Call};
+use crate::comm::comm_call;
 use crate::comm::{Comm, Membership, RmaSetup};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
+use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
 
 /// First NCCL with `ncclPutSignal`, `ncclSignal` and `ncclWaitSignal`.
-pub const RMA_SINCE: Version = Version::new(2, 29, 0);
+pub const RMA_SINCE: Version = calls::ncclPutSignal.since;
 /// First NCCL that captures one-sided RMA into CUDA graphs.
 pub const RMA_GRAPH_CAPTURE_SINCE: Version = Version::new(2, 30, 3);
 /// First NCCL with more than one RMA context and signal (`numRmaCtx`, `numRmaSig`).
@@ -229,7 +231,7 @@ fn wait_descriptors(
     waits
         .iter()
         .map(|wait| {
-            let peer = check_peer(wait.peer, size, "ncclWaitSignal")?;
+            let peer = check_peer(wait.peer, size, calls::ncclWaitSignal.name)?;
             let count = match c_int::try_from(wait.count) {
                 Ok(count) if count > 0 => count,
                 _ => {
@@ -332,20 +334,20 @@ pub(crate) fn set_up(comms: &[&Comm]) -> Result<()> {
         }];
         let stream = comm.stream().cu_stream() as nccl_sys::cudaStream_t;
         let issued = comm
-            .with_raw("ncclSignal", |raw| {
+            .with_raw(&calls::ncclSignal, |raw| {
                 // SAFETY: live communicator under its lock; `next` is a rank of it; signal
                 // and context 0 exist on every version; flags are reserved (0).
                 unsafe { lib.api().ncclSignal(next, 0, 0, 0, raw, stream) }
             })
-            .and_then(|status| lib.check_pending("ncclSignal", status))
+            .and_then(|status| lib.check_pending(calls::ncclSignal.name, status))
             .and_then(|_| {
-                comm.with_raw("ncclWaitSignal", |raw| {
+                comm.with_raw(&calls::ncclWaitSignal, |raw| {
                     // SAFETY: live communicator under its lock; one checked descriptor that
                     // outlives the call (NCCL copies it).
                     unsafe { lib.api().ncclWaitSignal(1, wait.as_mut_ptr(), raw, stream) }
                 })
             })
-            .and_then(|status| lib.check_pending("ncclWaitSignal", status));
+            .and_then(|status| lib.check_pending(calls::ncclWaitSignal.name, status));
         if let Err(err) = issued {
             failure = Some(err);
             break;
@@ -390,9 +392,10 @@ pub(crate) fn set_up(comms: &[&Comm]) -> Result<()> {
 
 impl<T: NcclType> Window<'_, T> {
     /// What every RMA call checks before NCCL sees it.
-    fn rma_ready(&self, api: &'static str, stream: &CudaStream) -> Result<()> {
+    fn rma_ready(&self, row: &'static Call, stream: &CudaStream) -> Result<()> {
+        let api = row.name;
         let lib = self.comm.library();
-        lib.require(api, RMA_SINCE)?;
+        lib.require_call(row)?;
         thread_group::ensure_outside(api)?;
         self.comm.check_stream(stream, "the stream")?;
         if self.comm.rma_setup.get() != RmaSetup::Ready && lazy_setup(lib.version()) {
@@ -450,8 +453,9 @@ impl<T: NcclType> Window<'_, T> {
         offset: usize,
         signal: Signal,
     ) -> Result<()> {
-        const API: &str = "ncclPutSignal";
-        self.rma_ready(API, stream)?;
+        const ROW: &Call = &calls::ncclPutSignal;
+        const API: &str = ROW.name;
+        self.rma_ready(ROW, stream)?;
         let lib = self.comm.library();
         let peer = check_peer(peer, self.comm.size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
@@ -467,29 +471,26 @@ impl<T: NcclType> Window<'_, T> {
         // Orders the stream after earlier writes of the source; records the read afterwards.
         let (src, _read) = source.device_ptr(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = self.comm.with_raw(API, |raw| {
-            // SAFETY: live communicator under its lock; `src` points to `count` elements of a
-            // symmetric window of this communicator, borrowed until the call returns and
-            // ordered by cudarc's events; `win` is this rank's handle of a window registered
-            // on it, and `byte_offset + count` elements fit this rank's window; the peer,
-            // signal and context were checked; flags are reserved (0).
-            unsafe {
-                lib.api().ncclPutSignal(
-                    src as *const std::ffi::c_void,
-                    count,
-                    T::DATA_TYPE.raw(),
-                    peer,
-                    win,
-                    byte_offset,
-                    sig_idx,
-                    ctx,
-                    0,
-                    raw,
-                    cu_stream,
-                )
-            }
-        })?;
-        self.comm.complete(API, status)
+        // SAFETY: live communicator under its lock; `src` points to `count` elements of a
+        // symmetric window of this communicator, borrowed until the call returns and ordered
+        // by cudarc's events; `win` is this rank's handle of a window registered on it, and
+        // `byte_offset + count` elements fit this rank's window; the peer, signal and context
+        // were checked; flags are reserved (0).
+        unsafe {
+            comm_call!(self.comm, |raw| ncclPutSignal(
+                src as *const std::ffi::c_void,
+                count,
+                T::DATA_TYPE.raw(),
+                peer,
+                win,
+                byte_offset,
+                sig_idx,
+                ctx,
+                0,
+                raw,
+                cu_stream,
+            ))
+        }
     }
 
     /// Raises `signal` on rank `peer` without data (`ncclSignal`, NCCL 2.29), on the
@@ -500,18 +501,20 @@ impl<T: NcclType> Window<'_, T> {
 
     /// [`Window::signal`] on `stream` (on the communicator's device).
     pub fn signal_on(&self, stream: &CudaStream, peer: usize, signal: Signal) -> Result<()> {
-        const API: &str = "ncclSignal";
-        self.rma_ready(API, stream)?;
+        const ROW: &Call = &calls::ncclSignal;
+        const API: &str = ROW.name;
+        self.rma_ready(ROW, stream)?;
         let lib = self.comm.library();
         let peer = check_peer(peer, self.comm.size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = self.comm.with_raw(API, |raw| {
-            // SAFETY: live communicator under its lock; peer, signal and context checked;
-            // flags are reserved (0).
-            unsafe { lib.api().ncclSignal(peer, sig_idx, ctx, 0, raw, cu_stream) }
-        })?;
-        self.comm.complete(API, status)
+        // SAFETY: live communicator under its lock; peer, signal and context checked; flags
+        // are reserved (0).
+        unsafe {
+            comm_call!(self.comm, |raw| ncclSignal(
+                peer, sig_idx, ctx, 0, raw, cu_stream
+            ))
+        }
     }
 
     /// Makes the communicator's stream wait until every wait in `waits` has received its
@@ -532,8 +535,8 @@ impl<T: NcclType> Window<'_, T> {
 
     /// [`Window::wait_signal`] on `stream` (on the communicator's device).
     pub fn wait_signal_on(&mut self, stream: &CudaStream, waits: &[SignalWait]) -> Result<()> {
-        const API: &str = "ncclWaitSignal";
-        self.rma_ready(API, stream)?;
+        const ROW: &Call = &calls::ncclWaitSignal;
+        self.rma_ready(ROW, stream)?;
         let comm = self.comm;
         let lib = comm.library();
         let mut descs = wait_descriptors(waits, comm.size(), lib.version())?;
@@ -541,142 +544,18 @@ impl<T: NcclType> Window<'_, T> {
         // Orders the wait after earlier uses of the window; records it as a write.
         let (_, _write) = self.buffer.device_ptr_mut(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
-        let status = comm.with_raw(API, |raw| {
-            // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
-            // descriptors and outlives the call (NCCL copies them into its tasks).
-            unsafe {
-                lib.api()
-                    .ncclWaitSignal(n_desc, descs.as_mut_ptr(), raw, cu_stream)
-            }
-        })?;
-        comm.complete(API, status)
+        // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
+        // descriptors and outlives the call (NCCL copies them into its tasks).
+        unsafe {
+            comm_call!(comm, |raw| ncclWaitSignal(
+                n_desc,
+                descs.as_mut_ptr(),
+                raw,
+                cu_stream
+            ))
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const V2_29: Version = Version::new(2, 29, 7);
-    const V2_32: Version = Version::new(2, 32, 3);
-
-    #[test]
-    fn signals_other_than_zero_need_2_31() {
-        assert_eq!(Signal::default().to_raw(V2_29).unwrap(), (0, 0));
-        for signal in [Signal::new(1, 0), Signal::new(0, 1)] {
-            match signal.to_raw(V2_29) {
-                Err(Error::Unsupported { needs, found, .. }) => {
-                    assert_eq!((needs, found), (RMA_SIGNALS_SINCE, V2_29));
-                }
-                other => panic!("{signal:?}: {other:?}"),
-            }
-        }
-        assert_eq!(Signal::new(3, 2).to_raw(V2_32).unwrap(), (3, 2));
-        assert!(Signal::new(u32::MAX, 0).to_raw(V2_32).is_err());
-        assert!(Signal::new(0, 1 << 31).to_raw(V2_32).is_err());
-    }
-
-    #[test]
-    fn peers_and_put_extents_are_checked() {
-        assert_eq!(check_peer(3, 4, "x").unwrap(), 3);
-        let err = check_peer(4, 4, "ncclSignal").unwrap_err().to_string();
-        assert!(err.contains("peer 4 is out of range"), "{err}");
-        assert_eq!(put_extent(0, 8, 8, 4).unwrap(), 0);
-        assert_eq!(put_extent(6, 2, 8, 4).unwrap(), 24);
-        assert_eq!(put_extent(8, 0, 8, 2).unwrap(), 16);
-        let err = put_extent(7, 2, 8, 4).unwrap_err().to_string();
-        assert!(err.contains("2 elements at offset 7"), "{err}");
-        assert!(put_extent(usize::MAX, 2, 8, 4).is_err());
-    }
-
-    /// M5: a put is bounded by the target's window, which may be smaller than this rank's
-    /// from NCCL 2.30.7 (before the fix only this rank's length counted).
-    #[test]
-    fn m5_puts_fit_the_targets_window() {
-        assert_eq!(put_bound(0, 1, 1024, Some(256)).unwrap(), 256);
-        assert_eq!(put_bound(0, 1, 1024, Some(4096)).unwrap(), 1024);
-        assert_eq!(put_bound(0, 1, 1024, None).unwrap(), 1024);
-        let bound = put_bound(1, 0, 1024, Some(256)).unwrap();
-        let err = put_extent(200, 100, bound, 4).unwrap_err().to_string();
-        assert!(err.contains("window of 256 elements"), "{err}");
-    }
-
-    /// Minor: a put to one's own rank is refused before NCCL (before, it went through).
-    #[test]
-    fn minor_put_to_self_is_refused() {
-        let err = put_bound(2, 2, 1024, Some(1024)).unwrap_err().to_string();
-        assert!(err.contains("is this rank"), "{err}");
-    }
-
-    #[test]
-    fn sources_must_be_symmetric_windows_of_the_same_communicator() {
-        assert!(check_source(true, WindowFlags::COLL_SYMMETRIC).is_ok());
-        assert!(check_source(
-            true,
-            WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING
-        )
-        .is_ok());
-        let err = check_source(true, WindowFlags::DEFAULT)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("COLL_SYMMETRIC"), "{err}");
-        let err = check_source(false, WindowFlags::COLL_SYMMETRIC)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("another communicator"), "{err}");
-    }
-
-    #[test]
-    fn wait_descriptors_follow_ncclwaitsignal_rules() {
-        let descs = wait_descriptors(
-            &[
-                SignalWait::new(1, 2),
-                SignalWait::new(0, 1).on(Signal::new(1, 1)),
-            ],
-            2,
-            V2_32,
-        )
-        .unwrap();
-        assert_eq!(
-            descs
-                .iter()
-                .map(|d| (d.opCnt, d.peer, d.sigIdx, d.ctx))
-                .collect::<Vec<_>>(),
-            [(2, 1, 0, 0), (1, 0, 1, 1)]
-        );
-        let err = wait_descriptors(&[], 2, V2_32).unwrap_err().to_string();
-        assert!(err.contains("at least one wait"), "{err}");
-        let err = wait_descriptors(&[SignalWait::new(1, 0)], 2, V2_32)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("must be between 1"), "{err}");
-        assert!(wait_descriptors(&[SignalWait::new(1, u32::MAX)], 2, V2_32).is_err());
-        assert!(wait_descriptors(&[SignalWait::new(2, 1)], 2, V2_32).is_err());
-        assert!(matches!(
-            wait_descriptors(&[SignalWait::new(1, 1).on(Signal::new(1, 0))], 2, V2_29),
-            Err(Error::Unsupported { .. })
-        ));
-    }
-
-    /// C2: NCCL 2.29 and 2.30 set RMA up at the first RMA call (a step of every rank), so
-    /// the crate takes it at registration there; 2.28 has no RMA, 2.31 sets up at
-    /// registration itself. Before the fix no version was treated specially.
-    #[test]
-    fn c2_rma_set_up_is_taken_at_registration_on_2_29_and_2_30() {
-        assert!(lazy_setup(Version::new(2, 29, 0)));
-        assert!(lazy_setup(Version::new(2, 29, 7)));
-        assert!(lazy_setup(Version::new(2, 30, 7)));
-        assert!(!lazy_setup(Version::new(2, 28, 9)));
-        assert!(!lazy_setup(Version::new(2, 31, 0)));
-        assert!(!lazy_setup(Version::new(2, 32, 3)));
-    }
-
-    #[test]
-    fn old_drivers_are_unavailable() {
-        assert!(check_driver(12050).is_ok());
-        assert!(check_driver(13000).is_ok());
-        let err = check_driver(12040).unwrap_err();
-        assert!(err.is_unsupported() && !err.is_fatal());
-        assert!(err.to_string().contains("this one is 12.4"), "{err}");
-    }
-}
+mod tests;

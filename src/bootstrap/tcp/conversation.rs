@@ -1,12 +1,12 @@
 //! One connection on rank 0: read and check the request, claim the rank, send the id, wait
 //! for the ack; or tell the peer why it is turned away.
 
+use std::fmt;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::server::{RejectedPeer, TcpServer};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
     kind_of, version_of, Ack, ReplyHeader, Request, Status, ACK_LEN, DUPLICATE_DONE,
@@ -19,6 +19,27 @@ use crate::UniqueId;
 
 /// Grace period for sending an error reply and letting the peer read it.
 const ERROR_REPLY_GRACE: Duration = Duration::from_millis(200);
+
+/// A peer rank 0 turned away while serving.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct RejectedPeer {
+    /// The peer's address.
+    pub peer: SocketAddr,
+    /// The rank it claimed, when it got that far.
+    pub rank: Option<usize>,
+    /// Why it was turned away (the same error its side sees, from rank 0's point of view).
+    pub error: BootstrapError,
+}
+
+impl fmt::Display for RejectedPeer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.rank {
+            Some(rank) => write!(f, "{} (rank {rank}): {}", self.peer, self.error),
+            None => write!(f, "{}: {}", self.peer, self.error),
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -51,8 +72,16 @@ pub(super) struct Shared {
 }
 
 impl Shared {
-    pub(super) fn new(server: &TcpServer, id: UniqueId, started: Instant) -> Self {
-        let mut slots = vec![Slot::Waiting; server.world_size];
+    /// The state of one serve; `round` is taken from the job's history as serving starts.
+    pub(super) fn new(
+        id: UniqueId,
+        world_size: usize,
+        job_hash: u64,
+        round: u32,
+        serve_deadline: Instant,
+        connection_timeout: Duration,
+    ) -> Self {
+        let mut slots = vec![Slot::Waiting; world_size];
         slots[0] = Slot::Done;
         Shared {
             state: Mutex::new(ServeState {
@@ -63,12 +92,12 @@ impl Shared {
                 active: 0,
                 finished: false,
             }),
-            round: server.history.start_serving(server.job_hash),
+            round,
             id,
-            world_size: server.world_size,
-            job_hash: server.job_hash,
-            serve_deadline: deadline_after(started, server.timeout),
-            connection_timeout: server.connection_timeout,
+            world_size,
+            job_hash,
+            serve_deadline,
+            connection_timeout,
         }
     }
 

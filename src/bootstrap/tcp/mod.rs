@@ -16,7 +16,8 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use server::{RejectedPeer, ServeReport, TcpServer};
+pub use conversation::RejectedPeer;
+pub use server::{ServeReport, TcpServer};
 
 use super::bytes::job_key_hash;
 use super::env::{address_from, process_var, Vars};

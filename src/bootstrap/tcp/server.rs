@@ -1,17 +1,16 @@
 //! Rank 0's side: the listener, and serving the id to every rank, each connection on its own
 //! thread (the conversation itself is in [`conversation`](super::conversation)).
 
-use std::fmt;
 use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::conversation::{handle_connection, Shared};
+use super::conversation::{handle_connection, RejectedPeer, Shared};
 use super::wire::{ReplyHeader, Status};
 use crate::bootstrap::history::History;
-use crate::bootstrap::util::{io_error, time_left, Interrupt};
+use crate::bootstrap::util::{deadline_after, io_error, time_left, Interrupt};
 use crate::bootstrap::{BootstrapError, Result};
 use crate::UniqueId;
 
@@ -71,27 +70,6 @@ pub struct TcpServer {
     pub(super) interrupt: Option<Interrupt>,
 }
 
-/// A peer rank 0 turned away while serving.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct RejectedPeer {
-    /// The peer's address.
-    pub peer: SocketAddr,
-    /// The rank it claimed, when it got that far.
-    pub rank: Option<usize>,
-    /// Why it was turned away (the same error its side sees, from rank 0's point of view).
-    pub error: BootstrapError,
-}
-
-impl fmt::Display for RejectedPeer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.rank {
-            Some(rank) => write!(f, "{} (rank {rank}): {}", self.peer, self.error),
-            None => write!(f, "{}: {}", self.peer, self.error),
-        }
-    }
-}
-
 /// What happened during a successful [`TcpServer::serve`].
 #[derive(Debug)]
 #[non_exhaustive]
@@ -131,7 +109,14 @@ impl TcpServer {
         self.listener
             .set_nonblocking(true)
             .map_err(|e| io_error("making the rendezvous listener non-blocking", e))?;
-        let shared = Arc::new(Shared::new(&self, id, started));
+        let shared = Arc::new(Shared::new(
+            id,
+            self.world_size,
+            self.job_hash,
+            self.history.start_serving(self.job_hash),
+            deadline_after(started, self.timeout),
+            self.connection_timeout,
+        ));
         let ending = self.accept_until_done(&shared);
         let (rejected, missing) = shared.finish();
         match ending {

@@ -22,7 +22,7 @@ use crate::thread_group;
 /// passed, what it runs, and what it sends to and expects from every rank.
 fn record(
     kind: VKind,
-    dtype: crate::DataType,
+    dtype: crate::dtype::DataType,
     built: Option<Built>,
     counts: Option<(Vec<u64>, Vec<u64>)>,
     size: usize,
@@ -202,7 +202,7 @@ impl Comm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DataType;
+    use crate::dtype::DataType;
 
     /// The records of `size` ranks, each given as (sends, recvs).
     fn gather(kind: VKind, rows: &[(Vec<u64>, Vec<u64>)]) -> Vec<u64> {

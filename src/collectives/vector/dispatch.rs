@@ -9,11 +9,11 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDro
 
 use super::operation::VOperation;
 use super::rules::{built, plan, Buf, Seg, Step};
+use crate::calls;
 use crate::collectives::{dispatch, Operation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::library::Version;
 
 /// A segment of a buffer whose pointer was already taken: what one step hands to
 /// [`dispatch`]. Its guard does nothing, because the whole buffer's guard is held by the
@@ -179,13 +179,12 @@ pub(crate) fn validate<T: NcclType>(
     // steps (the library version of each NCCL function) are settled here, so a call is
     // either refused whole or enqueued whole.
     for step in &steps {
-        let (name, since) = match step {
-            Step::Send { .. } => ("ncclSend", Version::new(2, 7, 0)),
-            Step::Recv { .. } => ("ncclRecv", Version::new(2, 7, 0)),
-            Step::Broadcast { .. } => ("ncclBroadcast", Version::new(2, 2, 0)),
-            Step::Reduce { .. } => ("ncclReduce", Version::new(2, 0, 0)),
-        };
-        lib.require(name, since)?;
+        lib.require_call(match step {
+            Step::Send { .. } => &calls::ncclSend,
+            Step::Recv { .. } => &calls::ncclRecv,
+            Step::Broadcast { .. } => &calls::ncclBroadcast,
+            Step::Reduce { .. } => &calls::ncclReduce,
+        })?;
     }
     let uses = |buf: Buf| {
         steps.iter().any(|step| match *step {

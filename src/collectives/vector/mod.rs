@@ -13,7 +13,7 @@
 //! # Using them
 //!
 //! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`], ...,
-//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`]
+//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`](crate::Group)
 //! (several GPUs driven from one thread, or fused with other operations),
 //! [`Group::enqueue_v`](crate::Group::enqueue_v) takes the same [`VOperation`]. Blocking and
 //! nonblocking communicators both work. Counts and displacements are in elements;
@@ -90,43 +90,18 @@ mod layout;
 mod operation;
 mod rules;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+pub(crate) use checked::verify;
 pub(crate) use dispatch::dispatch_v;
 pub use layout::Layout;
-pub use operation::{Construction, VOperation, DEFAULT_CHECK_TIMEOUT};
+pub use operation::{VOperation, DEFAULT_CHECK_TIMEOUT};
+pub use rules::Construction;
 
 use super::enqueue_methods;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
-use crate::error::Result;
-use crate::group::Group;
 use crate::op::Reduction;
-use crate::thread_group;
-
-impl Comm {
-    /// Runs `call` on the communicator's stream: its NCCL calls are issued in one group of
-    /// their own (after the checked mode's exchange, if asked for).
-    pub fn enqueue_v<T: NcclType>(&self, call: VOperation<'_, T>) -> Result<()> {
-        self.enqueue_v_on(self.stream(), call)
-    }
-
-    /// Runs `call` on `stream` (in the communicator's CUDA context) instead of the
-    /// communicator's own stream.
-    pub fn enqueue_v_on<T: NcclType>(
-        &self,
-        stream: &CudaStream,
-        mut call: VOperation<'_, T>,
-    ) -> Result<()> {
-        thread_group::ensure_outside(call.kind.name())?;
-        if let Some(timeout) = call.check.take() {
-            checked::verify(self, stream, &call, timeout)?;
-        }
-        let mut group = Group::start()?;
-        group.enqueue_v_on(self, stream, call)?;
-        group.finish()
-    }
-}
 
 enqueue_methods! {
     VOperation => enqueue_v;

@@ -6,34 +6,13 @@ use std::time::Duration;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::layout::Layout;
-use super::rules::{Args, VKind};
+use super::rules::{Args, Construction, VKind};
 use crate::dtype::NcclType;
 use crate::op::Reduction;
 
 /// How long the checked mode waits for the other ranks' counts unless told otherwise
 /// ([`VOperation::checked_within`]).
 pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Which NCCL calls a v-collective is built from. Every rank must choose the same.
-///
-/// Only [`VOperation::all_gather_v`] has two: grouped sends and receives (the default: faster
-/// on NVLink, measured in the [module docs](super)) or grouped broadcasts (one per root; NCCL
-/// 2.29 recognises that pattern, and a broadcast's ring spares a root's links). The
-/// others have one each (grouped sends and receives; one reduce per root for
-/// reduce-scatter); asking for one they do not have is an
-/// [`InvalidArgument`](crate::Error::InvalidArgument). The choice exists so the bench can
-/// compare them on real hardware.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Construction {
-    /// The collective's default construction.
-    #[default]
-    Auto,
-    /// One NCCL collective per root, grouped: broadcasts (all-gather) or reduces
-    /// (reduce-scatter).
-    Collective,
-    /// Grouped `ncclSend`/`ncclRecv`, one pair per pair of ranks with data to move.
-    PointToPoint,
-}
 
 /// One v-collective (variable counts per rank) with its buffers and layouts, ready to be
 /// enqueued with [`Comm::enqueue_v`](crate::Comm::enqueue_v) or

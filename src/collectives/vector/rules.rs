@@ -5,12 +5,34 @@
 //! NCCL call each) that carry the operation out on this rank. A broken rule comes back as a
 //! small [`Broken`], which becomes a message only when it happens.
 //!
-//! Just past 600 lines (rustfmt's layout of the five plans): the plans share their helpers
-//! and are read side by side, so they stay in one file; the tests are in `rules/tests.rs`.
+//! Just past 600 lines (rustfmt's layout of the five plans, and [`Construction`], the rule
+//! of which calls build each): the plans share their helpers and are read side by side, so
+//! they stay in one file; the tests are in `rules/tests.rs`.
 
 use super::layout::Layout;
-use super::operation::Construction;
 use crate::error::Error;
+
+/// Which NCCL calls a v-collective is built from. Every rank must choose the same.
+///
+/// Only [`VOperation::all_gather_v`](super::VOperation::all_gather_v) has two: grouped
+/// sends and receives (the default: faster on NVLink, measured in the
+/// [module docs](super)) or grouped broadcasts (one per root; NCCL 2.29 recognises that
+/// pattern, and a broadcast's ring spares a root's links). The
+/// others have one each (grouped sends and receives; one reduce per root for
+/// reduce-scatter); asking for one they do not have is an
+/// [`InvalidArgument`](crate::Error::InvalidArgument). The choice exists so the bench can
+/// compare them on real hardware.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Construction {
+    /// The collective's default construction.
+    #[default]
+    Auto,
+    /// One NCCL collective per root, grouped: broadcasts (all-gather) or reduces
+    /// (reduce-scatter).
+    Collective,
+    /// Grouped `ncclSend`/`ncclRecv`, one pair per pair of ranks with data to move.
+    PointToPoint,
+}
 
 /// Which v-collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
