@@ -38,7 +38,8 @@ use nccl_sys::ncclCollConfig_t;
 
 use crate::calls;
 use crate::comm::Comm;
-use crate::config::CtaPolicy;
+use crate::config::ranges::{self, Range};
+use crate::config::{CtaPolicy, IntSetting};
 use crate::error::{Error, Result};
 use crate::release::Version;
 
@@ -53,41 +54,106 @@ const SIZE_2_31: usize = offset_of!(ncclCollConfig_t, launchCompletionEvent);
 /// Profiler tags with the most significant bit set are reserved by NCCL.
 const RESERVED_TAG_BIT: u64 = 1 << 63;
 
-/// A configuration for one collective call; see the [module docs](self). Every field
-/// starts unset (NCCL decides, or inherits the communicator's setting).
-#[derive(Clone, Default)]
-pub struct CollConfig<'e> {
-    /// Kept as the C string NCCL gets: NCCL stores only the pointer (its config copy is
-    /// shallow) and may parse it again when a group ends, so it must live as long as the
-    /// operations borrowing this configuration. A selection with a NUL is refused at use.
-    algorithm: Option<std::result::Result<CString, NulError>>,
-    allow_fallback: bool,
-    min_ctas: Option<u32>,
-    max_ctas: Option<u32>,
-    nvls_ctas: Option<u32>,
-    cga_cluster_size: Option<u32>,
-    cta_policy: Option<CtaPolicy>,
-    profiler_tag: u64,
-    launch_completion_event: Option<&'e CudaEvent>,
+/// Generates [`CollConfig`] from one row per `int` field of `ncclCollConfig_t`:
+///
+/// ```text
+/// /// doc
+/// rust_name: StoredType [[RANGE]] => cField;
+/// ```
+///
+/// Each row becomes an unset-by-default field, its setter, its range check (`RANGE`, one of
+/// [`ranges`], shared with [`CommConfig`](crate::CommConfig)'s table; a row without one is
+/// checked by a rule of [`CollConfig::check_rules`]) and its member of the raw struct. The
+/// fields NCCL does not store as an `int` (the selection string, the fallback switch, the
+/// profiler tag, the event) are written out by hand around the rows.
+macro_rules! coll_fields {
+    ($(
+        $(#[doc = $doc:expr])*
+        $name:ident: $ty:ty $([$range:expr])? => $c:ident;
+    )*) => {
+        /// A configuration for one collective call; see the [module docs](self). Every field
+        /// starts unset (NCCL decides, or inherits the communicator's setting).
+        #[derive(Clone, Default)]
+        pub struct CollConfig<'e> {
+            /// Kept as the C string NCCL gets: NCCL stores only the pointer (its config copy is
+            /// shallow) and may parse it again when a group ends, so it must live as long as the
+            /// operations borrowing this configuration. A selection with a NUL is refused at use.
+            algorithm: Option<std::result::Result<CString, NulError>>,
+            allow_fallback: bool,
+            $( $name: Option<$ty>, )*
+            profiler_tag: u64,
+            launch_completion_event: Option<&'e CudaEvent>,
+        }
+
+        impl std::fmt::Debug for CollConfig<'_> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct("CollConfig")
+                    .field("algorithm", &self.algorithm)
+                    .field("allow_fallback", &self.allow_fallback)
+                    $( .field(stringify!($name), &self.$name) )*
+                    .field("profiler_tag", &self.profiler_tag)
+                    .field(
+                        "launch_completion_event",
+                        &self.launch_completion_event.is_some(),
+                    )
+                    .finish()
+            }
+        }
+
+        impl CollConfig<'_> {
+            $(
+                $(#[doc = $doc])*
+                pub fn $name(mut self, value: $ty) -> Self {
+                    self.$name = Some(value);
+                    self
+                }
+            )*
+
+            /// Every set field against its range, in table order.
+            fn check_ranges(&self) -> Result<()> {
+                $($(
+                    if let Some(value) = self.$name {
+                        let range: Range = $range;
+                        let value = value.value();
+                        if !range.contains(value) {
+                            return Err(Error::invalid(format!(
+                                "{} must be between {} and {}, got {value}",
+                                stringify!($c),
+                                range.min,
+                                range.max
+                            )));
+                        }
+                    }
+                )?)*
+                Ok(())
+            }
+
+            /// Writes every set field into `config`; the values were checked to fit a C `int`
+            /// (by their range, or a rule of [`CollConfig::check_rules`]).
+            fn fill_fields(&self, config: &mut ncclCollConfig_t) {
+                $(
+                    if let Some(value) = self.$name {
+                        config.$c = value.value() as c_int;
+                    }
+                )*
+            }
+        }
+    };
 }
 
-impl std::fmt::Debug for CollConfig<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CollConfig")
-            .field("algorithm", &self.algorithm)
-            .field("allow_fallback", &self.allow_fallback)
-            .field("min_ctas", &self.min_ctas)
-            .field("max_ctas", &self.max_ctas)
-            .field("nvls_ctas", &self.nvls_ctas)
-            .field("cga_cluster_size", &self.cga_cluster_size)
-            .field("cta_policy", &self.cta_policy)
-            .field("profiler_tag", &self.profiler_tag)
-            .field(
-                "launch_completion_event",
-                &self.launch_completion_event.is_some(),
-            )
-            .finish()
-    }
+coll_fields! {
+    /// `minCTAs`: the fewest CTAs (channels) to use, at least 1.
+    min_ctas: u32 [ranges::AT_LEAST_ONE] => minCTAs;
+    /// `maxCTAs`: the most CTAs to use, at least 1 and at most the communicator's maximum.
+    max_ctas: u32 [ranges::AT_LEAST_ONE] => maxCTAs;
+    /// `nvlsCTAs`: the CTA cap for NVLink SHARP algorithms, at least 1.
+    nvls_ctas: u32 [ranges::AT_LEAST_ONE] => nvlsCTAs;
+    /// `cgaClusterSize`: the thread-block cluster size (Hopper and newer), 0 to 8; the same
+    /// for every collective of a group.
+    cga_cluster_size: u32 [ranges::CGA_CLUSTER_SIZE] => cgaClusterSize;
+    /// `CTAPolicy`: e.g. [`CtaPolicy::ZERO`] for copy-engine collectives on symmetric
+    /// windows.
+    cta_policy: CtaPolicy => CTAPolicy;
 }
 
 impl<'e> CollConfig<'e> {
@@ -108,38 +174,6 @@ impl<'e> CollConfig<'e> {
     /// selection cannot be honoured, instead of failing (NCCL's default).
     pub fn allow_algorithm_fallback(mut self, allow: bool) -> Self {
         self.allow_fallback = allow;
-        self
-    }
-
-    /// `minCTAs`: the fewest CTAs (channels) to use, at least 1.
-    pub fn min_ctas(mut self, ctas: u32) -> Self {
-        self.min_ctas = Some(ctas);
-        self
-    }
-
-    /// `maxCTAs`: the most CTAs to use, at least 1 and at most the communicator's maximum.
-    pub fn max_ctas(mut self, ctas: u32) -> Self {
-        self.max_ctas = Some(ctas);
-        self
-    }
-
-    /// `nvlsCTAs`: the CTA cap for NVLink SHARP algorithms, at least 1.
-    pub fn nvls_ctas(mut self, ctas: u32) -> Self {
-        self.nvls_ctas = Some(ctas);
-        self
-    }
-
-    /// `cgaClusterSize`: the thread-block cluster size (Hopper and newer), 0 to 8; the same
-    /// for every collective of a group.
-    pub fn cga_cluster_size(mut self, size: u32) -> Self {
-        self.cga_cluster_size = Some(size);
-        self
-    }
-
-    /// `CTAPolicy`: e.g. [`CtaPolicy::ZERO`] for copy-engine collectives on symmetric
-    /// windows.
-    pub fn cta_policy(mut self, policy: CtaPolicy) -> Self {
-        self.cta_policy = Some(policy);
         self
     }
 
@@ -198,19 +232,13 @@ impl<'e> CollConfig<'e> {
     }
 
     fn validate(&self) -> Result<()> {
-        let count = |name: &str, value: Option<u32>, min: u32, max: u32| -> Result<()> {
-            match value {
-                Some(v) if v < min || v > max => Err(Error::invalid(format!(
-                    "{name} must be between {min} and {max}, got {v}"
-                ))),
-                _ => Ok(()),
-            }
-        };
-        let int_max = c_int::MAX as u32;
-        count("minCTAs", self.min_ctas, 1, int_max)?;
-        count("maxCTAs", self.max_ctas, 1, int_max)?;
-        count("nvlsCTAs", self.nvls_ctas, 1, int_max)?;
-        count("cgaClusterSize", self.cga_cluster_size, 0, 8)?;
+        self.check_ranges()?;
+        self.check_rules()
+    }
+
+    /// Rules the table's per-field ranges cannot say: between fields, on bits, on the
+    /// fields outside the table.
+    fn check_rules(&self) -> Result<()> {
         if let (Some(min), Some(max)) = (self.min_ctas, self.max_ctas) {
             if min > max {
                 return Err(Error::invalid(format!(
@@ -253,23 +281,7 @@ impl<'e> CollConfig<'e> {
         } else {
             config.version = version.min(Version::HEADER).code();
         }
-        // Counts were checked to fit a C int.
-        let int = |value: u32| value as c_int;
-        if let Some(v) = self.min_ctas {
-            config.minCTAs = int(v);
-        }
-        if let Some(v) = self.max_ctas {
-            config.maxCTAs = int(v);
-        }
-        if let Some(v) = self.nvls_ctas {
-            config.nvlsCTAs = int(v);
-        }
-        if let Some(v) = self.cga_cluster_size {
-            config.cgaClusterSize = int(v);
-        }
-        if let Some(policy) = self.cta_policy {
-            config.CTAPolicy = int(policy.0);
-        }
+        self.fill_fields(&mut config);
         config.forceAlgSelection = c_int::from(!self.allow_fallback);
         config.userProfilerTag = self.profiler_tag;
         // Points into this configuration, which outlives the raw struct and every

@@ -24,6 +24,9 @@ use crate::error::{Error, Result};
 use crate::library::Library;
 use crate::release::Version;
 
+pub(crate) mod ranges;
+use ranges::Range;
+
 /// Default for [`CommConfig::ready_timeout`].
 pub const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -125,31 +128,31 @@ impl std::ops::BitOr for NvlsHostMode {
     }
 }
 
-/// The largest value an `int` field of `ncclConfig_t` holds.
-const INT_MAX: i64 = c_int::MAX as i64;
-
 /// How a field's Rust value becomes its `ncclConfig_t` member.
 trait Setting {
     /// The member's C type.
     type C;
-    /// Checks the value against `range` (inclusive) and converts it; strings are kept alive in
-    /// `strings`.
-    fn to_c(&self, field: &str, range: (i64, i64), strings: &mut Vec<CString>) -> Result<Self::C>;
+    /// Checks the value against `range` and converts it; strings are kept alive in `strings`.
+    fn to_c(&self, field: &str, range: Range, strings: &mut Vec<CString>) -> Result<Self::C>;
 }
 
 /// A setting NCCL stores as an `int`; the table's range applies to [`IntSetting::value`].
-trait IntSetting {
+/// [`CollConfig`](crate::CollConfig)'s table reads its fields through it too.
+pub(crate) trait IntSetting {
+    /// The value NCCL gets, before it is narrowed to a C `int`.
     fn value(&self) -> i64;
 }
 
 impl<T: IntSetting> Setting for T {
     type C = c_int;
-    fn to_c(&self, field: &str, (min, max): (i64, i64), _: &mut Vec<CString>) -> Result<c_int> {
+    fn to_c(&self, field: &str, range: Range, _: &mut Vec<CString>) -> Result<c_int> {
         match c_int::try_from(self.value()) {
-            Ok(value) if (min..=max).contains(&i64::from(value)) => Ok(value),
+            Ok(value) if range.contains(i64::from(value)) => Ok(value),
             _ => Err(Error::invalid(format!(
-                "{field} = {} is out of range: NCCL takes {min} to {max}",
-                self.value()
+                "{field} = {} is out of range: NCCL takes {} to {}",
+                self.value(),
+                range.min,
+                range.max
             ))),
         }
     }
@@ -157,7 +160,7 @@ impl<T: IntSetting> Setting for T {
 
 impl Setting for String {
     type C = *const c_char;
-    fn to_c(&self, field: &str, _: (i64, i64), strings: &mut Vec<CString>) -> Result<Self::C> {
+    fn to_c(&self, field: &str, _: Range, strings: &mut Vec<CString>) -> Result<Self::C> {
         let owned = CString::new(self.as_str())
             .map_err(|_| Error::invalid(format!("{field} {self:?} contains a NUL byte")))?;
         // The bytes stay where they are when the CString moves into `strings`.
@@ -215,19 +218,20 @@ impl IntSetting for HostCftMode {
 ///
 /// ```text
 /// /// doc
-/// rust_name: StoredType [as SetterArgument] [[min, max]] => cField since (major, minor, patch);
+/// rust_name: StoredType [as SetterArgument] [[RANGE]] => cField since (major, minor, patch);
 /// ```
 ///
 /// The setter takes `SetterArgument` (default: the stored type) and converts it with `Into`.
-/// `[min, max]` narrows the accepted range of an `int` field (default: 0 to `INT_MAX`).
+/// `[RANGE]`, one of [`ranges`], narrows the accepted values of an `int` field (default:
+/// [`ranges::NON_NEGATIVE`]).
 macro_rules! config_fields {
     (@arg $ty:ty) => { $ty };
     (@arg $ty:ty, $arg:ty) => { $arg };
-    (@range) => { (0, INT_MAX) };
-    (@range $min:expr, $max:expr) => { ($min, $max) };
+    (@range) => { ranges::NON_NEGATIVE };
+    (@range $range:expr) => { $range };
     ($(
         $(#[doc = $doc:expr])*
-        $name:ident: $ty:ty $(as $arg:ty)? $([$min:expr, $max:expr])?
+        $name:ident: $ty:ty $(as $arg:ty)? $([$range:expr])?
             => $c:ident since ($major:literal, $minor:literal, $patch:literal);
     )*) => {
         /// Configuration for creating a communicator; see the [module docs](self).
@@ -275,7 +279,7 @@ macro_rules! config_fields {
                 let mut too_new = None;
                 $(
                     if let Some(value) = &self.$name {
-                        let range = config_fields!(@range $($min, $max)?);
+                        let range = config_fields!(@range $($range)?);
                         cfg.$c = value.to_c(stringify!($c), range, &mut strings)?;
                         let since = Version::new($major, $minor, $patch);
                         any = true;
@@ -302,11 +306,11 @@ config_fields! {
     /// [`CommConfig::ready_timeout`]). Needed for aborting from another thread.
     blocking: bool => blocking since (2, 14, 0);
     /// CUDA thread-block cluster size, 0 to 8.
-    cga_cluster_size: u32 [0, 8] => cgaClusterSize since (2, 17, 0);
+    cga_cluster_size: u32 [ranges::CGA_CLUSTER_SIZE] => cgaClusterSize since (2, 17, 0);
     /// Lower bound on the CTAs (channels) NCCL uses, at least 1.
-    min_ctas: u32 [1, INT_MAX] => minCTAs since (2, 17, 0);
+    min_ctas: u32 [ranges::AT_LEAST_ONE] => minCTAs since (2, 17, 0);
     /// Upper bound on the CTAs NCCL uses, at least 1.
-    max_ctas: u32 [1, INT_MAX] => maxCTAs since (2, 17, 0);
+    max_ctas: u32 [ranges::AT_LEAST_ONE] => maxCTAs since (2, 17, 0);
     /// The network module to use, e.g. `"IB"` or `"Socket"`.
     net_name: String as impl Into<String> => netName since (2, 17, 0);
     /// Children created by split share resources with this communicator (cheaper, but
@@ -323,9 +327,9 @@ config_fields! {
     /// Communicators created by shrink share resources.
     shrink_share: bool => shrinkShare since (2, 27, 0);
     /// CTAs used by NVLS algorithms, at least 1.
-    nvls_ctas: u32 [1, INT_MAX] => nvlsCTAs since (2, 27, 0);
+    nvls_ctas: u32 [ranges::AT_LEAST_ONE] => nvlsCTAs since (2, 27, 0);
     /// Channels per network peer, 1 to 64 (NCCL rounds up to a power of two).
-    n_channels_per_net_peer: u32 [1, 64] => nChannelsPerNetPeer since (2, 28, 0);
+    n_channels_per_net_peer: u32 [ranges::CHANNELS_PER_NET_PEER] => nChannelsPerNetPeer since (2, 28, 0);
     /// NVLink-centric scheduling.
     nvlink_centric_sched: bool => nvlinkCentricSched since (2, 28, 0);
     /// See [`GraphUsageMode`].
@@ -333,7 +337,7 @@ config_fields! {
     /// Number of one-sided (RMA) contexts.
     num_rma_ctx: u32 => numRmaCtx since (2, 29, 0);
     /// Upper bound on point-to-point peers per rank, at least 1.
-    max_p2p_peers: u32 [1, INT_MAX] => maxP2pPeers since (2, 30, 3);
+    max_p2p_peers: u32 [ranges::AT_LEAST_ONE] => maxP2pPeers since (2, 30, 3);
     /// Keep stream ordering inside captured graphs (`false` needs a graph usage mode of no
     /// or single graph).
     graph_stream_ordering: bool => graphStreamOrdering since (2, 30, 7);
