@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use nccl_sys::ncclComm_t;
 
-use super::{Comm, Membership, Siblings};
+use super::{Comm, JobSlot, Membership, Siblings};
 use crate::calls::{self, Call};
 use crate::config::{CommConfig, CtaPolicy, RawConfig};
 use crate::error::{Error, Result, ResultCode};
@@ -104,7 +104,7 @@ impl Comm {
             -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<Option<Comm>> {
         self.stream.context().bind_to_thread()?;
-        let slot = JobMemory::new(ptr::null_mut::<nccl_sys::ncclComm>());
+        let slot = JobSlot::new(ptr::null_mut::<nccl_sys::ncclComm>());
         let call = row.name;
         let status = self.with_raw(row, |raw| issue(raw, slot.as_ptr()))?;
         let parent_error = match self.lib.check_pending(call, status) {
@@ -298,66 +298,9 @@ fn split_color(color: Option<u32>) -> Result<c_int> {
     }
 }
 
-/// Heap memory whose address NCCL's background job may use after the call that received it
-/// returned (a nonblocking split, shrink or grow finishes in that job). Freed when dropped;
-/// [`JobMemory::abandon`] leaks it instead while the job may still run.
-pub(crate) struct JobMemory<T: Copy> {
-    ptr: ptr::NonNull<T>,
-}
-
-impl<T: Copy> JobMemory<T> {
-    pub(crate) fn new(value: T) -> Self {
-        Self {
-            ptr: ptr::NonNull::from(Box::leak(Box::new(value))),
-        }
-    }
-
-    /// The address to hand to NCCL.
-    pub(crate) fn as_ptr(&self) -> *mut T {
-        self.ptr.as_ptr()
-    }
-
-    /// Reads the value.
-    ///
-    /// # Safety
-    ///
-    /// No NCCL job may be writing it any more (the call failed, or its communicator
-    /// settled).
-    pub(crate) unsafe fn read(&self) -> T {
-        // SAFETY: the pointer is valid (owned, from a Box) and the caller rules out a
-        // concurrent write.
-        unsafe { self.ptr.as_ptr().read() }
-    }
-
-    /// Leaks the memory: NCCL's job may still use it.
-    pub(crate) fn abandon(self) {
-        std::mem::forget(self);
-    }
-}
-
-impl<T: Copy> Drop for JobMemory<T> {
-    fn drop(&mut self) {
-        // SAFETY: the pointer came from `Box::leak` in `new` and is freed only here, once;
-        // owners abandon (never drop) memory a job may still use.
-        drop(unsafe { Box::from_raw(self.ptr.as_ptr()) });
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn job_memory_is_freed_unless_abandoned() {
-        let slot = JobMemory::new(ptr::null_mut::<nccl_sys::ncclComm>());
-        let written = std::ptr::NonNull::<nccl_sys::ncclComm>::dangling().as_ptr();
-        // SAFETY: the test is NCCL's job here; nothing else writes the slot.
-        unsafe { slot.as_ptr().write(written) };
-        // SAFETY: the write above is over.
-        assert_eq!(unsafe { slot.read() }, written);
-        drop(slot);
-        JobMemory::new(7u64).abandon();
-    }
 
     #[test]
     fn split_colors() {

@@ -65,6 +65,7 @@ pub(crate) use comm_call;
 mod child;
 mod close;
 mod init;
+mod job_slot;
 pub(crate) use init::{MULTI_RANK_GPU_MAX, MULTI_RANK_GPU_SINCE, MULTI_RANK_GPU_VAR};
 mod membership;
 pub(crate) mod state;
@@ -81,6 +82,7 @@ use parking_lot::MutexGuard;
 
 pub(crate) use close::Siblings;
 pub(crate) use init::rank_and_size;
+pub(crate) use job_slot::JobSlot;
 pub(crate) use membership::Membership;
 pub(crate) use state::{Shared, State};
 pub(crate) use wait::Backoff;

@@ -16,8 +16,8 @@ use nccl_sys::ncclWindow_t;
 use super::agreement::{agree, finish_rma};
 use super::{Window, WindowFlags};
 use crate::calls;
-use crate::comm::Comm;
 use crate::comm::Membership;
+use crate::comm::{Comm, JobSlot};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::memory::NcclBuffer;
@@ -105,38 +105,13 @@ impl<T: NcclType> From<RegisterError<T>> for Error {
     }
 }
 
-/// A heap slot NCCL writes a window handle into, possibly after the call has returned.
-struct Slot(*mut ncclWindow_t);
+/// A heap slot NCCL writes a window handle into, possibly after the call has returned
+/// (read only once NCCL is done with it: [`JobSlot::read`]'s contract).
+type Slot = JobSlot<ncclWindow_t>;
 
-impl Slot {
-    fn new() -> Self {
-        Slot(Box::into_raw(Box::new(std::ptr::null_mut())))
-    }
-
-    fn as_ptr(&self) -> *mut ncclWindow_t {
-        self.0
-    }
-
-    /// The handle, once NCCL can no longer write it.
-    fn read(&self) -> ncclWindow_t {
-        // SAFETY: the slot came from Box::into_raw and lives until dropped; callers read it
-        // only after NCCL finished the registration (the group ended and the communicator
-        // settled), so nothing writes it concurrently.
-        unsafe { *self.0 }
-    }
-
-    /// Keeps the slot allocated forever: NCCL may still write it.
-    fn leak(self) {
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        // SAFETY: from Box::into_raw, freed once; dropped only when NCCL no longer writes it
-        // (otherwise `leak` is called).
-        drop(unsafe { Box::from_raw(self.0) });
-    }
+/// A slot holding a null handle, which is what NCCL leaves where it registers nothing.
+fn new_slot() -> Slot {
+    JobSlot::new(std::ptr::null_mut())
 }
 
 /// What must hold on this rank before it can take part in the registration at all. These
@@ -227,7 +202,7 @@ impl Comm {
             Ok(agreed) => agreed,
             Err(err) => return Err(RegisterError::returning(err, vec![buffer])),
         };
-        let slot = Slot::new();
+        let slot = new_slot();
         let pending = match issue(self, &buffer, flags, &slot) {
             Ok(pending) => pending,
             // NCCL returned an error: its own failure path cleared the slot and nothing runs
@@ -244,12 +219,14 @@ impl Comm {
                 // touch it (a dropped earlier window would deregister while NCCL's job
                 // still registers this one).
                 let err = self.abandon_in_progress(not_settled(self.rank(), err));
-                slot.leak();
+                slot.abandon();
                 std::mem::forget(buffer);
                 return Err(RegisterError::new(err, vec![None]));
             }
         }
-        let raw = slot.read();
+        // SAFETY: NCCL is done with the slot: a blocking registration filled it before
+        // returning, and a nonblocking one's communicator has settled (waited for above).
+        let raw = unsafe { slot.read() };
         if raw.is_null() {
             // Every rank gets the NULL window (no symmetric memory on the communicator).
             return Err(RegisterError::returning(no_window(), vec![buffer]));
@@ -303,7 +280,7 @@ impl Comm {
         };
         // Aborts from other threads wait until the group has ended (see `crate::fault`).
         let mut membership = Membership::enter(comms.iter());
-        let slots: Vec<Slot> = comms.iter().map(|_| Slot::new()).collect();
+        let slots: Vec<Slot> = comms.iter().map(|_| new_slot()).collect();
         let mut issued = 0;
         let mut failure = None;
         for ((comm, buffer), slot) in comms.iter().zip(&buffers).zip(&slots) {
@@ -347,19 +324,27 @@ impl Comm {
             let mut kept = Vec::with_capacity(buffers.len());
             for (i, ((comm, buffer), slot)) in comms.iter().zip(buffers).zip(slots).enumerate() {
                 if unsettled[i] {
-                    slot.leak();
+                    slot.abandon();
                     std::mem::forget(buffer);
                     kept.push(None);
-                } else if i >= issued || slot.read().is_null() {
+                    continue;
+                }
+                // SAFETY: this communicator settled (or was never given the slot), so no
+                // job of NCCL writes it any more.
+                let raw = unsafe { slot.read() };
+                if i >= issued || raw.is_null() {
                     kept.push(Some(buffer));
                 } else {
-                    let window = Window::new(comm, slot.read(), buffer, flags, Vec::new(), None);
+                    let window = Window::new(comm, raw, buffer, flags, Vec::new(), None);
                     kept.push(window.close().ok());
                 }
             }
             return Err(RegisterError::new(error, kept));
         }
-        if failure.is_none() && slots.iter().any(|slot| slot.read().is_null()) {
+        // SAFETY: every communicator settled (none stalled above) and the group has ended, so
+        // NCCL is done with every slot; the slots it was never given hold null.
+        let handles: Vec<ncclWindow_t> = slots.iter().map(|slot| unsafe { slot.read() }).collect();
+        if failure.is_none() && handles.iter().any(|raw| raw.is_null()) {
             failure = Some(no_window());
         }
         if failure.is_none() {
@@ -370,8 +355,7 @@ impl Comm {
         let mut agreed = agreed.into_iter();
         let mut windows = Vec::with_capacity(comms.len());
         let mut returned = Vec::new();
-        for ((comm, buffer), slot) in comms.iter().zip(buffers).zip(&slots) {
-            let raw = slot.read();
+        for ((comm, buffer), raw) in comms.iter().zip(buffers).zip(handles) {
             let (peers, host) = agreed
                 .next()
                 .map_or((Vec::new(), None), |a| (a.peer_bytes, a.host_rma));
