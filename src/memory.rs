@@ -26,7 +26,7 @@ use cudarc::driver::{
 };
 
 use crate::calls;
-use crate::comm::{comm_call, Backoff, Comm};
+use crate::comm::{comm_call, Backoff, Comm, Lease};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::library::{self, Library};
@@ -219,15 +219,15 @@ impl<T: NcclType> Drop for NcclBuffer<T> {
 /// buffer for its whole life and stands for it in operations (send or receive); see the
 /// [module docs](self).
 pub struct Registration<'a, T: NcclType> {
-    comm: &'a Comm,
+    /// The registration handle, deregistered (`ncclCommDeregister`) on its communicator.
+    lease: Lease<'a, *mut std::ffi::c_void>,
     buffer: &'a mut NcclBuffer<T>,
-    handle: *mut std::ffi::c_void,
 }
 
 impl<T: NcclType> std::fmt::Debug for Registration<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registration")
-            .field("rank", &self.comm.rank())
+            .field("rank", &self.lease.comm().rank())
             .field("buffer", &self.buffer)
             .finish()
     }
@@ -250,11 +250,17 @@ impl Comm {
         // SAFETY: live handle under its lock; the buffer is `bytes` long, stays borrowed
         // while registered, and `handle` is a valid out-pointer.
         unsafe { comm_call!(self, |raw| ncclCommRegister(raw, base, bytes, &mut handle)) }?;
-        Ok(Registration {
-            comm: self,
-            buffer,
+        let lease = Lease::new(
+            self,
             handle,
-        })
+            &calls::ncclCommDeregister,
+            |lib, raw, handle| {
+                // SAFETY: `GiveBack`'s contract: the handle came from ncclCommRegister on this
+                // live communicator and no queued work uses the buffer (waited out first).
+                unsafe { lib.api().ncclCommDeregister(raw, handle) }
+            },
+        );
+        Ok(Registration { lease, buffer })
     }
 }
 
@@ -267,10 +273,7 @@ impl<'a, T: NcclType> Registration<'a, T> {
     #[allow(clippy::result_large_err)] // rusqlite's shape; called once per registration
     pub fn deregister(mut self) -> std::result::Result<(), (Self, Error)> {
         match self.deregister_raw() {
-            Ok(()) => {
-                self.handle = std::ptr::null_mut();
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(err) => Err((self, err)),
         }
     }
@@ -281,30 +284,10 @@ impl<'a, T: NcclType> Registration<'a, T> {
     }
 
     fn deregister_raw(&mut self) -> Result<()> {
-        if self.handle.is_null() {
-            return Ok(());
-        }
         // Deregistration must not race work still queued on the buffer.
-        self.buffer.wait_idle(BUFFER_DROP_TIMEOUT)?;
-        let lib = self.comm.library();
-        let handle = self.handle;
-        // An aborted or destroyed communicator freed its registrations: nothing to call, and
-        // with_raw says so without touching the handle.
-        let status = match self.comm.with_raw(&calls::ncclCommDeregister, |raw| {
-            // SAFETY: the handle came from ncclCommRegister on this live communicator and no
-            // queued work uses the buffer.
-            unsafe { lib.api().ncclCommDeregister(raw, handle) }
-        }) {
-            Ok(status) => status,
-            // Released (aborted or destroyed, possibly from another thread): NCCL dropped the
-            // registration with the communicator, so there is nothing left to undo.
-            Err(_) if self.comm.shared().lock().ptr.is_null() => {
-                self.handle = std::ptr::null_mut();
-                return Ok(());
-            }
-            Err(err) => return Err(err),
-        };
-        lib.check(calls::ncclCommDeregister.name, status)
+        let buffer = &*self.buffer;
+        self.lease
+            .give_back(|| buffer.wait_idle(BUFFER_DROP_TIMEOUT))
     }
 }
 
@@ -337,7 +320,7 @@ impl<T: NcclType> DevicePtrMut<T> for Registration<'_, T> {
 
 impl<T: NcclType> Drop for Registration<'_, T> {
     fn drop(&mut self) {
-        if self.deregister_raw().is_err() && !self.handle.is_null() {
+        if self.deregister_raw().is_err() && self.lease.is_held() {
             // NCCL may still map the buffer: it must never go back to the allocator.
             self.buffer.leaked = true;
         }

@@ -11,7 +11,7 @@ use cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
 use nccl_sys::{ncclRedOp_t, ncclScalarResidence_t};
 
 use crate::calls;
-use crate::comm::{comm_call, Comm};
+use crate::comm::{comm_call, Comm, Lease};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::release::Version;
@@ -81,8 +81,8 @@ impl ReduceOp {
 /// It belongs to one communicator and one element type `T`, and is destroyed
 /// (`ncclRedOpDestroy`) when dropped.
 pub struct PreMulSum<'c, T: NcclType> {
-    comm: &'c Comm,
-    raw: ncclRedOp_t,
+    /// The operator, destroyed (`ncclRedOpDestroy`) on the communicator it was made on.
+    lease: Lease<'c, ncclRedOp_t>,
     /// For a device scalar: keeps the scalar borrowed, and records the read on the
     /// communicator's stream when the operator goes away, after every use was enqueued.
     device_scalar: Option<SyncOnDrop<'c>>,
@@ -92,7 +92,7 @@ pub struct PreMulSum<'c, T: NcclType> {
 impl<T: NcclType> std::fmt::Debug for PreMulSum<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PreMulSum")
-            .field("op", &self.raw.0)
+            .field("op", &self.lease.handle().0)
             .field("dtype", &T::DATA_TYPE)
             .field("device_scalar", &self.device_scalar.is_some())
             .finish()
@@ -154,41 +154,33 @@ impl<'c, T: NcclType> PreMulSum<'c, T> {
             ))
         }?;
         Ok(Self {
-            comm,
-            raw,
+            lease: Lease::new(comm, raw, &calls::ncclRedOpDestroy, |lib, comm_raw, op| {
+                // SAFETY: `GiveBack`'s contract: the operator was made on this live
+                // communicator, and every call that used it has returned (they borrowed it).
+                unsafe { lib.api().ncclRedOpDestroy(op, comm_raw) }
+            }),
             device_scalar,
             _type: PhantomData,
         })
     }
 
     /// The communicator the operator belongs to.
+    #[inline]
     pub fn comm(&self) -> &'c Comm {
-        self.comm
+        self.lease.comm()
     }
 
     /// The raw operator id.
+    #[inline]
     pub fn raw(&self) -> ncclRedOp_t {
-        self.raw
+        self.lease.handle()
     }
 
     /// Destroys the operator now, reporting an error instead of ignoring it as `Drop` does.
+    /// A communicator that was aborted or destroyed freed its operators with itself: that
+    /// is `Ok`, as for [`Window::close`](crate::Window::close).
     pub fn destroy(mut self) -> Result<()> {
-        let result = self.destroy_raw();
-        self.raw = ncclRedOp_t::ncclSum;
-        result
-    }
-
-    fn destroy_raw(&self) -> Result<()> {
-        if self.raw.0 < ncclRedOp_t::ncclNumOps.0 {
-            return Ok(());
-        }
-        let lib = self.comm.library();
-        let status = self.comm.with_raw(&calls::ncclRedOpDestroy, |comm_raw| {
-            // SAFETY: the operator was created on this communicator, which is still alive;
-            // every call that used the operator has returned (they borrowed it).
-            unsafe { lib.api().ncclRedOpDestroy(self.raw, comm_raw) }
-        })?;
-        lib.check(calls::ncclRedOpDestroy.name, status)
+        self.lease.give_back(|| Ok(()))
     }
 }
 
@@ -196,7 +188,7 @@ impl<T: NcclType> Drop for PreMulSum<'_, T> {
     fn drop(&mut self) {
         // Destroying can only fail for a communicator that is already gone or broken, when
         // nothing is left to free; there is nobody to report to here.
-        let _ = self.destroy_raw();
+        let _ = self.lease.give_back(|| Ok(()));
     }
 }
 
@@ -256,12 +248,12 @@ impl<T: NcclType> Reduction<'_, T> {
         comm: &Comm,
         stream: &CudaStream,
     ) -> Result<ncclRedOp_t> {
-        if op.comm.shared_ptr() != comm.shared_ptr() {
+        if op.comm().shared_ptr() != comm.shared_ptr() {
             return Err(Error::invalid(format!(
                 "the PreMulSum operator was created on another communicator (rank {} of {}), \
                  not on this one (rank {} of {})",
-                op.comm.rank(),
-                op.comm.size(),
+                op.comm().rank(),
+                op.comm().size(),
                 comm.rank(),
                 comm.size()
             )));
@@ -272,7 +264,7 @@ impl<T: NcclType> Reduction<'_, T> {
                  stream",
             ));
         }
-        Ok(op.raw)
+        Ok(op.raw())
     }
 
     /// Short name for logs and tables.

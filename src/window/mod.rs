@@ -162,7 +162,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDro
 use nccl_sys::ncclWindow_t;
 
 use crate::calls;
-use crate::comm::{Backoff, Comm};
+use crate::comm::{Backoff, Comm, Lease};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::memory::NcclBuffer;
@@ -283,9 +283,8 @@ impl BitOr for WindowFlags {
 /// synchronises their GPUs, so end it on every rank before enqueuing work that waits for a
 /// peer (see [Closing](self#closing-and-ending-the-communicator)).
 pub struct Window<'c, T: NcclType> {
-    comm: &'c Comm,
-    /// The NCCL handle; null once deregistered (or freed by NCCL with the communicator).
-    raw: ncclWindow_t,
+    /// The NCCL handle, deregistered (`ncclCommWindowDeregister`) on its communicator.
+    lease: Lease<'c, ncclWindow_t>,
     /// Taken out only by `close` after a successful release, and never dropped otherwise:
     /// a window that cannot be released leaks its buffer.
     buffer: ManuallyDrop<NcclBuffer<T>>,
@@ -300,8 +299,8 @@ pub struct Window<'c, T: NcclType> {
 impl<T: NcclType> std::fmt::Debug for Window<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Window")
-            .field("rank", &self.comm.rank())
-            .field("handle", &self.raw)
+            .field("rank", &self.comm().rank())
+            .field("handle", &self.as_raw())
             .field("buffer", &*self.buffer)
             .field("flags", &self.flags)
             .finish()
@@ -320,9 +319,19 @@ impl<'c, T: NcclType> Window<'c, T> {
     ) -> Self {
         // `host_rma` was asked once at registration (a failed query failed it) rather than
         // on every RMA call.
-        Self {
+        let lease = Lease::new(
             comm,
             raw,
+            &calls::ncclCommWindowDeregister,
+            |lib, raw, win| {
+                // SAFETY: `GiveBack`'s contract: live communicator under its lock (an abort from
+                // another thread takes the same lock, and NCCL frees the window then); `win` was
+                // registered on it and no work uses the buffer any more (waited out first).
+                unsafe { lib.api().ncclCommWindowDeregister(raw, win) }
+            },
+        );
+        Self {
+            lease,
             buffer: ManuallyDrop::new(buffer),
             flags,
             host_rma,
@@ -337,8 +346,9 @@ impl<'c, T: NcclType> Window<'c, T> {
     }
 
     /// The communicator the window is registered with.
+    #[inline]
     pub fn comm(&self) -> &'c Comm {
-        self.comm
+        self.lease.comm()
     }
 
     /// The flags it was registered with.
@@ -369,21 +379,23 @@ impl<'c, T: NcclType> Window<'c, T> {
 
     /// The raw `ncclWindow_t`, for NCCL functions this crate does not wrap (the device API).
     /// It is valid while the window lives and its communicator has not been aborted.
+    #[inline]
     pub fn as_raw(&self) -> ncclWindow_t {
-        self.raw
+        self.lease.handle()
     }
 
     /// The device address NCCL records for the window (`ncclWinGetUserPtr`, NCCL 2.29): the
     /// start of the buffer.
     pub fn user_ptr(&self) -> Result<u64> {
-        let lib = self.comm.library();
+        let lib = self.comm().library();
         lib.require_call(&calls::ncclWinGetUserPtr)?;
         let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
-        let status = self.comm.with_raw(&calls::ncclWinGetUserPtr, |raw| {
-            // SAFETY: live communicator under its lock; `self.raw` is a window registered on
-            // it and still registered (it is only deregistered by value); `ptr` is a valid
+        let win = self.as_raw();
+        let status = self.comm().with_raw(&calls::ncclWinGetUserPtr, |raw| {
+            // SAFETY: live communicator under its lock; `win` is a window registered on it
+            // and still registered (it is only deregistered by value); `ptr` is a valid
             // out-pointer.
-            unsafe { lib.api().ncclWinGetUserPtr(raw, self.raw, &mut ptr) }
+            unsafe { lib.api().ncclWinGetUserPtr(raw, win, &mut ptr) }
         })?;
         lib.check(calls::ncclWinGetUserPtr.name, status)?;
         Ok(ptr as u64)
@@ -409,48 +421,20 @@ impl<'c, T: NcclType> Window<'c, T> {
     }
 
     /// Waits for the buffer's work, then deregisters, unless NCCL already freed the window
-    /// with its communicator.
+    /// with its communicator (aborted or destroyed from another thread: 2.29.7 release
+    /// notes, `ncclDevrFinalize` in dev_runtime.cc).
     fn release(&mut self) -> Result<()> {
-        if self.raw.is_null() {
-            return Ok(());
-        }
-        self.wait_idle(self.comm.drop_timeout())?;
-        let lib = self.comm.library();
-        let win = self.raw;
-        let outcome = self.comm.with_raw(&calls::ncclCommWindowDeregister, |raw| {
-            // SAFETY: live communicator under its lock (an abort from another thread takes
-            // the same lock, and NCCL frees the window then); `win` was registered on it and
-            // no work uses the buffer any more (waited for above).
-            unsafe { lib.api().ncclCommWindowDeregister(raw, win) }
-        });
-        match outcome {
-            // Aborted or destroyed from another thread: NCCL freed the window with the
-            // communicator (2.29.7 release notes, `ncclDevrFinalize` in dev_runtime.cc), so
-            // the buffer is no longer registered and deregistering would be a use after free.
-            Err(_) if self.comm_released() => {
-                self.raw = std::ptr::null_mut();
-                Ok(())
-            }
-            Err(err) => Err(err),
-            Ok(status) => {
-                lib.check(calls::ncclCommWindowDeregister.name, status)?;
-                self.raw = std::ptr::null_mut();
-                Ok(())
-            }
-        }
-    }
-
-    fn comm_released(&self) -> bool {
-        self.comm.shared().lock().ptr.is_null()
+        let (buffer, comm) = (&*self.buffer, self.lease.comm());
+        self.lease
+            .give_back(|| Self::wait_idle(buffer, comm, comm.drop_timeout()))
     }
 
     /// Waits until the buffer's recorded uses and the work enqueued so far on the
     /// communicator's stream and the buffer's stream have finished.
-    fn wait_idle(&self, timeout: Duration) -> Result<()> {
-        let buffer = &*self.buffer;
+    fn wait_idle(buffer: &NcclBuffer<T>, comm: &Comm, timeout: Duration) -> Result<()> {
         buffer.stream.context().bind_to_thread()?;
-        let comm_done = self.comm.stream().record_event(None)?;
-        let buffer_done = if Arc::ptr_eq(&buffer.stream, self.comm.stream()) {
+        let comm_done = comm.stream().record_event(None)?;
+        let buffer_done = if Arc::ptr_eq(&buffer.stream, comm.stream()) {
             None
         } else {
             Some(buffer.stream.record_event(None)?)
@@ -481,8 +465,8 @@ impl<'c, T: NcclType> Window<'c, T> {
                     what: format!(
                         "the work using the window of rank {} ({} bytes) to finish before \
                          deregistering it (a dropped window then leaks its buffer)",
-                        self.comm.rank(),
-                        self.num_bytes()
+                        comm.rank(),
+                        buffer.len * std::mem::size_of::<T>()
                     ),
                     waited: start.elapsed(),
                 });

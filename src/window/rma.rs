@@ -394,11 +394,11 @@ impl<T: NcclType> Window<'_, T> {
     /// What every RMA call checks before NCCL sees it.
     fn rma_ready(&self, row: &'static Call, stream: &CudaStream) -> Result<()> {
         let api = row.name;
-        let lib = self.comm.library();
+        let lib = self.comm().library();
         lib.require_call(row)?;
         thread_group::ensure_outside(api)?;
-        self.comm.check_stream(stream, "the stream")?;
-        if self.comm.rma_setup.get() != RmaSetup::Ready && lazy_setup(lib.version()) {
+        self.comm().check_stream(stream, "the stream")?;
+        if self.comm().rma_setup.get() != RmaSetup::Ready && lazy_setup(lib.version()) {
             return Err(Error::Unavailable {
                 api,
                 reason: format!(
@@ -441,7 +441,7 @@ impl<T: NcclType> Window<'_, T> {
         offset: usize,
         signal: Signal,
     ) -> Result<()> {
-        self.put_signal_on(self.comm.stream(), source, peer, offset, signal)
+        self.put_signal_on(self.comm().stream(), source, peer, offset, signal)
     }
 
     /// [`Window::put_signal`] on `stream` (on the communicator's device).
@@ -456,18 +456,23 @@ impl<T: NcclType> Window<'_, T> {
         const ROW: &Call = &calls::ncclPutSignal;
         const API: &str = ROW.name;
         self.rma_ready(ROW, stream)?;
-        let lib = self.comm.library();
-        let peer = check_peer(peer, self.comm.size(), API)?;
+        let lib = self.comm().library();
+        let peer = check_peer(peer, self.comm().size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
         check_source(
-            source.comm().shared_ptr() == self.comm.shared_ptr(),
+            source.comm().shared_ptr() == self.comm().shared_ptr(),
             source.window_flags(),
         )?;
         let target = peer as usize;
-        let target_len = put_bound(self.comm.rank(), target, self.len(), self.peer_len(target))?;
+        let target_len = put_bound(
+            self.comm().rank(),
+            target,
+            self.len(),
+            self.peer_len(target),
+        )?;
         let count = source.len();
         let byte_offset = put_extent(offset, count, target_len, std::mem::size_of::<T>())?;
-        let win = self.raw;
+        let win = self.as_raw();
         // Orders the stream after earlier writes of the source; records the read afterwards.
         let (src, _read) = source.device_ptr(stream);
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
@@ -477,7 +482,7 @@ impl<T: NcclType> Window<'_, T> {
         // `byte_offset + count` elements fit this rank's window; the peer, signal and context
         // were checked; flags are reserved (0).
         unsafe {
-            comm_call!(self.comm, |raw| ncclPutSignal(
+            comm_call!(self.comm(), |raw| ncclPutSignal(
                 src as *const std::ffi::c_void,
                 count,
                 T::DATA_TYPE.raw(),
@@ -496,7 +501,7 @@ impl<T: NcclType> Window<'_, T> {
     /// Raises `signal` on rank `peer` without data (`ncclSignal`, NCCL 2.29), on the
     /// communicator's stream.
     pub fn signal(&self, peer: usize, signal: Signal) -> Result<()> {
-        self.signal_on(self.comm.stream(), peer, signal)
+        self.signal_on(self.comm().stream(), peer, signal)
     }
 
     /// [`Window::signal`] on `stream` (on the communicator's device).
@@ -504,14 +509,14 @@ impl<T: NcclType> Window<'_, T> {
         const ROW: &Call = &calls::ncclSignal;
         const API: &str = ROW.name;
         self.rma_ready(ROW, stream)?;
-        let lib = self.comm.library();
-        let peer = check_peer(peer, self.comm.size(), API)?;
+        let lib = self.comm().library();
+        let peer = check_peer(peer, self.comm().size(), API)?;
         let (sig_idx, ctx) = signal.to_raw(lib.version())?;
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
         // SAFETY: live communicator under its lock; peer, signal and context checked; flags
         // are reserved (0).
         unsafe {
-            comm_call!(self.comm, |raw| ncclSignal(
+            comm_call!(self.comm(), |raw| ncclSignal(
                 peer, sig_idx, ctx, 0, raw, cu_stream
             ))
         }
@@ -529,7 +534,7 @@ impl<T: NcclType> Window<'_, T> {
     /// know nothing of the wait). Counts the peers never send hang the stream (see the
     /// [module docs](crate::window::rma)).
     pub fn wait_signal(&mut self, waits: &[SignalWait]) -> Result<()> {
-        let stream = self.comm.stream().clone();
+        let stream = self.comm().stream().clone();
         self.wait_signal_on(&stream, waits)
     }
 
@@ -537,7 +542,7 @@ impl<T: NcclType> Window<'_, T> {
     pub fn wait_signal_on(&mut self, stream: &CudaStream, waits: &[SignalWait]) -> Result<()> {
         const ROW: &Call = &calls::ncclWaitSignal;
         self.rma_ready(ROW, stream)?;
-        let comm = self.comm;
+        let comm = self.comm();
         let lib = comm.library();
         let mut descs = wait_descriptors(waits, comm.size(), lib.version())?;
         let n_desc = descs.len() as c_int;

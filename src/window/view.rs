@@ -89,7 +89,7 @@ impl<'c, T: NcclType> Window<'c, T> {
         let (start, end) = resolve(range, self.len())?;
         Ok(WindowView {
             buffer: &self.buffer,
-            comm: self.comm,
+            comm: self.comm(),
             flags: self.flags,
             offset: start,
             len: end - start,
