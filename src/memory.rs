@@ -215,6 +215,48 @@ impl<T: NcclType> Drop for NcclBuffer<T> {
     }
 }
 
+/// Implements cudarc's `DeviceSlice`, `DevicePtr` and `DevicePtrMut` for `$owner<'_, T>`, a
+/// type that stands for the [`NcclBuffer`] in its field `$buffer` (a [`Registration`], a
+/// [`Window`](crate::Window)), by handing every call to that buffer: its events order the
+/// work whichever of them an operation is given.
+macro_rules! forward_to_buffer {
+    ($owner:ident, $buffer:ident) => {
+        impl<T: $crate::dtype::NcclType> ::cudarc::driver::DeviceSlice<T> for $owner<'_, T> {
+            fn len(&self) -> usize {
+                self.$buffer.len
+            }
+            fn stream(&self) -> &::std::sync::Arc<::cudarc::driver::CudaStream> {
+                &self.$buffer.stream
+            }
+        }
+
+        impl<T: $crate::dtype::NcclType> ::cudarc::driver::DevicePtr<T> for $owner<'_, T> {
+            fn device_ptr<'b>(
+                &'b self,
+                stream: &'b ::cudarc::driver::CudaStream,
+            ) -> (
+                ::cudarc::driver::sys::CUdeviceptr,
+                ::cudarc::driver::SyncOnDrop<'b>,
+            ) {
+                ::cudarc::driver::DevicePtr::device_ptr(&*self.$buffer, stream)
+            }
+        }
+
+        impl<T: $crate::dtype::NcclType> ::cudarc::driver::DevicePtrMut<T> for $owner<'_, T> {
+            fn device_ptr_mut<'b>(
+                &'b mut self,
+                stream: &'b ::cudarc::driver::CudaStream,
+            ) -> (
+                ::cudarc::driver::sys::CUdeviceptr,
+                ::cudarc::driver::SyncOnDrop<'b>,
+            ) {
+                ::cudarc::driver::DevicePtrMut::device_ptr_mut(&mut *self.$buffer, stream)
+            }
+        }
+    };
+}
+pub(crate) use forward_to_buffer;
+
 /// A buffer registered with a communicator; deregistered when dropped. It borrows the
 /// buffer for its whole life and stands for it in operations (send or receive); see the
 /// [module docs](self).
@@ -291,32 +333,7 @@ impl<'a, T: NcclType> Registration<'a, T> {
     }
 }
 
-impl<T: NcclType> DeviceSlice<T> for Registration<'_, T> {
-    fn len(&self) -> usize {
-        self.buffer.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.buffer.stream
-    }
-}
-
-impl<T: NcclType> DevicePtr<T> for Registration<'_, T> {
-    fn device_ptr<'b>(
-        &'b self,
-        stream: &'b CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
-        self.buffer.device_ptr(stream)
-    }
-}
-
-impl<T: NcclType> DevicePtrMut<T> for Registration<'_, T> {
-    fn device_ptr_mut<'b>(
-        &'b mut self,
-        stream: &'b CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'b>) {
-        self.buffer.device_ptr_mut(stream)
-    }
-}
+forward_to_buffer!(Registration, buffer);
 
 impl<T: NcclType> Drop for Registration<'_, T> {
     fn drop(&mut self) {

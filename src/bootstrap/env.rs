@@ -172,39 +172,47 @@ pub(crate) fn parse_seconds(var: &str, value: &str) -> Result<Duration, Bootstra
     Duration::try_from_secs_f64(seconds).map_err(|_| invalid("the timeout is too large"))
 }
 
+/// A variable lookup that reads `pairs` instead of the process environment, for the tests
+/// of every reader of [`Vars`].
+#[cfg(test)]
+pub(crate) fn vars_from<'a>(
+    pairs: &'a [(&'a str, &'a str)],
+) -> impl Fn(&str) -> Option<String> + 'a {
+    move |name| {
+        pairs
+            .iter()
+            .find(|(key, _)| *key == name)
+            .map(|(_, value)| (*value).to_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            pairs
-                .iter()
-                .find(|(key, _)| *key == name)
-                .map(|(_, value)| (*value).to_owned())
-        }
-    }
-
     #[test]
     fn job_key_sources_in_order() {
-        assert_eq!(job_key_from(&vars(&[])), DEFAULT_JOB_KEY);
+        assert_eq!(job_key_from(&vars_from(&[])), DEFAULT_JOB_KEY);
         assert_eq!(
-            job_key_from(&vars(&[
+            job_key_from(&vars_from(&[
                 ("SLURM_JOB_ID", "42"),
                 ("OMPI_MCA_ess_base_jobid", "7")
             ])),
             "slurm-42"
         );
         assert_eq!(
-            job_key_from(&vars(&[("SLURM_JOB_ID", "42"), ("SLURM_STEP_ID", "3")])),
+            job_key_from(&vars_from(&[
+                ("SLURM_JOB_ID", "42"),
+                ("SLURM_STEP_ID", "3")
+            ])),
             "slurm-42.3"
         );
         assert_eq!(
-            job_key_from(&vars(&[("OMPI_MCA_ess_base_jobid", "7")])),
+            job_key_from(&vars_from(&[("OMPI_MCA_ess_base_jobid", "7")])),
             "ompi-7"
         );
         assert_eq!(
-            job_key_from(&vars(&[
+            job_key_from(&vars_from(&[
                 ("NCCL_RS_JOB_KEY", "mine"),
                 ("SLURM_JOB_ID", "42")
             ])),
@@ -215,32 +223,39 @@ mod tests {
     #[test]
     fn addresses_parse() {
         assert_eq!(
-            address_from(&vars(&[("NCCL_RS_ADDR", "node0:29500")])).unwrap(),
+            address_from(&vars_from(&[("NCCL_RS_ADDR", "node0:29500")])).unwrap(),
             Some("node0:29500".to_owned())
         );
         assert_eq!(
-            address_from(&vars(&[("MASTER_ADDR", "::1"), ("MASTER_PORT", "29500")])).unwrap(),
+            address_from(&vars_from(&[
+                ("MASTER_ADDR", "::1"),
+                ("MASTER_PORT", "29500")
+            ]))
+            .unwrap(),
             Some("[::1]:29500".to_owned())
         );
-        assert_eq!(address_from(&vars(&[])).unwrap(), None);
+        assert_eq!(address_from(&vars_from(&[])).unwrap(), None);
         for bad in ["node0", "node0:", "node0:0", "node0:70000", ":29500"] {
-            let err = address_from(&vars(&[("NCCL_RS_ADDR", bad)])).unwrap_err();
+            let err = address_from(&vars_from(&[("NCCL_RS_ADDR", bad)])).unwrap_err();
             assert!(
                 matches!(err, BootstrapError::Env { ref var, .. } if var == "NCCL_RS_ADDR"),
                 "{bad}: {err}"
             );
         }
-        let err = address_from(&vars(&[("MASTER_ADDR", "node0")])).unwrap_err();
+        let err = address_from(&vars_from(&[("MASTER_ADDR", "node0")])).unwrap_err();
         assert!(err.to_string().contains("MASTER_PORT"), "{err}");
-        let err =
-            address_from(&vars(&[("MASTER_ADDR", "node0"), ("MASTER_PORT", "http")])).unwrap_err();
+        let err = address_from(&vars_from(&[
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "http"),
+        ]))
+        .unwrap_err();
         assert!(
             matches!(err, BootstrapError::Env { ref var, .. } if var == "MASTER_PORT"),
             "{err}"
         );
         // Under torchrun's agent store, MASTER_PORT is taken: the next port is used.
         assert_eq!(
-            address_from(&vars(&[
+            address_from(&vars_from(&[
                 ("MASTER_ADDR", "node0"),
                 ("MASTER_PORT", "29500"),
                 ("TORCHELASTIC_USE_AGENT_STORE", "True"),

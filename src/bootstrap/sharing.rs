@@ -178,51 +178,44 @@ pub(crate) fn multi_rank_gpu_enabled(vars: Vars<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| v.to_string())
-        }
-    }
+    use crate::bootstrap::env::vars_from;
 
     #[test]
     fn the_setting_is_parsed_and_bad_values_name_the_variable() {
-        assert_eq!(GpuSharing::from_vars(&vars(&[])).unwrap(), None);
+        assert_eq!(GpuSharing::from_vars(&vars_from(&[])).unwrap(), None);
         for (text, want) in [
             ("off", GpuSharing::Off),
             ("hosts", GpuSharing::SimulatedHosts),
             (" Shared ", GpuSharing::SharedGpu),
         ] {
-            let got = GpuSharing::from_vars(&vars(&[("NCCL_RS_GPU_SHARING", text)])).unwrap();
+            let got = GpuSharing::from_vars(&vars_from(&[("NCCL_RS_GPU_SHARING", text)])).unwrap();
             assert_eq!(got, Some(want), "{text:?}");
             assert_eq!(
-                GpuSharing::from_vars(&vars(&[("NCCL_RS_GPU_SHARING", want.setting())])).unwrap(),
+                GpuSharing::from_vars(&vars_from(&[("NCCL_RS_GPU_SHARING", want.setting())]))
+                    .unwrap(),
                 Some(want)
             );
         }
-        let err = GpuSharing::from_vars(&vars(&[("NCCL_RS_GPU_SHARING", "mps")])).unwrap_err();
+        let err = GpuSharing::from_vars(&vars_from(&[("NCCL_RS_GPU_SHARING", "mps")])).unwrap_err();
         assert!(err.to_string().contains("NCCL_RS_GPU_SHARING"), "{err}");
     }
 
     #[test]
     fn spawning_prefers_what_the_user_asked_nccl_for() {
         assert_eq!(
-            GpuSharing::for_spawn(&vars(&[])).unwrap(),
+            GpuSharing::for_spawn(&vars_from(&[])).unwrap(),
             GpuSharing::SimulatedHosts
         );
         assert_eq!(
-            GpuSharing::for_spawn(&vars(&[("NCCL_MULTI_RANK_GPU_ENABLE", "1")])).unwrap(),
+            GpuSharing::for_spawn(&vars_from(&[("NCCL_MULTI_RANK_GPU_ENABLE", "1")])).unwrap(),
             GpuSharing::SharedGpu
         );
         assert_eq!(
-            GpuSharing::for_spawn(&vars(&[("NCCL_MULTI_RANK_GPU_ENABLE", "0")])).unwrap(),
+            GpuSharing::for_spawn(&vars_from(&[("NCCL_MULTI_RANK_GPU_ENABLE", "0")])).unwrap(),
             GpuSharing::SimulatedHosts
         );
         assert_eq!(
-            GpuSharing::for_spawn(&vars(&[
+            GpuSharing::for_spawn(&vars_from(&[
                 ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
                 ("NCCL_RS_GPU_SHARING", "hosts")
             ]))
@@ -236,36 +229,39 @@ mod tests {
         let on = [("NCCL_MULTI_RANK_GPU_ENABLE", "1")];
         let v2_32 = Some(crate::Version::new(2, 32, 3));
         let shared = GpuSharing::SharedGpu;
-        assert!(shared.check(2, 1, v2_32, &vars(&on)).is_ok());
-        assert!(shared.check(4, 2, v2_32, &vars(&on)).is_ok());
-        let three = shared.check(3, 1, v2_32, &vars(&on)).unwrap_err();
+        assert!(shared.check(2, 1, v2_32, &vars_from(&on)).is_ok());
+        assert!(shared.check(4, 2, v2_32, &vars_from(&on)).is_ok());
+        let three = shared.check(3, 1, v2_32, &vars_from(&on)).unwrap_err();
         assert!(three.to_string().contains("at most 2"), "{three}");
         let old = shared
-            .check(2, 1, Some(crate::Version::new(2, 28, 3)), &vars(&on))
+            .check(2, 1, Some(crate::Version::new(2, 28, 3)), &vars_from(&on))
             .unwrap_err();
         assert!(old.to_string().contains("2.28.3"), "{old}");
-        let unset = shared.check(2, 1, v2_32, &vars(&[])).unwrap_err();
+        let unset = shared.check(2, 1, v2_32, &vars_from(&[])).unwrap_err();
         assert!(
             unset.to_string().contains("NCCL_MULTI_RANK_GPU_ENABLE=1"),
             "{unset}"
         );
         assert!(GpuSharing::SimulatedHosts
-            .check(7, 1, None, &vars(&[]))
+            .check(7, 1, None, &vars_from(&[]))
             .is_ok());
-        assert!(GpuSharing::Off.check(2, 1, v2_32, &vars(&[])).is_err());
+        assert!(GpuSharing::Off.check(2, 1, v2_32, &vars_from(&[])).is_err());
     }
 
     #[test]
     fn simulated_hosts_give_each_spawned_rank_a_host_id_and_loopback() {
-        let got = GpuSharing::SimulatedHosts.child_vars(3, "local-1-ab", &vars(&[]));
+        let got = GpuSharing::SimulatedHosts.child_vars(3, "local-1-ab", &vars_from(&[]));
         assert!(got.contains(&("NCCL_HOSTID", "local-1-ab-rank3".to_owned())));
         assert!(got.contains(&("NCCL_SOCKET_IFNAME", "lo".to_owned())));
         assert!(got.contains(&("NCCL_RS_GPU_SHARING", "hosts".to_owned())));
         // A user's interface choice stands.
-        let own =
-            GpuSharing::SimulatedHosts.child_vars(1, "k", &vars(&[("NCCL_SOCKET_IFNAME", "eth0")]));
+        let own = GpuSharing::SimulatedHosts.child_vars(
+            1,
+            "k",
+            &vars_from(&[("NCCL_SOCKET_IFNAME", "eth0")]),
+        );
         assert!(!own.iter().any(|(k, _)| *k == "NCCL_SOCKET_IFNAME"));
-        let shared = GpuSharing::SharedGpu.child_vars(1, "k", &vars(&[]));
+        let shared = GpuSharing::SharedGpu.child_vars(1, "k", &vars_from(&[]));
         assert_eq!(shared, vec![("NCCL_RS_GPU_SHARING", "shared".to_owned())]);
     }
 }

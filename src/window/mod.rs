@@ -40,7 +40,8 @@
 //!
 //! # Using a window
 //!
-//! A `Window` is a cudarc [`DevicePtr`] and [`DevicePtrMut`] for its whole length, and hands
+//! A `Window` is a cudarc [`DevicePtr`](cudarc::driver::DevicePtr) and
+//! [`DevicePtrMut`](cudarc::driver::DevicePtrMut) for its whole length, and hands
 //! out views of any part of it ([`Window::view`], [`Window::view_mut`],
 //! [`Window::split_at_mut`]), which are too. So every collective takes a window, or a view at
 //! any offset, in place or out of place, with cudarc's event tracking as for any buffer.
@@ -158,14 +159,13 @@ use std::ops::BitOr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use nccl_sys::ncclWindow_t;
 
 use crate::calls;
 use crate::comm::{Backoff, Comm, Lease};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::memory::NcclBuffer;
+use crate::memory::{forward_to_buffer, NcclBuffer};
 use crate::release::Version;
 
 pub use register::RegisterError;
@@ -486,32 +486,7 @@ impl<T: NcclType> Drop for Window<'_, T> {
     }
 }
 
-impl<T: NcclType> DeviceSlice<T> for Window<'_, T> {
-    fn len(&self) -> usize {
-        self.buffer.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.buffer.stream
-    }
-}
-
-impl<T: NcclType> DevicePtr<T> for Window<'_, T> {
-    fn device_ptr<'a>(
-        &'a self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        self.buffer.device_ptr(stream)
-    }
-}
-
-impl<T: NcclType> DevicePtrMut<T> for Window<'_, T> {
-    fn device_ptr_mut<'a>(
-        &'a mut self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        self.buffer.device_ptr_mut(stream)
-    }
-}
+forward_to_buffer!(Window, buffer);
 
 #[cfg(test)]
 mod tests {
