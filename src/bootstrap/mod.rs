@@ -161,7 +161,9 @@ pub use launch::{Launcher, Placement};
 pub use rendezvous::{Rendezvous, Transport};
 pub use sharing::GpuSharing;
 pub use spawn::{spawn_local, LocalJob};
-pub use tcp::{RejectedPeer, ServeReport, TcpRendezvous, TcpServer, TcpTransport};
+pub use tcp::{
+    RejectedPeer, RendezvousKey, ServeReport, TcpRendezvous, TcpServer, TcpTransport, MIN_KEY_BYTES,
+};
 
 use crate::UniqueId;
 use env::{address_from, process_var, vars, Vars};
@@ -197,6 +199,9 @@ impl Exchange {
             return TcpRendezvous::from_vars(placement, vars).map(Exchange::Tcp);
         }
         if placement.is_single_node() || placement.launcher == Launcher::None {
+            // The file method does not use the key (the file's permissions protect the id),
+            // but a malformed key is still a mistake to report rather than ignore.
+            tcp::key_from(vars)?;
             return FileRendezvous::from_vars(placement, vars).map(Exchange::File);
         }
         Err(BootstrapError::Config(format!(

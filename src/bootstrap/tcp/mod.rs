@@ -6,6 +6,8 @@
 
 mod client;
 mod conversation;
+mod key;
+mod keyed;
 mod server;
 mod socket;
 #[cfg(test)]
@@ -17,10 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use conversation::RejectedPeer;
+pub use key::{RendezvousKey, MIN_KEY_BYTES};
 pub use server::{ServeReport, TcpServer};
 
 use super::bytes::job_key_hash;
-use super::env::{address_from, process_var, Vars};
+use super::env::{address_from, lookup, process_var, vars, Vars};
 use super::rendezvous::{sealed, Rendezvous, Transport};
 use super::util::{io_error, Interrupt};
 use super::{BootstrapError, Placement, Result};
@@ -89,6 +92,8 @@ pub struct TcpTransport {
     prebound: Option<Arc<TcpListener>>,
     /// Ends rank 0's serving early (a [`spawn_local`](super::spawn_local) rank died).
     interrupt: Option<Interrupt>,
+    /// The shared key: with it, only protocol version 2 is spoken.
+    secret: Option<RendezvousKey>,
 }
 
 impl Transport for TcpTransport {}
@@ -118,6 +123,7 @@ impl Rendezvous<TcpTransport> {
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
             prebound: None,
             interrupt: None,
+            secret: None,
         };
         Rendezvous::over(transport, rank, world_size)
     }
@@ -139,7 +145,25 @@ impl Rendezvous<TcpTransport> {
                     .to_owned(),
             )
         })?;
-        TcpRendezvous::new(addr, placement.rank, placement.world_size).configured_by(vars)
+        let rendezvous =
+            TcpRendezvous::new(addr, placement.rank, placement.world_size).configured_by(vars)?;
+        Ok(match key_from(vars)? {
+            Some(key) => rendezvous.with_secret(key),
+            None => rendezvous,
+        })
+    }
+
+    /// Speaks the encrypted, authenticated protocol (version 2) with `key`, which every rank
+    /// must share: without the key a peer learns nothing and is turned away, and a rank only
+    /// accepts an id from a rank 0 that holds it. See the [protocol](TcpTransport#protocol-version-2-with-a-key).
+    pub fn with_secret(mut self, key: RendezvousKey) -> Self {
+        self.transport.secret = Some(key);
+        self
+    }
+
+    /// Whether this rendezvous has a key (speaks protocol version 2).
+    pub fn is_encrypted(&self) -> bool {
+        self.transport.secret.is_some()
     }
 
     /// Sets how long rank 0 gives one connection from accept to ack (default 10 s). Bounds
@@ -183,10 +207,24 @@ impl Rendezvous<TcpTransport> {
             local_addr,
             world_size: self.world_size(),
             job_hash: job_key_hash(self.job_key()),
+            keyed: match &self.transport.secret {
+                Some(key) => Some(keyed::Keyed {
+                    key: key.clone(),
+                    job_digest: key::job_digest(self.job_key())?,
+                }),
+                None => None,
+            },
             history: Arc::clone(&self.history),
             timeout: self.timeout(),
             connection_timeout: self.transport.connection_timeout,
             interrupt: self.transport.interrupt.clone(),
         })
     }
+}
+
+/// The rendezvous key from `NCCL_RS_RENDEZVOUS_KEY`, if set (blank counts as unset).
+pub(crate) fn key_from(vars: Vars<'_>) -> Result<Option<RendezvousKey>> {
+    lookup(vars, vars::RENDEZVOUS_KEY)
+        .map(|text| RendezvousKey::from_var(&text))
+        .transpose()
 }
