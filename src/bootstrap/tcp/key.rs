@@ -62,7 +62,7 @@ impl RendezvousKey {
     /// digits, upper or lower case, surrounding whitespace ignored. Errors never quote the
     /// text.
     pub fn from_hex(text: &str) -> Result<Self> {
-        let mut bytes = decode_hex(text.trim()).map_err(|reason| BootstrapError::Config(reason))?;
+        let mut bytes = decode_hex(text.trim()).map_err(BootstrapError::Config)?;
         let key = Self::from_bytes(&bytes);
         bytes.zeroize();
         key

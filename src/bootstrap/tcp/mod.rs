@@ -8,6 +8,8 @@ mod client;
 mod conversation;
 mod key;
 mod keyed;
+#[cfg(test)]
+mod keyed_tests;
 mod server;
 mod socket;
 #[cfg(test)]
