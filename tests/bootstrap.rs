@@ -4,6 +4,11 @@
 //! Process tests re-execute this test binary with `NCCL_RS_TEST_ROLE` set, filtered to the
 //! single test `child_role`, which plays the role and exits. Every wait is bounded and every
 //! address is on 127.0.0.1.
+//!
+//! One file past 600 lines on purpose: every section's process tests go through that one role
+//! dispatcher and its helpers, and an integration test file is its own binary, so a split
+//! would build and re-execute several binaries sharing copies of them. The protocol-level
+//! attacks on the TCP rendezvous live beside the code (`src/bootstrap/tcp/*tests.rs`).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
