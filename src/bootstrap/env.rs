@@ -12,6 +12,8 @@ pub(crate) mod vars {
     pub const MASTER_ADDR: &str = "MASTER_ADDR";
     pub const MASTER_PORT: &str = "MASTER_PORT";
     pub const JOB_KEY: &str = "NCCL_RS_JOB_KEY";
+    /// The pre-shared key of the encrypted TCP rendezvous, in hex.
+    pub const RENDEZVOUS_KEY: &str = "NCCL_RS_RENDEZVOUS_KEY";
     pub const RENDEZVOUS_DIR: &str = "NCCL_RS_RENDEZVOUS_DIR";
     pub const TIMEOUT: &str = "NCCL_RS_BOOTSTRAP_TIMEOUT";
     pub const LOCAL_RANKS: &str = "NCCL_RS_LOCAL_RANKS";

@@ -86,6 +86,17 @@ pub enum BootstrapError {
         detail: String,
     },
 
+    /// The encrypted rendezvous could not authenticate a peer or a message: the two sides hold
+    /// different rendezvous keys, only one side holds a key, or a message was forged, altered
+    /// or replayed from another session.
+    #[error(
+        "rendezvous authentication failed: {detail}; check NCCL_RS_RENDEZVOUS_KEY on every rank"
+    )]
+    Authentication {
+        /// What could not be authenticated, and the likely cause.
+        detail: String,
+    },
+
     /// Rank 0 and a joining rank were started with different world sizes.
     #[error("world size mismatch: rank 0 has {expected} ranks, the joining rank {got}")]
     WorldSizeMismatch {

@@ -91,6 +91,7 @@
 //! | `NCCL_RS_ADDR` | `host:port` where rank 0 listens for the TCP rendezvous (`[v6]:port` for IPv6) |
 //! | `MASTER_ADDR`, `MASTER_PORT` | used when `NCCL_RS_ADDR` is unset, as torchrun exports them; when `TORCHELASTIC_USE_AGENT_STORE=True` (torchrun's agent already listens on `MASTER_PORT`), the port after it |
 //! | `NCCL_RS_JOB_KEY` | names the job, so that two jobs on one address or one directory cannot mix |
+//! | `NCCL_RS_RENDEZVOUS_KEY` | the secret of the encrypted, authenticated TCP rendezvous ([`RendezvousKey`]): at least 64 hexadecimal digits (32 bytes, e.g. `openssl rand -hex 32`), the same on every rank; unset means the unencrypted protocol |
 //! | `NCCL_RS_RENDEZVOUS_DIR` | directory of the file rendezvous (default: [`std::env::temp_dir`]) |
 //! | `NCCL_RS_BOOTSTRAP_TIMEOUT` | seconds every rank waits for the others (default 300) |
 //! | `NCCL_RS_LOCAL_RANKS` | overrides the rank count given to [`spawn_local`] |
@@ -101,6 +102,15 @@
 //! `TORCHELASTIC_RUN_ID`; failing all, the fixed key `nccl-rs-default`, which is only safe
 //! while one job at a time runs on a rendezvous address or directory. The key is sent as a
 //! 64-bit hash; it tells jobs apart and is not a secret.
+//!
+//! The secret is `NCCL_RS_RENDEZVOUS_KEY`: with it every rank speaks the TCP protocol's
+//! version 2, which encrypts the id and only hands it to ranks holding the same key
+//! ([`TcpTransport`] says what it protects against). Pass it to every rank like the address,
+//! e.g. `mpirun -x NCCL_RS_RENDEZVOUS_KEY ...` (`srun` and `torchrun` pass the environment on);
+//! [`spawn_local`] draws a fresh one for the ranks it starts. A rank with a key and a rank 0
+//! without one (or the reverse) fail with [`BootstrapError::Authentication`] saying so. The
+//! file rendezvous ignores it (the file is private to its user) but still rejects a malformed
+//! one.
 //!
 //! Several exchanges under one key (e.g. one per communicator) must run one after the other,
 //! in the same order on every rank; both methods keep them apart (TCP by counting rounds, the
@@ -161,7 +171,9 @@ pub use launch::{Launcher, Placement};
 pub use rendezvous::{Rendezvous, Transport};
 pub use sharing::GpuSharing;
 pub use spawn::{spawn_local, LocalJob};
-pub use tcp::{RejectedPeer, ServeReport, TcpRendezvous, TcpServer, TcpTransport};
+pub use tcp::{
+    RejectedPeer, RendezvousKey, ServeReport, TcpRendezvous, TcpServer, TcpTransport, MIN_KEY_BYTES,
+};
 
 use crate::UniqueId;
 use env::{address_from, process_var, vars, Vars};
@@ -197,6 +209,9 @@ impl Exchange {
             return TcpRendezvous::from_vars(placement, vars).map(Exchange::Tcp);
         }
         if placement.is_single_node() || placement.launcher == Launcher::None {
+            // The file method does not use the key (the file's permissions protect the id),
+            // but a malformed key is still a mistake to report rather than ignore.
+            tcp::key_from(vars)?;
             return FileRendezvous::from_vars(placement, vars).map(Exchange::File);
         }
         Err(BootstrapError::Config(format!(

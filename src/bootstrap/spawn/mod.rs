@@ -16,7 +16,8 @@ use super::join::{device_of, init_comm, join_on, Sharing};
 use super::sharing::GpuSharing;
 use super::util::{io_error, random_u64};
 use super::{
-    exchange_id_with, BootstrapError, Exchange, Launcher, Placement, Result, TcpRendezvous,
+    exchange_id_with, BootstrapError, Exchange, Launcher, Placement, RendezvousKey, Result,
+    TcpRendezvous,
 };
 use crate::comm::Comm;
 use crate::UniqueId;
@@ -33,8 +34,11 @@ use crate::UniqueId;
 ///   and re-executes [`std::env::current_exe`] with the same arguments for ranks
 ///   `1..world_size`, setting `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 ///   `NCCL_RS_LAUNCHER=torchrun`, `NCCL_RS_ADDR=127.0.0.1:<port>` (a port this process already
-///   listens on) and a fresh random `NCCL_RS_JOB_KEY`. The children share this process's
-///   stdout and stderr (their lines interleave) and get no stdin.
+///   listens on), a fresh random `NCCL_RS_JOB_KEY` and a fresh random
+///   `NCCL_RS_RENDEZVOUS_KEY`, so that the id travels encrypted and only these ranks can
+///   fetch it (other users' processes on the machine cannot; see
+///   [`TcpTransport`](super::TcpTransport)). The children share this process's stdout and
+///   stderr (their lines interleave) and get no stdin.
 ///
 /// Call it first thing in `main`, before any other work, with the number of GPUs to use: the
 /// children run `main` again from the start. Then exchange the id with
@@ -138,7 +142,10 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
         .to_string();
     let job_key = format!("local-{}-{:016x}", std::process::id(), random_u64());
     let timeout = timeout_from(&process_var)?;
-    let children = start_ranks(ranks, &addr, &job_key, sharing)?;
+    // A fresh key per job: whatever NCCL_RS_RENDEZVOUS_KEY this process has is not needed,
+    // and a key of our own cannot be one another job shares.
+    let (secret, secret_hex) = RendezvousKey::generate_hex()?;
+    let children = start_ranks(ranks, &addr, &job_key, &secret_hex, sharing)?;
     let supervisor = Supervisor::start(children)?;
     let placement = Placement {
         rank: 0,
@@ -151,7 +158,8 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
         .with_job_key(job_key)
         .with_timeout(timeout)
         .with_prebound(listener)
-        .with_interrupt(supervisor.interrupt());
+        .with_interrupt(supervisor.interrupt())
+        .with_secret(secret);
     Ok(LocalJob {
         #[cfg(feature = "mpi")]
         mpi: None,
@@ -166,12 +174,13 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
 }
 
 /// Re-executes this program as ranks `1..ranks`, told to fetch the id from `addr` under
-/// `job_key`, sharing GPUs as `sharing` says; if one cannot start, stops those already
-/// started.
+/// `job_key` with the rendezvous key `secret_hex`, sharing GPUs as `sharing` says; if one
+/// cannot start, stops those already started.
 fn start_ranks(
     ranks: usize,
     addr: &str,
     job_key: &str,
+    secret_hex: &str,
     sharing: GpuSharing,
 ) -> Result<Vec<(usize, Child)>> {
     let exe = std::env::current_exe().map_err(|e| {
@@ -192,6 +201,7 @@ fn start_ranks(
             .env(vars::LAUNCHER, "torchrun")
             .env(vars::ADDR, addr)
             .env(vars::JOB_KEY, job_key)
+            .env(vars::RENDEZVOUS_KEY, secret_hex)
             .envs(match sharing {
                 GpuSharing::Off => Vec::new(),
                 shared => shared.child_vars(rank, job_key, &process_var),

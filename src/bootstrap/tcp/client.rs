@@ -1,15 +1,18 @@
 //! A joining rank: connects to rank 0, asks for the id and acknowledges it, retrying while
-//! rank 0 is not listening yet or is busy.
+//! rank 0 is not listening yet or is busy; in clear text (version 1) or, with a key, through
+//! the Noise handshake of version 2 (whose messages are in [`keyed`](super::keyed)).
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::key::{job_digest, RendezvousKey};
+use super::keyed::{self, KeyedRequest, SEALED_ID_LEN, SEALED_REFUSAL_LEN};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
-    wire_u32, Ack, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT, KIND_REPLY, MAGIC,
-    REPLY_HEADER_LEN, VERSION,
+    wire_u32, Ack, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT, KEYED_VERSION, KIND_REPLY,
+    KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
 };
 use super::TcpRendezvous;
 use crate::bootstrap::bytes::job_key_hash;
@@ -30,20 +33,38 @@ pub(super) fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
     let job_hash = job_key_hash(rendezvous.job_key());
     let rank = rendezvous.rank();
     let round = rendezvous.history.round(job_hash, rank);
+    let request = Request {
+        job_hash,
+        world_size: wire_u32(rendezvous.world_size(), "world size")?,
+        rank: wire_u32(rank, "rank")?,
+        round,
+    };
+    let keyed = match &rendezvous.transport.secret {
+        Some(key) => Some(KeyedClient {
+            key,
+            request: KeyedRequest {
+                job_digest: job_digest(rendezvous.job_key())?,
+                world_size: request.world_size,
+                rank: request.rank,
+                round,
+            },
+        }),
+        None => None,
+    };
     let client = Client {
         rendezvous,
-        request: Request {
-            job_hash,
-            world_size: wire_u32(rendezvous.world_size(), "world size")?,
-            rank: wire_u32(rank, "rank")?,
-            round,
-        },
+        request,
+        keyed,
     };
     let started = Instant::now();
     let deadline = deadline_after(started, rendezvous.timeout());
     let mut pause = FIRST_RETRY_PAUSE;
     loop {
-        let last_failure = match client.attempt(deadline) {
+        let outcome = match &client.keyed {
+            None => client.attempt(deadline),
+            Some(keyed) => client.attempt_keyed(keyed, deadline),
+        };
+        let last_failure = match outcome {
             Ok(id) => {
                 rendezvous.history.finish_round(job_hash, rank, round);
                 return Ok(id);
@@ -79,6 +100,14 @@ enum Attempt {
 struct Client<'a> {
     rendezvous: &'a TcpRendezvous,
     request: Request,
+    /// Set when the rank has a key: then only version 2 is spoken.
+    keyed: Option<KeyedClient<'a>>,
+}
+
+/// What a joining rank with a key sends.
+struct KeyedClient<'a> {
+    key: &'a RendezvousKey,
+    request: KeyedRequest,
 }
 
 impl Client<'_> {
@@ -111,6 +140,99 @@ impl Client<'_> {
         Ok(id)
     }
 
+    /// One connection in version 2: hello, sealed reply with the id, encrypted ack.
+    fn attempt_keyed(
+        &self,
+        keyed: &KeyedClient<'_>,
+        deadline: Instant,
+    ) -> Result<UniqueId, Attempt> {
+        let stream = self.connect(deadline)?;
+        let _ = stream.set_nodelay(true);
+        let mut handshake = keyed::initiator(keyed.key).map_err(Attempt::Fatal)?;
+        let hello = keyed::hello(&mut handshake, &keyed.request).map_err(Attempt::Fatal)?;
+        write_full(&stream, &hello, deadline)
+            .map_err(|e| Attempt::Retry(format!("sending the hello: {e}")))?;
+        let connection_timeout = self.rendezvous.transport.connection_timeout;
+        let reply_deadline = deadline.min(deadline_after(Instant::now(), connection_timeout));
+        let header = self.read_raw_header(&stream, reply_deadline)?;
+        if header.version != KEYED_VERSION || header.kind != KIND_SEALED_REPLY {
+            return Err(self.clear_refusal(header));
+        }
+        let len = header.detail as usize;
+        if len != SEALED_REFUSAL_LEN && len != SEALED_ID_LEN {
+            return Err(self.protocol(format!("announced a sealed reply of {len} bytes")));
+        }
+        let mut sealed = vec![0u8; len];
+        read_full(&stream, &mut sealed, reply_deadline).map_err(|short| match short {
+            Short::Io(e) => Attempt::Retry(format!("reading the sealed reply: {e}")),
+            Short::Eof { got } | Short::TimedOut { got } => {
+                self.protocol(format!("truncated sealed reply: {got} of {len} bytes"))
+            }
+        })?;
+        let (inner, id) = keyed::open_reply(&mut handshake, &sealed).map_err(Attempt::Fatal)?;
+        self.judge(inner)?;
+        let id = id.ok_or_else(|| self.protocol("sealed an ok reply without the id".to_owned()))?;
+        let mut transport = handshake.into_transport_mode().map_err(|e| {
+            Attempt::Fatal(BootstrapError::Protocol(format!(
+                "finishing the handshake: {e}"
+            )))
+        })?;
+        let ack = Ack {
+            rank: self.request.rank,
+            fingerprint: id.fingerprint(),
+        };
+        let frame = keyed::ack_frame(&mut transport, &ack).map_err(Attempt::Fatal)?;
+        write_full(&stream, &frame, deadline)
+            .map_err(|e| Attempt::Retry(format!("sending the acknowledgement: {e}")))?;
+        Ok(id)
+    }
+
+    /// What a reply in clear text means to a rank with a key: rank 0 turned it away before
+    /// (or without) a handshake. Anyone on the network could have sent it, so only what a
+    /// retry or a fix of the keys answers is believed.
+    fn clear_refusal(&self, header: ReplyHeader) -> Attempt {
+        let addr = self.addr();
+        if header.kind != KIND_REPLY {
+            return self.protocol(format!(
+                "sent message kind {} where a reply was expected",
+                header.kind
+            ));
+        }
+        let status = Status::from_code(header.status);
+        match (header.version, status) {
+            (_, Some(Status::Busy)) => Attempt::Retry("rank 0 was busy".to_owned()),
+            (_, Some(Status::TimedOut)) => {
+                Attempt::Retry("rank 0 timed the connection out".to_owned())
+            }
+            (VERSION, Some(Status::UnsupportedVersion)) => {
+                Attempt::Fatal(BootstrapError::Authentication {
+                    detail: format!(
+                        "rank 0 at {addr} speaks only the unencrypted protocol (version 1): it \
+                         has no rendezvous key, and this rank has one"
+                    ),
+                })
+            }
+            (KEYED_VERSION, Some(Status::AuthFailed)) => {
+                Attempt::Fatal(BootstrapError::Authentication {
+                    detail: format!(
+                        "rank 0 at {addr} could not decrypt this rank's hello: the two \
+                         rendezvous keys differ"
+                    ),
+                })
+            }
+            (KEYED_VERSION, Some(Status::UnsupportedVersion)) => {
+                Attempt::Fatal(BootstrapError::VersionMismatch {
+                    local: KEYED_VERSION,
+                    peer: u16::try_from(header.detail).unwrap_or(u16::MAX),
+                })
+            }
+            (version, _) => self.protocol(format!(
+                "turned the hello away in clear text (version {version}, status {})",
+                header.status
+            )),
+        }
+    }
+
     fn connect(&self, deadline: Instant) -> Result<TcpStream, Attempt> {
         let addrs: Vec<SocketAddr> = match self.addr().to_socket_addrs() {
             Ok(addrs) => addrs.collect(),
@@ -138,6 +260,39 @@ impl Client<'_> {
 
     /// Reads the reply header and checks that it is a version 1 reply.
     fn read_header(&self, stream: &TcpStream, deadline: Instant) -> Result<ReplyHeader, Attempt> {
+        let header = self.read_raw_header(stream, deadline)?;
+        if header.version == KEYED_VERSION {
+            // A rank 0 with a key answers a version 1 request in its own version.
+            return Err(Attempt::Fatal(BootstrapError::Authentication {
+                detail: format!(
+                    "rank 0 at {} requires a rendezvous key (it speaks the encrypted protocol, \
+                     version 2), and this rank has none",
+                    self.addr()
+                ),
+            }));
+        }
+        if header.version != VERSION {
+            // Every version keeps this header, so rank 0's own version is what it announced.
+            return Err(Attempt::Fatal(BootstrapError::VersionMismatch {
+                local: VERSION,
+                peer: header.version,
+            }));
+        }
+        if header.kind != KIND_REPLY {
+            return Err(self.protocol(format!(
+                "sent message kind {} where a reply was expected",
+                header.kind
+            )));
+        }
+        Ok(header)
+    }
+
+    /// Reads a reply header of any version, checking only the magic.
+    fn read_raw_header(
+        &self,
+        stream: &TcpStream,
+        deadline: Instant,
+    ) -> Result<ReplyHeader, Attempt> {
         let mut bytes = [0u8; REPLY_HEADER_LEN];
         match read_full(stream, &mut bytes, deadline) {
             Ok(()) => {}
@@ -165,21 +320,7 @@ impl Client<'_> {
                 &bytes[0..4]
             )));
         }
-        let header = ReplyHeader::decode(&bytes);
-        if header.version != VERSION {
-            // Every version keeps this header, so rank 0's own version is what it announced.
-            return Err(Attempt::Fatal(BootstrapError::VersionMismatch {
-                local: VERSION,
-                peer: header.version,
-            }));
-        }
-        if header.kind != KIND_REPLY {
-            return Err(self.protocol(format!(
-                "sent message kind {} where a reply was expected",
-                header.kind
-            )));
-        }
-        Ok(header)
+        Ok(ReplyHeader::decode(&bytes))
     }
 
     /// Turns a reply's status into going on, trying again, or giving up.

@@ -1,5 +1,6 @@
 //! One connection on rank 0: read and check the request, claim the rank, send the id, wait
-//! for the ack; or tell the peer why it is turned away.
+//! for the ack; or tell the peer why it is turned away. Version 2's reading, sealing and
+//! delivering are in [`keyed`](super::keyed); the bookkeeping here serves both versions.
 
 use std::fmt;
 use std::io::Read;
@@ -7,10 +8,14 @@ use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use snow::HandshakeState;
+
+use super::keyed::{self, Keyed};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
     kind_of, version_of, Ack, ReplyHeader, Request, Status, ACK_LEN, DUPLICATE_DONE,
-    DUPLICATE_IN_FLIGHT, KIND_REQUEST, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN, REQUEST_LEN, VERSION,
+    DUPLICATE_IN_FLIGHT, KEYED_VERSION, KIND_REPLY, KIND_REQUEST, MAGIC, PREFIX_LEN,
+    REPLY_HEADER_LEN, REQUEST_LEN, VERSION,
 };
 use crate::bootstrap::util::{deadline_after, io_error, lock, time_left};
 use crate::bootstrap::BootstrapError;
@@ -64,11 +69,13 @@ pub(super) struct Shared {
     state: Mutex<ServeState>,
     /// Which exchange under this job key this is, counted per process from 0.
     round: u32,
-    id: UniqueId,
+    pub(super) id: UniqueId,
     world_size: usize,
     job_hash: u64,
+    /// Set when the ranks share a key: then only version 2 is spoken.
+    keyed: Option<Keyed>,
     pub(super) serve_deadline: Instant,
-    connection_timeout: Duration,
+    pub(super) connection_timeout: Duration,
 }
 
 impl Shared {
@@ -78,6 +85,7 @@ impl Shared {
         world_size: usize,
         job_hash: u64,
         round: u32,
+        keyed: Option<Keyed>,
         serve_deadline: Instant,
         connection_timeout: Duration,
     ) -> Self {
@@ -96,8 +104,17 @@ impl Shared {
             id,
             world_size,
             job_hash,
+            keyed,
             serve_deadline,
             connection_timeout,
+        }
+    }
+
+    /// The protocol version this serve speaks, and writes in its clear replies.
+    pub(super) fn version(&self) -> u16 {
+        match self.keyed {
+            Some(_) => KEYED_VERSION,
+            None => VERSION,
         }
     }
 
@@ -145,7 +162,7 @@ impl Shared {
     }
 
     /// Records how a conversation ended; returns the reply owed to a refused peer.
-    fn record(&self, peer: SocketAddr, outcome: Result<usize, Refusal>) -> Option<(Status, u32)> {
+    fn record(&self, peer: SocketAddr, outcome: Result<usize, Refusal>) -> Option<Reply> {
         let mut state = self.lock();
         match outcome {
             Ok(rank) => {
@@ -167,26 +184,35 @@ impl Shared {
     }
 }
 
-/// A handshake that went wrong: the error to record and the status to send back, if any.
-struct Refusal {
+/// What a refused peer is told.
+pub(super) enum Reply {
+    /// A clear reply header (every refusal of version 1, and version 2's before the hello
+    /// decrypted).
+    Plain(Status, u32),
+    /// Version 2's refusals once the hello decrypted: the sealed reply, ready to send.
+    Sealed(Vec<u8>),
+}
+
+/// A handshake that went wrong: the error to record and the reply to send back, if any.
+pub(super) struct Refusal {
     error: BootstrapError,
-    reply: Option<(Status, u32)>,
+    reply: Option<Reply>,
     rank: Option<usize>,
     /// Whether to list the peer in the report (not for the normal "come back later").
     record: bool,
 }
 
 impl Refusal {
-    fn new(error: BootstrapError, status: Status, detail: u32) -> Self {
+    pub(super) fn new(error: BootstrapError, status: Status, detail: u32) -> Self {
         Refusal {
             error,
-            reply: Some((status, detail)),
+            reply: Some(Reply::Plain(status, detail)),
             rank: None,
             record: true,
         }
     }
 
-    fn silent(error: BootstrapError) -> Self {
+    pub(super) fn silent(error: BootstrapError) -> Self {
         Refusal {
             error,
             reply: None,
@@ -195,8 +221,30 @@ impl Refusal {
         }
     }
 
-    fn for_rank(mut self, rank: usize) -> Self {
+    /// A peer whose first bytes are not the magic: garbage, or another protocol.
+    pub(super) fn bad_magic(first: &[u8]) -> Self {
+        Refusal::new(
+            BootstrapError::Protocol(format!(
+                "request starts with {first:02x?}, not the rendezvous magic"
+            )),
+            Status::BadMagic,
+            0,
+        )
+    }
+
+    pub(super) fn for_rank(mut self, rank: usize) -> Self {
         self.rank = Some(rank);
+        self
+    }
+
+    /// Seals a clear reply with the peer's handshake, so that a peer holding the key can trust
+    /// it; without a way to seal it the peer is closed without a reply.
+    pub(super) fn sealed(mut self, handshake: &mut HandshakeState) -> Self {
+        if let Some(Reply::Plain(status, detail)) = self.reply {
+            self.reply = keyed::seal_reply(handshake, status, detail, None)
+                .ok()
+                .map(Reply::Sealed);
+        }
         self
     }
 }
@@ -212,11 +260,20 @@ pub(super) fn handle_connection(
         .serve_deadline
         .min(deadline_after(Instant::now(), shared.connection_timeout));
     let _ = stream.set_nodelay(true);
-    let outcome = converse(shared, &stream, deadline);
+    let outcome = match &shared.keyed {
+        None => converse(shared, &stream, deadline),
+        Some(keyed) => converse_keyed(shared, keyed, &stream, deadline),
+    };
     // Record the outcome before answering a refused peer: the answer may take a grace period,
     // and serving may end meanwhile.
-    if let Some((status, detail)) = shared.record(peer, outcome) {
-        send_refusal(&stream, status, detail);
+    if let Some(reply) = shared.record(peer, outcome) {
+        let bytes = match reply {
+            Reply::Plain(status, detail) => {
+                ReplyHeader::encode_as(shared.version(), KIND_REPLY, status, detail).to_vec()
+            }
+            Reply::Sealed(bytes) => bytes,
+        };
+        send_refusal(&stream, &bytes);
     }
     shared.unregister(connection);
 }
@@ -228,6 +285,32 @@ fn converse(shared: &Shared, stream: &TcpStream, deadline: Instant) -> Result<us
     let rank = check_request(shared, &request)?;
     claim(shared, rank)?;
     let result = deliver(shared, stream, deadline, rank);
+    released_on_failure(shared, rank, result)
+}
+
+/// [`converse`] in version 2: the same checks and claim on the decrypted request, refusals
+/// sealed.
+fn converse_keyed(
+    shared: &Shared,
+    keyed: &Keyed,
+    stream: &TcpStream,
+    deadline: Instant,
+) -> Result<usize, Refusal> {
+    let (request, mut handshake) = keyed::read_hello(shared, keyed, stream, deadline)?;
+    let claimed =
+        keyed::check(shared, keyed, &request).and_then(|rank| claim(shared, rank).map(|()| rank));
+    let rank = claimed.map_err(|refusal| refusal.sealed(&mut handshake))?;
+    let result = keyed::deliver(shared, stream, deadline, rank, handshake);
+    released_on_failure(shared, rank, result)
+}
+
+/// The rank that received and acknowledged the id, or the refusal; a claimed rank is released
+/// again when delivery failed.
+fn released_on_failure(
+    shared: &Shared,
+    rank: usize,
+    result: Result<(), Refusal>,
+) -> Result<usize, Refusal> {
     if result.is_err() {
         let mut state = shared.lock();
         if state.slots[rank] == Slot::Claimed {
@@ -248,36 +331,35 @@ fn read_request(
 ) -> Result<Request, Refusal> {
     let timeout = shared.connection_timeout;
     let mut bytes = [0u8; REQUEST_LEN];
-    read_part(stream, &mut bytes, 0..4, deadline, timeout)?;
+    let what = "request";
+    read_part(stream, &mut bytes, 0..4, deadline, timeout, what)?;
     if bytes[0..4] != MAGIC {
-        return Err(Refusal::new(
-            BootstrapError::Protocol(format!(
-                "request starts with {:02x?}, not the rendezvous magic",
-                &bytes[0..4]
-            )),
-            Status::BadMagic,
-            0,
-        ));
+        return Err(Refusal::bad_magic(&bytes[0..4]));
     }
-    read_part(stream, &mut bytes, 4..PREFIX_LEN, deadline, timeout)?;
+    read_part(stream, &mut bytes, 4..PREFIX_LEN, deadline, timeout, what)?;
     let version = version_of(&bytes);
     if version != VERSION {
-        return Err(Refusal::new(
-            BootstrapError::VersionMismatch {
-                local: VERSION,
-                peer: version,
+        // The reply is the same for every other version; what rank 0 records names the
+        // likely cause when the peer holds a key this rank 0 lacks.
+        let error = match version {
+            KEYED_VERSION => BootstrapError::Authentication {
+                detail: "the peer speaks the encrypted protocol (version 2): it has a \
+                         rendezvous key, and this rank 0 has none"
+                    .to_owned(),
             },
+            peer => BootstrapError::VersionMismatch {
+                local: VERSION,
+                peer,
+            },
+        };
+        return Err(Refusal::new(
+            error,
             Status::UnsupportedVersion,
             u32::from(VERSION),
         ));
     }
-    read_part(
-        stream,
-        &mut bytes,
-        PREFIX_LEN..REQUEST_LEN,
-        deadline,
-        timeout,
-    )?;
+    let rest = PREFIX_LEN..REQUEST_LEN;
+    read_part(stream, &mut bytes, rest, deadline, timeout, what)?;
     let kind = kind_of(&bytes);
     if kind != KIND_REQUEST {
         return Err(Refusal::new(
@@ -291,22 +373,34 @@ fn read_request(
 
 /// Checks a request against this serve: job, world size, round and rank.
 fn check_request(shared: &Shared, request: &Request) -> Result<usize, Refusal> {
-    let rank = request.rank as usize;
-    let world_detail = u32::try_from(shared.world_size).unwrap_or(u32::MAX);
-    let (error, status, detail) = if request.job_hash != shared.job_hash {
+    if request.job_hash != shared.job_hash {
         let detail = format!(
             "the peer's job key hash {:016x} differs from rank 0's {:016x}",
             request.job_hash, shared.job_hash
         );
-        (BootstrapError::WrongJob { detail }, Status::WrongJob, 0)
-    } else if request.world_size as usize != shared.world_size {
+        let refusal = Refusal::new(BootstrapError::WrongJob { detail }, Status::WrongJob, 0);
+        return Err(refusal.for_rank(request.rank as usize));
+    }
+    check_place(shared, request.world_size, request.rank, request.round)
+}
+
+/// Checks the rest of a request whose job matched: world size, round and rank.
+pub(super) fn check_place(
+    shared: &Shared,
+    world_size: u32,
+    rank: u32,
+    round: u32,
+) -> Result<usize, Refusal> {
+    let (rank, claimed_rank) = (rank as usize, rank);
+    let world_detail = u32::try_from(shared.world_size).unwrap_or(u32::MAX);
+    let (error, status, detail) = if world_size as usize != shared.world_size {
         let error = BootstrapError::WorldSizeMismatch {
             expected: shared.world_size,
-            got: request.world_size as usize,
+            got: world_size as usize,
         };
         (error, Status::WorldSizeMismatch, world_detail)
-    } else if request.round != shared.round {
-        return Err(round_refusal(shared, request));
+    } else if round != shared.round {
+        return Err(round_refusal(shared, round, claimed_rank));
     } else if rank >= shared.world_size {
         let error = BootstrapError::RankOutOfRange {
             rank,
@@ -320,8 +414,8 @@ fn check_request(shared: &Shared, request: &Request) -> Result<usize, Refusal> {
 }
 
 /// A request from another round under the same job key.
-fn round_refusal(shared: &Shared, request: &Request) -> Refusal {
-    let (round, rank) = (request.round, request.rank as usize);
+fn round_refusal(shared: &Shared, round: u32, rank: u32) -> Refusal {
+    let rank = rank as usize;
     if round > shared.round {
         // This rank already finished this exchange and runs the next one under the same key;
         // rank 0 will serve it once this one is over. Normal: not listed in the report.
@@ -370,19 +464,8 @@ fn deliver(
     write_full(stream, &reply, deadline)
         .map_err(|e| Refusal::silent(io_error("sending the unique id", e)))?;
     let mut ack = [0u8; ACK_LEN];
-    read_full(stream, &mut ack, deadline).map_err(|short| {
-        Refusal::silent(match short {
-            Short::Eof { got } => BootstrapError::Protocol(format!(
-                "the rank closed the connection after {got} of {ACK_LEN} acknowledgement bytes"
-            )),
-            Short::TimedOut { got } => BootstrapError::Timeout {
-                stage: format!("waiting for the acknowledgement ({got} of {ACK_LEN} bytes)"),
-                after: shared.connection_timeout,
-                missing_ranks: vec![rank],
-            },
-            Short::Io(e) => io_error("reading the acknowledgement", e),
-        })
-    })?;
+    read_full(stream, &mut ack, deadline)
+        .map_err(|short| Refusal::silent(ack_short(short, shared, rank, ACK_LEN)))?;
     let expected = Ack {
         rank: request_rank(rank),
         fingerprint: shared.id.fingerprint(),
@@ -395,26 +478,42 @@ fn deliver(
     Ok(())
 }
 
+/// The error of an acknowledgement (`len` bytes) that did not arrive whole.
+pub(super) fn ack_short(short: Short, shared: &Shared, rank: usize, len: usize) -> BootstrapError {
+    match short {
+        Short::Eof { got } => BootstrapError::Protocol(format!(
+            "the rank closed the connection after {got} of {len} acknowledgement bytes"
+        )),
+        Short::TimedOut { got } => BootstrapError::Timeout {
+            stage: format!("waiting for the acknowledgement ({got} of {len} bytes)"),
+            after: shared.connection_timeout,
+            missing_ranks: vec![rank],
+        },
+        Short::Io(e) => io_error("reading the acknowledgement", e),
+    }
+}
+
 /// The rank as the request carried it (it fitted 32 bits on the way in).
 fn request_rank(rank: usize) -> u32 {
     u32::try_from(rank).unwrap_or(u32::MAX)
 }
 
-/// Reads `range` of the request, turning a short read into a refusal.
-fn read_part(
+/// Reads `range` of the first message (`what`, as long as `message`), turning a short read
+/// into a refusal.
+pub(super) fn read_part(
     stream: &TcpStream,
-    request: &mut [u8; REQUEST_LEN],
+    message: &mut [u8],
     range: std::ops::Range<usize>,
     deadline: Instant,
     connection_timeout: Duration,
+    what: &str,
 ) -> Result<(), Refusal> {
-    let offset = range.start;
-    match read_full(stream, &mut request[range], deadline) {
+    let (offset, len) = (range.start, message.len());
+    match read_full(stream, &mut message[range], deadline) {
         Ok(()) => Ok(()),
         Err(Short::Eof { got }) => Err(Refusal::new(
             BootstrapError::Protocol(format!(
-                "truncated request: the peer closed the connection after {} of {REQUEST_LEN} \
-                 bytes",
+                "truncated {what}: the peer closed the connection after {} of {len} bytes",
                 offset + got
             )),
             Status::Malformed,
@@ -423,7 +522,7 @@ fn read_part(
         Err(Short::TimedOut { got }) => Err(Refusal::new(
             BootstrapError::Timeout {
                 stage: format!(
-                    "waiting for the peer's request ({} of {REQUEST_LEN} bytes arrived)",
+                    "waiting for the peer's {what} ({} of {len} bytes arrived)",
                     offset + got
                 ),
                 after: connection_timeout,
@@ -432,16 +531,16 @@ fn read_part(
             Status::TimedOut,
             0,
         )),
-        Err(Short::Io(e)) => Err(Refusal::silent(io_error("reading the request", e))),
+        Err(Short::Io(e)) => Err(Refusal::silent(io_error(format!("reading the {what}"), e))),
     }
 }
 
-/// Best effort: tells the peer why it is turned away, then lets it read that before the
-/// socket closes. Closing with unread input would reset the connection and could discard the
-/// reply, so the input is drained briefly after shutting down our side.
-fn send_refusal(stream: &TcpStream, status: Status, detail: u32) {
+/// Best effort: tells the peer why it is turned away (`reply`), then lets it read that before
+/// the socket closes. Closing with unread input would reset the connection and could discard
+/// the reply, so the input is drained briefly after shutting down our side.
+fn send_refusal(stream: &TcpStream, reply: &[u8]) {
     let grace = Instant::now() + ERROR_REPLY_GRACE;
-    if write_full(stream, &ReplyHeader::encode(status, detail), grace).is_err() {
+    if write_full(stream, reply, grace).is_err() {
         return;
     }
     let _ = stream.shutdown(Shutdown::Write);

@@ -2,10 +2,15 @@
 //!
 //! Rooms: [`wire`] (the messages), [`client`] (a joining rank), [`server`] (rank 0's listener
 //! and accept loop), [`conversation`] (one connection on rank 0), [`socket`] (deadline-bound
-//! reads and writes).
+//! reads and writes), [`key`] (the [`RendezvousKey`]) and [`keyed`] (protocol version 2's
+//! Noise handshake and rank 0's side of it).
 
 mod client;
 mod conversation;
+mod key;
+mod keyed;
+#[cfg(test)]
+mod keyed_tests;
 mod server;
 mod socket;
 #[cfg(test)]
@@ -17,10 +22,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use conversation::RejectedPeer;
+pub use key::{RendezvousKey, MIN_KEY_BYTES};
 pub use server::{ServeReport, TcpServer};
 
 use super::bytes::job_key_hash;
-use super::env::{address_from, process_var, Vars};
+use super::env::{address_from, lookup, process_var, vars, Vars};
 use super::rendezvous::{sealed, Rendezvous, Transport};
 use super::util::{io_error, Interrupt};
 use super::{BootstrapError, Placement, Result};
@@ -80,6 +86,62 @@ pub type TcpRendezvous = Rendezvous<TcpTransport>;
 /// has acked, so it *knows* all ranks hold the id, and fails with [`BootstrapError::Timeout`]
 /// naming the missing ranks when the deadline passes first.
 ///
+/// Version 1 has no secret: anyone who can reach the port can fetch the id, and anyone on the
+/// path can read it. Its job-key hash only keeps honest jobs apart. Use version 2 where that
+/// matters (always, once NCCL's own traffic is encrypted with `ncclSetEncryption`).
+///
+/// # Protocol version 2, with a key
+///
+/// Spoken instead of version 1 by every rank that holds a [`RendezvousKey`]
+/// ([`TcpRendezvous::with_secret`], or `NCCL_RS_RENDEZVOUS_KEY`; [`spawn_local`](super::spawn_local)
+/// draws one per job). It is the Noise protocol `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`
+/// (implemented by the `snow` crate): each side sends a fresh X25519 ephemeral key, and the
+/// pre-shared key (PSK) is mixed in before the first message. The PSK is
+/// BLAKE2s-256(`"nccl-rs rendezvous v2 psk\0"` ‖ user key), never the user's key itself, and
+/// the prologue is `"nccl-rs rendezvous NRSB v2\0"`.
+///
+/// | message | bytes |
+/// | --- | --- |
+/// | hello (rank → rank 0), 112 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 4 in clear; then Noise message 1: ephemeral key (32), encrypted request (56: magic, version 2, kind 1, BLAKE2s-256 digest of `"nccl-rs rendezvous v2 job key\0"` ‖ job key (32), world size `u32`, rank `u32`, round `u32`, reserved `u32`), tag (16) |
+/// | sealed reply (rank 0 → rank) | a clear 16-byte version 1-layout header with version 2, kind 5, status 0 and detail = the length of what follows (64 or 192); then Noise message 2: ephemeral key (32), encrypted reply (a 16-byte reply header of version 2, kind 2, with the status codes of version 1; then the 128-byte id when the status is 0), tag (16) |
+/// | ack (rank → rank 0), 48 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 3 in clear; then a Noise transport message: the 24-byte ack of version 1 (with version 2) encrypted, tag (16) |
+///
+/// A peer turned away before its hello decrypted gets a clear 16-byte header of version 2 as
+/// in version 1: bad magic (1), unsupported version (2, detail 2; this is also the answer to a
+/// version 1 request), malformed or truncated (3), timed out (8), busy (9), or 12: the hello
+/// did not decrypt under rank 0's key. Every later refusal (wrong job, world size, rank, round,
+/// duplicate) is sealed in message 2. A version 1 rank 0 answers a hello with its own
+/// unsupported-version reply, so the two sides always tell a missing key from a wrong one:
+/// [`BootstrapError::Authentication`] on both, saying which side lacks the key.
+///
+/// What this gives, against an attacker who can read, change, drop, replay or inject traffic
+/// on the network but does not hold the key:
+///
+/// * **Confidentiality.** The id only travels inside message 2, encrypted with ChaCha20-Poly1305
+///   under keys from the PSK and both ephemeral keys. Forward secrecy: a key leaked later does
+///   not open a recorded session (its ephemeral keys are gone).
+/// * **Authentication, both ways.** Only a holder of the key can write a hello that decrypts
+///   (so rank 0 never answers a stranger with the id) and a reply that decrypts (so a rank never
+///   accepts an id from a fake rank 0). Any change to a message fails its tag.
+/// * **Binding.** The request inside the hello carries the exact job key (as a digest), the
+///   world size, the rank and the round; the Noise handshake hash covers it, and the reply and
+///   the ack are encrypted under keys that depend on it. A message of another job, rank or
+///   session cannot be substituted: the sealed refusal names a wrong job, world size or rank,
+///   and anything spliced from another session fails to decrypt.
+/// * **Replay.** A recorded hello can be sent again, and decrypts; but the reply is sealed to
+///   the recorded ephemeral key, whose private half the replayer lacks, so it learns nothing
+///   and cannot write the ack. Rank 0 only counts a rank once its ack decrypts under this very
+///   session, so the replayed connection is refused ([`BootstrapError::Authentication`]) and
+///   the rank released for the genuine one, within one connection timeout.
+///
+/// What it does not prevent: seeing that a rendezvous happens, between which hosts, and the
+/// clear prefixes and sizes; delaying or dropping traffic, or resetting connections, so that
+/// the rendezvous times out; holding one rank's slot for one connection timeout with a
+/// replayed hello (the genuine rank retries meanwhile); injecting a clear refusal that makes a
+/// rank give up (an attacker on the path can stop the exchange anyway). The key must reach
+/// every rank by a channel as safe as the id needs: an environment variable is readable by the
+/// same user and by root. The file rendezvous does not use the key; its file is created with
+/// mode `0600`.
 #[derive(Debug, Clone)]
 pub struct TcpTransport {
     addr: String,
@@ -89,6 +151,8 @@ pub struct TcpTransport {
     prebound: Option<Arc<TcpListener>>,
     /// Ends rank 0's serving early (a [`spawn_local`](super::spawn_local) rank died).
     interrupt: Option<Interrupt>,
+    /// The shared key: with it, only protocol version 2 is spoken.
+    secret: Option<RendezvousKey>,
 }
 
 impl Transport for TcpTransport {}
@@ -118,6 +182,7 @@ impl Rendezvous<TcpTransport> {
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
             prebound: None,
             interrupt: None,
+            secret: None,
         };
         Rendezvous::over(transport, rank, world_size)
     }
@@ -139,7 +204,25 @@ impl Rendezvous<TcpTransport> {
                     .to_owned(),
             )
         })?;
-        TcpRendezvous::new(addr, placement.rank, placement.world_size).configured_by(vars)
+        let rendezvous =
+            TcpRendezvous::new(addr, placement.rank, placement.world_size).configured_by(vars)?;
+        Ok(match key_from(vars)? {
+            Some(key) => rendezvous.with_secret(key),
+            None => rendezvous,
+        })
+    }
+
+    /// Speaks the encrypted, authenticated protocol (version 2) with `key`, which every rank
+    /// must share: without the key a peer learns nothing and is turned away, and a rank only
+    /// accepts an id from a rank 0 that holds it. See the [protocol](TcpTransport#protocol-version-2-with-a-key).
+    pub fn with_secret(mut self, key: RendezvousKey) -> Self {
+        self.transport.secret = Some(key);
+        self
+    }
+
+    /// Whether this rendezvous has a key (speaks protocol version 2).
+    pub fn is_encrypted(&self) -> bool {
+        self.transport.secret.is_some()
     }
 
     /// Sets how long rank 0 gives one connection from accept to ack (default 10 s). Bounds
@@ -183,10 +266,24 @@ impl Rendezvous<TcpTransport> {
             local_addr,
             world_size: self.world_size(),
             job_hash: job_key_hash(self.job_key()),
+            keyed: match &self.transport.secret {
+                Some(key) => Some(keyed::Keyed {
+                    key: key.clone(),
+                    job_digest: key::job_digest(self.job_key())?,
+                }),
+                None => None,
+            },
             history: Arc::clone(&self.history),
             timeout: self.timeout(),
             connection_timeout: self.transport.connection_timeout,
             interrupt: self.transport.interrupt.clone(),
         })
     }
+}
+
+/// The rendezvous key from `NCCL_RS_RENDEZVOUS_KEY`, if set (blank counts as unset).
+pub(crate) fn key_from(vars: Vars<'_>) -> Result<Option<RendezvousKey>> {
+    lookup(vars, vars::RENDEZVOUS_KEY)
+        .map(|text| RendezvousKey::from_var(&text))
+        .transpose()
 }

@@ -8,7 +8,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::conversation::{handle_connection, RejectedPeer, Shared};
-use super::wire::{ReplyHeader, Status};
+use super::keyed::Keyed;
+use super::wire::{ReplyHeader, Status, KIND_REPLY};
 use crate::bootstrap::history::History;
 use crate::bootstrap::util::{deadline_after, io_error, time_left, Interrupt};
 use crate::bootstrap::{BootstrapError, Result};
@@ -63,6 +64,8 @@ pub struct TcpServer {
     pub(super) local_addr: SocketAddr,
     pub(super) world_size: usize,
     pub(super) job_hash: u64,
+    /// The key and job digest when the ranks share a key (protocol version 2).
+    pub(super) keyed: Option<Keyed>,
     /// Counts the serves under the job key (the round is taken when serving starts).
     pub(super) history: Arc<History>,
     pub(super) timeout: Duration,
@@ -114,6 +117,7 @@ impl TcpServer {
             self.world_size,
             self.job_hash,
             self.history.start_serving(self.job_hash),
+            self.keyed.clone(),
             deadline_after(started, self.timeout),
             self.connection_timeout,
         ));
@@ -207,7 +211,8 @@ fn admit(
         // Answer without lingering: this runs on the accept loop, which must keep going.
         // If the reply is lost, the peer sees a reset and retries all the same.
         if stream.set_nonblocking(true).is_ok() {
-            let _ = (&stream).write(&ReplyHeader::encode(Status::Busy, 0));
+            let busy = ReplyHeader::encode_as(shared.version(), KIND_REPLY, Status::Busy, 0);
+            let _ = (&stream).write(&busy);
         }
         return;
     }

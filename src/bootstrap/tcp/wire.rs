@@ -1,6 +1,7 @@
 //! The TCP protocol's messages, version 1 (described on
 //! [`TcpTransport`](crate::bootstrap::TcpTransport)): constants, status codes, and the three
-//! messages with their encodings.
+//! messages with their encodings. Version 2 (the keyed one, in [`keyed`](super::keyed)) wraps
+//! the same reply and ack inside its encryption and uses the same prefix and status codes.
 
 use crate::bootstrap::bytes::{get_u16, get_u32, get_u64, put};
 use crate::bootstrap::{BootstrapError, Result};
@@ -11,6 +12,12 @@ pub(super) const VERSION: u16 = 1;
 pub(super) const KIND_REQUEST: u16 = 1;
 pub(super) const KIND_REPLY: u16 = 2;
 pub(super) const KIND_ACK: u16 = 3;
+/// The version of the encrypted protocol, spoken when the ranks share a rendezvous key.
+pub(super) const KEYED_VERSION: u16 = 2;
+/// Version 2: a joining rank's Noise handshake message carrying its encrypted request.
+pub(super) const KIND_HELLO: u16 = 4;
+/// Version 2: rank 0's Noise handshake message carrying the encrypted reply.
+pub(super) const KIND_SEALED_REPLY: u16 = 5;
 pub(super) const REQUEST_LEN: usize = 32;
 pub(super) const REPLY_HEADER_LEN: usize = 16;
 pub(super) const ACK_LEN: usize = 24;
@@ -24,9 +31,9 @@ pub(super) const DUPLICATE_IN_FLIGHT: u32 = 1;
 pub(super) const DUPLICATE_DONE: u32 = 2;
 
 /// Writes the magic, version and `kind` every message starts with.
-fn put_prefix(bytes: &mut [u8], kind: u16) {
+pub(super) fn put_prefix(bytes: &mut [u8], version: u16, kind: u16) {
     put(bytes, 0, &MAGIC);
-    put(bytes, 4, &VERSION.to_be_bytes());
+    put(bytes, 4, &version.to_be_bytes());
     put(bytes, 6, &kind.to_be_bytes());
 }
 
@@ -88,6 +95,9 @@ statuses! {
     Early = 10,
     /// Rank 0 already serves a later round. Detail: rank 0's round.
     Late = 11,
+    /// Version 2 only: the hello did not decrypt under rank 0's key (the keys differ, or the
+    /// message was altered).
+    AuthFailed = 12,
 }
 
 /// A joining rank's request.
@@ -103,7 +113,7 @@ pub(super) struct Request {
 impl Request {
     pub(super) fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut bytes = [0u8; REQUEST_LEN];
-        put_prefix(&mut bytes, KIND_REQUEST);
+        put_prefix(&mut bytes, VERSION, KIND_REQUEST);
         put(&mut bytes, 8, &self.job_hash.to_be_bytes());
         put(&mut bytes, 16, &self.world_size.to_be_bytes());
         put(&mut bytes, 20, &self.rank.to_be_bytes());
@@ -134,8 +144,18 @@ pub(super) struct ReplyHeader {
 
 impl ReplyHeader {
     pub(super) fn encode(status: Status, detail: u32) -> [u8; REPLY_HEADER_LEN] {
+        Self::encode_as(VERSION, KIND_REPLY, status, detail)
+    }
+
+    /// A header of any version and kind (version 2 announces its sealed reply with one).
+    pub(super) fn encode_as(
+        version: u16,
+        kind: u16,
+        status: Status,
+        detail: u32,
+    ) -> [u8; REPLY_HEADER_LEN] {
         let mut bytes = [0u8; REPLY_HEADER_LEN];
-        put_prefix(&mut bytes, KIND_REPLY);
+        put_prefix(&mut bytes, version, kind);
         put(&mut bytes, 8, &(status as u16).to_be_bytes());
         put(&mut bytes, 12, &detail.to_be_bytes());
         bytes
@@ -162,8 +182,13 @@ pub(super) struct Ack {
 
 impl Ack {
     pub(super) fn encode(&self) -> [u8; ACK_LEN] {
+        self.encode_as(VERSION)
+    }
+
+    /// The ack as protocol `version` writes it (version 2 encrypts this).
+    pub(super) fn encode_as(&self, version: u16) -> [u8; ACK_LEN] {
         let mut bytes = [0u8; ACK_LEN];
-        put_prefix(&mut bytes, KIND_ACK);
+        put_prefix(&mut bytes, version, KIND_ACK);
         put(&mut bytes, 8, &self.rank.to_be_bytes());
         put(&mut bytes, 16, &self.fingerprint.to_be_bytes());
         bytes
@@ -171,8 +196,13 @@ impl Ack {
 
     /// Decodes an ack; `None` for anything but a version 1 ack.
     pub(super) fn decode(bytes: &[u8; ACK_LEN]) -> Option<Self> {
+        Self::decode_as(bytes, VERSION)
+    }
+
+    /// Decodes an ack; `None` for anything but an ack of protocol `version`.
+    pub(super) fn decode_as(bytes: &[u8; ACK_LEN], version: u16) -> Option<Self> {
         let valid =
-            bytes[0..4] == MAGIC && version_of(bytes) == VERSION && kind_of(bytes) == KIND_ACK;
+            bytes[0..4] == MAGIC && version_of(bytes) == version && kind_of(bytes) == KIND_ACK;
         valid.then(|| Ack {
             rank: get_u32(bytes, 8),
             fingerprint: get_u64(bytes, 16),
@@ -218,9 +248,9 @@ mod tests {
 
     #[test]
     fn status_codes_decode() {
-        for code in 0..=11 {
+        for code in 0..=12 {
             assert_eq!(Status::from_code(code).map(|s| s as u16), Some(code));
         }
-        assert_eq!(Status::from_code(12), None);
+        assert_eq!(Status::from_code(13), None);
     }
 }

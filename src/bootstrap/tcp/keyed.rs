@@ -1,0 +1,387 @@
+//! Protocol version 2, the encrypted rendezvous (described on
+//! [`TcpTransport`](crate::bootstrap::TcpTransport)): the Noise handshake both sides build, the
+//! three messages, and rank 0's side of one connection. The joining rank's side is in
+//! [`client`](super::client), beside version 1's.
+//!
+//! `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`: two ephemeral keys and the pre-shared key, no
+//! static keys (the ranks have no identities beyond knowing the key). The PSK is mixed in
+//! before the first message, so the hello is already encrypted and authenticated under it, and
+//! the ephemeral Diffie-Hellman gives the reply forward secrecy: a key leaked later does not
+//! open recorded sessions.
+
+use std::net::TcpStream;
+use std::time::Instant;
+
+use snow::{HandshakeState, TransportState};
+
+use super::conversation::{ack_short, check_place, read_part, Refusal, Shared};
+use super::key::{RendezvousKey, DIGEST_LEN};
+use super::socket::{read_full, write_full};
+use super::wire::{
+    put_prefix, version_of, Ack, ReplyHeader, Status, ACK_LEN, KEYED_VERSION, KIND_ACK, KIND_HELLO,
+    KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN, VERSION,
+};
+use crate::bootstrap::bytes::{get_u16, get_u32, put};
+use crate::bootstrap::util::io_error;
+use crate::bootstrap::{BootstrapError, Result};
+use crate::id::UNIQUE_ID_BYTES;
+use crate::UniqueId;
+
+const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+/// Mixed into the handshake hash before anything else, so that a transcript of this protocol
+/// can never be taken for one of another protocol using the same key.
+const PROLOGUE: &[u8] = b"nccl-rs rendezvous NRSB v2\0";
+/// A Curve25519 public key, as the handshake sends each ephemeral key.
+const DH_LEN: usize = 32;
+/// The Poly1305 tag that authenticates every encrypted payload.
+const TAG_LEN: usize = 16;
+/// The clear prefix of the hello and the ack: magic, version 2, kind.
+const CLEAR_PREFIX_LEN: usize = 8;
+
+/// The encrypted request: prefix, job-key digest, world size, rank, round, reserved.
+pub(super) const REQUEST_PAYLOAD_LEN: usize = CLEAR_PREFIX_LEN + DIGEST_LEN + 16;
+/// The hello on the wire: clear prefix, ephemeral key, encrypted request, tag.
+pub(super) const HELLO_LEN: usize = CLEAR_PREFIX_LEN + DH_LEN + REQUEST_PAYLOAD_LEN + TAG_LEN;
+/// The Noise message of a sealed refusal (reply header only) and of a sealed id.
+pub(super) const SEALED_REFUSAL_LEN: usize = DH_LEN + REPLY_HEADER_LEN + TAG_LEN;
+pub(super) const SEALED_ID_LEN: usize = SEALED_REFUSAL_LEN + UNIQUE_ID_BYTES;
+/// The ack on the wire: clear prefix, then the version 1 ack layout encrypted.
+pub(super) const ACK_FRAME_LEN: usize = CLEAR_PREFIX_LEN + ACK_LEN + TAG_LEN;
+
+/// What rank 0 needs to speak version 2: the key and the digest of its job key.
+#[derive(Debug, Clone)]
+pub(super) struct Keyed {
+    pub(super) key: RendezvousKey,
+    pub(super) job_digest: [u8; DIGEST_LEN],
+}
+
+/// A joining rank's request as version 2 encrypts it: the exact job key (as a digest) where
+/// version 1 sends a 64-bit hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct KeyedRequest {
+    pub(super) job_digest: [u8; DIGEST_LEN],
+    pub(super) world_size: u32,
+    pub(super) rank: u32,
+    pub(super) round: u32,
+}
+
+impl KeyedRequest {
+    fn encode(&self) -> [u8; REQUEST_PAYLOAD_LEN] {
+        let mut bytes = [0u8; REQUEST_PAYLOAD_LEN];
+        put_prefix(&mut bytes, KEYED_VERSION, KIND_REQUEST);
+        put(&mut bytes, 8, &self.job_digest);
+        let at = CLEAR_PREFIX_LEN + DIGEST_LEN;
+        put(&mut bytes, at, &self.world_size.to_be_bytes());
+        put(&mut bytes, at + 4, &self.rank.to_be_bytes());
+        put(&mut bytes, at + 8, &self.round.to_be_bytes());
+        bytes
+    }
+
+    /// `None` unless `bytes` is a version 2 request (it decrypted, so only a peer with the key
+    /// and another layout gets here).
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let valid = bytes.len() == REQUEST_PAYLOAD_LEN
+            && bytes[0..4] == MAGIC
+            && version_of(bytes) == KEYED_VERSION
+            && get_u16(bytes, 6) == KIND_REQUEST;
+        let at = CLEAR_PREFIX_LEN + DIGEST_LEN;
+        valid.then(|| {
+            let mut job_digest = [0u8; DIGEST_LEN];
+            job_digest.copy_from_slice(&bytes[8..at]);
+            KeyedRequest {
+                job_digest,
+                world_size: get_u32(bytes, at),
+                rank: get_u32(bytes, at + 4),
+                round: get_u32(bytes, at + 8),
+            }
+        })
+    }
+}
+
+/// The handshake of a joining rank (the initiator).
+pub(super) fn initiator(key: &RendezvousKey) -> Result<HandshakeState> {
+    builder(key, |builder| builder.build_initiator())
+}
+
+/// The handshake of rank 0's side of one connection (the responder).
+fn responder(key: &RendezvousKey) -> Result<HandshakeState> {
+    builder(key, |builder| builder.build_responder())
+}
+
+fn builder(
+    key: &RendezvousKey,
+    build: impl FnOnce(snow::Builder<'_>) -> Result<HandshakeState, snow::Error>,
+) -> Result<HandshakeState> {
+    let params = NOISE_PARAMS
+        .parse()
+        .map_err(|e| noise_error("choosing the Noise protocol", e))?;
+    let builder = snow::Builder::new(params)
+        .psk(0, key.psk())
+        .and_then(|builder| builder.prologue(PROLOGUE))
+        .map_err(|e| noise_error("setting up the Noise handshake", e))?;
+    build(builder).map_err(|e| noise_error("starting the Noise handshake", e))
+}
+
+/// A Noise failure outside of authentication (a packaging or programming error).
+fn noise_error(what: &str, error: snow::Error) -> BootstrapError {
+    BootstrapError::Protocol(format!("{what}: {error}"))
+}
+
+/// The hello a joining rank sends: the clear prefix, then the handshake's first message with
+/// the encrypted request.
+pub(super) fn hello(
+    handshake: &mut HandshakeState,
+    request: &KeyedRequest,
+) -> Result<[u8; HELLO_LEN]> {
+    let mut bytes = [0u8; HELLO_LEN];
+    put_prefix(&mut bytes, KEYED_VERSION, KIND_HELLO);
+    let written = handshake
+        .write_message(&request.encode(), &mut bytes[CLEAR_PREFIX_LEN..])
+        .map_err(|e| noise_error("encrypting the request", e))?;
+    if written != HELLO_LEN - CLEAR_PREFIX_LEN {
+        return Err(BootstrapError::Protocol(format!(
+            "the hello came out {written} bytes long, not {}",
+            HELLO_LEN - CLEAR_PREFIX_LEN
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Opens rank 0's sealed reply (the Noise message after the clear header): the reply header
+/// and, when it says ok, the id.
+pub(super) fn open_reply(
+    handshake: &mut HandshakeState,
+    message: &[u8],
+) -> Result<(ReplyHeader, Option<UniqueId>)> {
+    let mut payload = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
+    let len = handshake.read_message(message, &mut payload).map_err(|_| {
+        BootstrapError::Authentication {
+            detail: "rank 0's reply did not decrypt under this rank's key: the keys differ, or \
+                     the reply was forged or altered on the way"
+                .to_owned(),
+        }
+    })?;
+    let mut header_bytes = [0u8; REPLY_HEADER_LEN];
+    header_bytes.copy_from_slice(&payload[..REPLY_HEADER_LEN]);
+    let header = ReplyHeader::decode(&header_bytes);
+    let well_formed = header_bytes[0..4] == MAGIC
+        && header.version == KEYED_VERSION
+        && header.kind == KIND_REPLY
+        && (len == REPLY_HEADER_LEN || len == REPLY_HEADER_LEN + UNIQUE_ID_BYTES);
+    if !well_formed {
+        return Err(BootstrapError::Protocol(format!(
+            "rank 0's sealed reply is not a version 2 reply ({len} bytes, version {}, kind {})",
+            header.version, header.kind
+        )));
+    }
+    let id = (len > REPLY_HEADER_LEN).then(|| {
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        id.copy_from_slice(&payload[REPLY_HEADER_LEN..len]);
+        UniqueId::from_bytes(id)
+    });
+    Ok((header, id))
+}
+
+/// The ack a joining rank sends once it holds the id: only a rank that completed this very
+/// handshake can encrypt it, which is what makes a replayed hello worthless.
+pub(super) fn ack_frame(transport: &mut TransportState, ack: &Ack) -> Result<[u8; ACK_FRAME_LEN]> {
+    let mut bytes = [0u8; ACK_FRAME_LEN];
+    put_prefix(&mut bytes, KEYED_VERSION, KIND_ACK);
+    transport
+        .write_message(
+            &ack.encode_as(KEYED_VERSION),
+            &mut bytes[CLEAR_PREFIX_LEN..],
+        )
+        .map_err(|e| noise_error("encrypting the acknowledgement", e))?;
+    Ok(bytes)
+}
+
+// Rank 0's side.
+
+/// Reads and decrypts the hello, in stages like version 1's request so that garbage, another
+/// version or a peer without the key is answered at once.
+pub(super) fn read_hello(
+    shared: &Shared,
+    keyed: &Keyed,
+    stream: &TcpStream,
+    deadline: Instant,
+) -> Result<(KeyedRequest, HandshakeState), Refusal> {
+    let mut bytes = [0u8; HELLO_LEN];
+    let read = |bytes: &mut [u8; HELLO_LEN], range| {
+        read_part(
+            stream,
+            bytes,
+            range,
+            deadline,
+            shared.connection_timeout,
+            "hello",
+        )
+    };
+    read(&mut bytes, 0..4)?;
+    if bytes[0..4] != MAGIC {
+        return Err(Refusal::bad_magic(&bytes[0..4]));
+    }
+    read(&mut bytes, 4..PREFIX_LEN)?;
+    let version = version_of(&bytes);
+    if version != KEYED_VERSION {
+        let error = match version {
+            VERSION => BootstrapError::Authentication {
+                detail: "the peer speaks the unencrypted protocol (version 1): it has no \
+                         rendezvous key, and this rank 0 requires one"
+                    .to_owned(),
+            },
+            peer => BootstrapError::VersionMismatch {
+                local: KEYED_VERSION,
+                peer,
+            },
+        };
+        let detail = u32::from(KEYED_VERSION);
+        return Err(Refusal::new(error, Status::UnsupportedVersion, detail));
+    }
+    read(&mut bytes, PREFIX_LEN..HELLO_LEN)?;
+    let kind = get_u16(&bytes, 6);
+    if kind != KIND_HELLO {
+        return Err(Refusal::new(
+            BootstrapError::Protocol(format!("expected a hello, got message kind {kind}")),
+            Status::Malformed,
+            0,
+        ));
+    }
+    let mut handshake = responder(&keyed.key).map_err(Refusal::silent)?;
+    let mut payload = [0u8; REQUEST_PAYLOAD_LEN];
+    let opened = handshake.read_message(&bytes[CLEAR_PREFIX_LEN..], &mut payload);
+    if opened.is_err() {
+        let error = BootstrapError::Authentication {
+            detail: "the peer's hello did not decrypt under rank 0's key: its rendezvous key \
+                     differs, or the message was altered"
+                .to_owned(),
+        };
+        return Err(Refusal::new(error, Status::AuthFailed, 0));
+    }
+    let Some(request) = KeyedRequest::decode(&payload) else {
+        let error = BootstrapError::Protocol(
+            "the peer's hello decrypted but holds no version 2 request".to_owned(),
+        );
+        return Err(Refusal::new(error, Status::Malformed, 0).sealed(&mut handshake));
+    };
+    Ok((request, handshake))
+}
+
+/// Checks a decrypted request: the exact job key first, then what version 1 checks.
+pub(super) fn check(
+    shared: &Shared,
+    keyed: &Keyed,
+    request: &KeyedRequest,
+) -> Result<usize, Refusal> {
+    if request.job_digest != keyed.job_digest {
+        let error = BootstrapError::WrongJob {
+            detail: "the peer's job key differs from rank 0's (their digests differ)".to_owned(),
+        };
+        return Err(Refusal::new(error, Status::WrongJob, 0).for_rank(request.rank as usize));
+    }
+    check_place(shared, request.world_size, request.rank, request.round)
+}
+
+/// Encrypts a reply (`id` when the status is ok) as the handshake's second message, behind
+/// the clear header that announces it.
+pub(super) fn seal_reply(
+    handshake: &mut HandshakeState,
+    status: Status,
+    detail: u32,
+    id: Option<&UniqueId>,
+) -> Result<Vec<u8>> {
+    let mut payload = Vec::with_capacity(REPLY_HEADER_LEN + UNIQUE_ID_BYTES);
+    payload.extend_from_slice(&ReplyHeader::encode_as(
+        KEYED_VERSION,
+        KIND_REPLY,
+        status,
+        detail,
+    ));
+    if let Some(id) = id {
+        payload.extend_from_slice(id.as_bytes());
+    }
+    let mut message = vec![0u8; DH_LEN + payload.len() + TAG_LEN];
+    let len = handshake
+        .write_message(&payload, &mut message)
+        .map_err(|e| noise_error("encrypting the reply", e))?;
+    message.truncate(len);
+    let announced = u32::try_from(len).unwrap_or(u32::MAX);
+    let mut bytes =
+        ReplyHeader::encode_as(KEYED_VERSION, KIND_SEALED_REPLY, Status::Ok, announced).to_vec();
+    bytes.extend_from_slice(&message);
+    Ok(bytes)
+}
+
+/// Sends the id sealed to the rank that claimed `rank` and waits for its encrypted ack.
+pub(super) fn deliver(
+    shared: &Shared,
+    stream: &TcpStream,
+    deadline: Instant,
+    rank: usize,
+    mut handshake: HandshakeState,
+) -> Result<(), Refusal> {
+    let reply =
+        seal_reply(&mut handshake, Status::Ok, 0, Some(&shared.id)).map_err(Refusal::silent)?;
+    write_full(stream, &reply, deadline)
+        .map_err(|e| Refusal::silent(io_error("sending the sealed unique id", e)))?;
+    let mut transport = handshake
+        .into_transport_mode()
+        .map_err(|e| Refusal::silent(noise_error("finishing the handshake", e)))?;
+    let mut frame = [0u8; ACK_FRAME_LEN];
+    read_full(stream, &mut frame, deadline)
+        .map_err(|short| Refusal::silent(ack_short(short, shared, rank, ACK_FRAME_LEN)))?;
+    let prefix_ok = frame[0..4] == MAGIC
+        && version_of(&frame) == KEYED_VERSION
+        && get_u16(&frame, 6) == KIND_ACK;
+    let mut ack = [0u8; ACK_LEN];
+    let opened = transport.read_message(&frame[CLEAR_PREFIX_LEN..], &mut ack);
+    if !prefix_ok || opened.is_err() {
+        return Err(Refusal::silent(BootstrapError::Authentication {
+            detail: "the acknowledgement did not decrypt under this session's keys: it was \
+                     replayed from another session, forged or altered"
+                .to_owned(),
+        }));
+    }
+    let expected = Ack {
+        rank: u32::try_from(rank).unwrap_or(u32::MAX),
+        fingerprint: shared.id.fingerprint(),
+    };
+    if Ack::decode_as(&ack, KEYED_VERSION) != Some(expected) {
+        return Err(Refusal::silent(BootstrapError::Protocol(
+            "invalid acknowledgement (wrong kind, rank or id fingerprint)".to_owned(),
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips_and_sizes_add_up() {
+        let request = KeyedRequest {
+            job_digest: [7; DIGEST_LEN],
+            world_size: 4,
+            rank: 3,
+            round: 2,
+        };
+        assert_eq!(KeyedRequest::decode(&request.encode()), Some(request));
+        assert_eq!(KeyedRequest::decode(&request.encode()[1..]), None);
+
+        let key = RendezvousKey::generate().expect("key");
+        let mut client = initiator(&key).expect("initiator");
+        let mut server = responder(&key).expect("responder");
+        let bytes = hello(&mut client, &request).expect("hello");
+        let mut payload = [0u8; REQUEST_PAYLOAD_LEN];
+        server
+            .read_message(&bytes[CLEAR_PREFIX_LEN..], &mut payload)
+            .expect("open hello");
+        assert_eq!(KeyedRequest::decode(&payload), Some(request));
+        let id = UniqueId::from_bytes([5; UNIQUE_ID_BYTES]);
+        let reply = seal_reply(&mut server, Status::Ok, 0, Some(&id)).expect("seal");
+        assert_eq!(reply.len(), REPLY_HEADER_LEN + SEALED_ID_LEN);
+        let (header, opened) = open_reply(&mut client, &reply[REPLY_HEADER_LEN..]).expect("open");
+        assert_eq!((header.status, opened), (Status::Ok as u16, Some(id)));
+    }
+}
