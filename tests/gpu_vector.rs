@@ -73,7 +73,7 @@ fn matrix(shape: Shape, n: usize, seed: u64) -> Vec<Vec<usize>> {
 /// `counts` laid out in reverse rank order with a one-element gap before each segment (odd
 /// seeds), or packed (even seeds): both layouts kinds, the buffer length they need.
 fn layout(counts: &[usize], seed: u64) -> (Layout, usize) {
-    if seed % 2 == 0 {
+    if seed.is_multiple_of(2) {
         let layout = Layout::packed(counts.to_vec());
         let len = layout.total();
         return (layout, len);

@@ -133,7 +133,7 @@ pub fn wait_all(gpus: &Gpus) -> Result<(), String> {
                 error => return Err(format!("cuStreamQuery: {error:?}")),
             }
             polls += 1;
-            if polls % 1024 == 0 {
+            if polls.is_multiple_of(1024) {
                 if let Some(err) = comm.async_error().map_err(|e| e.to_string())? {
                     return Err(err.to_string());
                 }
@@ -207,7 +207,7 @@ pub fn human(bytes: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut value = bytes;
     let mut unit = 0;
-    while value >= 1024 && value % 1024 == 0 && unit + 1 < UNITS.len() {
+    while value >= 1024 && value.is_multiple_of(1024) && unit + 1 < UNITS.len() {
         value /= 1024;
         unit += 1;
     }

@@ -268,7 +268,7 @@ impl Pattern {
                         let h = mix(seed ^ ((rank as u64) << 40) ^ p as u64);
                         if prod {
                             // Mostly ones, sometimes a two: products stay small powers of two.
-                            if h % 8 == 0 {
+                            if h.is_multiple_of(8) {
                                 2.0
                             } else {
                                 1.0

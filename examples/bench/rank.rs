@@ -68,7 +68,7 @@ impl Rank {
                 error => return Err(cudarc::driver::DriverError(error).into()),
             }
             polls += 1;
-            if polls % 1024 == 0 {
+            if polls.is_multiple_of(1024) {
                 if let Some(err) = self.comm.async_error()? {
                     return Err(err.into());
                 }

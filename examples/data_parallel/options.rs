@@ -91,7 +91,7 @@ impl Options {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(format!("--lr must be a positive number, got {}", self.lr));
         }
-        if self.samples % self.batch != 0 {
+        if !self.samples.is_multiple_of(self.batch) {
             return Err(format!(
                 "--samples {} is not a multiple of --batch {}: every step must see a full \
                  global batch",
@@ -111,7 +111,7 @@ impl Options {
 
     /// Checks what depends on the number of ranks.
     pub fn validate_for(&self, ranks: usize) -> Result<(), String> {
-        if self.batch % ranks != 0 {
+        if !self.batch.is_multiple_of(ranks) {
             return Err(format!(
                 "--batch {} is not a multiple of the {ranks} ranks: every rank must take the \
                  same share of the global batch (try --batch {} --samples {})",

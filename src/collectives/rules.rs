@@ -254,7 +254,7 @@ pub(crate) fn check_plan(
         }
     };
     let divisible = |len: usize, what: &'static str| {
-        if len % size == 0 {
+        if len.is_multiple_of(size) {
             Ok(len / size)
         } else {
             Err(Broken::NotMultiple { what, len })
@@ -330,7 +330,7 @@ pub(crate) fn check_plan(
                 return match recv_len {
                     // What `ncclCeGather` writes (`recv + rank x count` in the root's window)
                     // lies inside a buffer as long as the root's.
-                    Some(r) if copy_engine && s.checked_mul(size).map_or(true, |all| r < all) => {
+                    Some(r) if copy_engine && s.checked_mul(size).is_none_or(|all| r < all) => {
                         Err(Broken::CopyEngineGatherShortReceive { send: s, recv: r })
                     }
                     Some(_) => plan(s, Ptr::Send(0), Ptr::Recv(0)),

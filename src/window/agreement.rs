@@ -263,7 +263,7 @@ fn check_extent(ptr: u64, len: usize, elem: usize) -> Result<()> {
             "{len} elements overflow the address space"
         )));
     }
-    if ptr % REQUIRED_ALIGNMENT as u64 != 0 {
+    if !ptr.is_multiple_of(REQUIRED_ALIGNMENT as u64) {
         return Err(Error::invalid(format!(
             "the buffer at {ptr:#x} is not {REQUIRED_ALIGNMENT}-byte aligned, as NCCL requires"
         )));

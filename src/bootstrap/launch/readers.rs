@@ -246,7 +246,7 @@ fn parse_tasks_per_node(text: &str) -> Option<Vec<usize>> {
                 if counts.len().saturating_add(repeat) > 1 << 20 {
                     return None;
                 }
-                counts.extend(std::iter::repeat(count).take(repeat));
+                counts.extend(std::iter::repeat_n(count, repeat));
             }
             None => counts.push(part.parse().ok()?),
         }
@@ -312,7 +312,7 @@ fn slurm_local_size(vars: Vars<'_>) -> Result<Option<Var>> {
 /// set by a per-node agent started by an MPI launcher or `srun`, and MPI launchers may run
 /// inside a Slurm step, so the earlier entries win when the later ones describe the agents.
 pub(super) fn read_all(vars: Vars<'_>, only: Option<Launcher>) -> Result<Vec<Reading>> {
-    let wanted = |launcher: Launcher| only.map_or(true, |only| only == launcher);
+    let wanted = |launcher: Launcher| only.is_none_or(|only| only == launcher);
     let mut readings = Vec::new();
     if wanted(Launcher::Torchrun) {
         readings.extend(read_standard(vars, &TORCHRUN)?);

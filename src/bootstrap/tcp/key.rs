@@ -161,7 +161,7 @@ fn missing(what: &str) -> BootstrapError {
 /// Decodes hex text of at least `2 * MIN_KEY_BYTES` digits.
 fn decode_hex(text: &str) -> std::result::Result<Vec<u8>, String> {
     let digits = text.as_bytes();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return Err(format!(
             "expected hexadecimal digits in pairs, got {} digits",
             digits.len()

@@ -264,7 +264,7 @@ pub(crate) fn check_layout(
     entries("counts", layout.counts().len())?;
     entries("displacements", layout.displs().len())?;
     for (peer, (&count, &displ)) in layout.counts().iter().zip(layout.displs()).enumerate() {
-        if displ.checked_add(count).map_or(true, |end| end > len) {
+        if displ.checked_add(count).is_none_or(|end| end > len) {
             return Err(Broken::Outside {
                 layout: name,
                 peer,
@@ -304,7 +304,7 @@ pub(crate) fn check_disjoint(layout: &Layout, name: &'static str) -> Result<(), 
             }
         }
         let end = displs[i] + counts[i];
-        if reach.map_or(true, |(_, far)| end > far) {
+        if reach.is_none_or(|(_, far)| end > far) {
             reach = Some((i, end));
         }
     }
