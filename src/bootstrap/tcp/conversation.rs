@@ -332,32 +332,7 @@ fn read_request(
     let timeout = shared.connection_timeout;
     let mut bytes = [0u8; REQUEST_LEN];
     let what = "request";
-    read_part(stream, &mut bytes, 0..4, deadline, timeout, what)?;
-    if bytes[0..4] != MAGIC {
-        return Err(Refusal::bad_magic(&bytes[0..4]));
-    }
-    read_part(stream, &mut bytes, 4..PREFIX_LEN, deadline, timeout, what)?;
-    let version = version_of(&bytes);
-    if version != VERSION {
-        // The reply is the same for every other version; what rank 0 records names the
-        // likely cause when the peer holds a key this rank 0 lacks.
-        let error = match version {
-            KEYED_VERSION => BootstrapError::Authentication {
-                detail: "the peer speaks the encrypted protocol (version 2): it has a \
-                         rendezvous key, and this rank 0 has none"
-                    .to_owned(),
-            },
-            peer => BootstrapError::VersionMismatch {
-                local: VERSION,
-                peer,
-            },
-        };
-        return Err(Refusal::new(
-            error,
-            Status::UnsupportedVersion,
-            u32::from(VERSION),
-        ));
-    }
+    read_prefix(stream, &mut bytes, deadline, timeout, what, VERSION)?;
     let rest = PREFIX_LEN..REQUEST_LEN;
     read_part(stream, &mut bytes, rest, deadline, timeout, what)?;
     let kind = kind_of(&bytes);
@@ -496,6 +471,54 @@ pub(super) fn ack_short(short: Short, shared: &Shared, rank: usize, len: usize) 
 /// The rank as the request carried it (it fitted 32 bits on the way in).
 fn request_rank(rank: usize) -> u32 {
     u32::try_from(rank).unwrap_or(u32::MAX)
+}
+
+/// Reads the magic and the version every message starts with, in stages, so that garbage or
+/// another version is answered at once, and refuses any version but `expected`. The reply is
+/// the same for every other version; what rank 0 records names the likely cause when the peer
+/// speaks this build's other version (one side has a rendezvous key, the other has none).
+pub(super) fn read_prefix(
+    stream: &TcpStream,
+    message: &mut [u8],
+    deadline: Instant,
+    connection_timeout: Duration,
+    what: &str,
+    expected: u16,
+) -> Result<(), Refusal> {
+    read_part(stream, message, 0..4, deadline, connection_timeout, what)?;
+    if message[0..4] != MAGIC {
+        return Err(Refusal::bad_magic(&message[0..4]));
+    }
+    read_part(
+        stream,
+        message,
+        4..PREFIX_LEN,
+        deadline,
+        connection_timeout,
+        what,
+    )?;
+    let version = version_of(message);
+    if version == expected {
+        return Ok(());
+    }
+    let error = match (expected, version) {
+        (VERSION, KEYED_VERSION) => BootstrapError::Authentication {
+            detail: "the peer speaks the encrypted protocol (version 2): it has a rendezvous \
+                     key, and this rank 0 has none"
+                .to_owned(),
+        },
+        (KEYED_VERSION, VERSION) => BootstrapError::Authentication {
+            detail: "the peer speaks the unencrypted protocol (version 1): it has no \
+                     rendezvous key, and this rank 0 requires one"
+                .to_owned(),
+        },
+        (local, peer) => BootstrapError::VersionMismatch { local, peer },
+    };
+    Err(Refusal::new(
+        error,
+        Status::UnsupportedVersion,
+        u32::from(expected),
+    ))
 }
 
 /// Reads `range` of the first message (`what`, as long as `message`), turning a short read

@@ -14,12 +14,12 @@ use std::time::Instant;
 
 use snow::{HandshakeState, TransportState};
 
-use super::conversation::{ack_short, check_place, read_part, Refusal, Shared};
+use super::conversation::{ack_short, check_place, read_part, read_prefix, Refusal, Shared};
 use super::key::{RendezvousKey, DIGEST_LEN};
 use super::socket::{read_full, write_full};
 use super::wire::{
     put_prefix, version_of, Ack, ReplyHeader, Status, ACK_LEN, KEYED_VERSION, KIND_ACK, KIND_HELLO,
-    KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN, VERSION,
+    KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN,
 };
 use crate::bootstrap::bytes::{get_u16, get_u32, put};
 use crate::bootstrap::util::io_error;
@@ -217,27 +217,14 @@ pub(super) fn read_hello(
             "hello",
         )
     };
-    read(&mut bytes, 0..4)?;
-    if bytes[0..4] != MAGIC {
-        return Err(Refusal::bad_magic(&bytes[0..4]));
-    }
-    read(&mut bytes, 4..PREFIX_LEN)?;
-    let version = version_of(&bytes);
-    if version != KEYED_VERSION {
-        let error = match version {
-            VERSION => BootstrapError::Authentication {
-                detail: "the peer speaks the unencrypted protocol (version 1): it has no \
-                         rendezvous key, and this rank 0 requires one"
-                    .to_owned(),
-            },
-            peer => BootstrapError::VersionMismatch {
-                local: KEYED_VERSION,
-                peer,
-            },
-        };
-        let detail = u32::from(KEYED_VERSION);
-        return Err(Refusal::new(error, Status::UnsupportedVersion, detail));
-    }
+    read_prefix(
+        stream,
+        &mut bytes,
+        deadline,
+        shared.connection_timeout,
+        "hello",
+        KEYED_VERSION,
+    )?;
     read(&mut bytes, PREFIX_LEN..HELLO_LEN)?;
     let kind = get_u16(&bytes, 6);
     if kind != KIND_HELLO {
