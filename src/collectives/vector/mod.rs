@@ -90,28 +90,8 @@ mod layout;
 mod operation;
 mod rules;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
-
 pub(crate) use checked::verify;
 pub(crate) use dispatch::dispatch_v;
 pub use layout::Layout;
 pub use operation::{VOperation, DEFAULT_CHECK_TIMEOUT};
 pub use rules::Construction;
-
-use super::enqueue_methods;
-use crate::comm::Comm;
-use crate::dtype::NcclType;
-use crate::op::Reduction;
-
-enqueue_methods! {
-    VOperation => enqueue_v;
-    all_to_all_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>);
-    all_gather_v(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>);
-    all_gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>);
-    reduce_scatter_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
-    reduce_scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>, op: impl Into<Reduction<'a, T>>);
-    gather_v(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, recv_layout: Option<Layout>, root: usize);
-    gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize);
-    scatter_v(send: Option<&'a dyn DevicePtr<T>>, send_layout: Option<Layout>, recv: &'a mut impl DevicePtrMut<T>, root: usize);
-    scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize);
-}
