@@ -43,7 +43,7 @@
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
 //! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |
-//! | variable-count collectives | [`collectives::vector`] (`layout`, `operation`, `rules`, `dispatch`, `checked`) | [`VOperation`], [`Layout`], [`Comm::all_to_all_v`], [`Comm::exchange_counts`] |
+//! | variable-count collectives | [`collectives::vector`] (`layout`, `operation`, `rules`, `plan`, `dispatch`, `checked`) | [`VOperation`], [`Layout`], [`Comm::all_to_all_v`], [`Comm::exchange_counts`] |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups | [`group`] | [`Group`] |
 //! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |

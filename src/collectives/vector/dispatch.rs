@@ -8,7 +8,8 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 
 use super::operation::VOperation;
-use super::rules::{built, plan, Buf, Seg, Step};
+use super::plan::plan;
+use super::rules::{built, Buf, Seg, Step};
 use crate::calls;
 use crate::collectives::{dispatch, Operation};
 use crate::comm::Comm;

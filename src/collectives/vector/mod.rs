@@ -6,8 +6,8 @@
 //! NCCL has no variable-count collectives; they are built, as every framework builds them,
 //! from NCCL calls in one group. The rooms: `layout.rs` ([`Layout`]: where each rank's
 //! segment lies), `operation.rs` ([`VOperation`] and its constructors), `rules.rs` (the
-//! checks and the expansion into NCCL calls, pure functions), `dispatch.rs` (the path to
-//! NCCL) and `checked.rs` (what crosses ranks: the checked mode and
+//! checks) and `plan.rs` (the expansion into NCCL calls), both pure functions, `dispatch.rs`
+//! (the path to NCCL) and `checked.rs` (what crosses ranks: the checked mode and
 //! [`Comm::exchange_counts`]).
 //!
 //! # Using them
@@ -88,6 +88,7 @@ mod checked;
 mod dispatch;
 mod layout;
 mod operation;
+mod plan;
 mod rules;
 
 pub(crate) use checked::verify;
