@@ -1,6 +1,7 @@
 //! Group calls (`ncclGroupStart` / `ncclGroupEnd`).
 //!
-//! A [`Group`] fuses the operations enqueued through it into one NCCL launch when it ends.
+//! A [`Group`] fuses the operations enqueued through it into one NCCL kernel launch when it
+//! ends.
 //! Groups are how one thread drives several GPUs (every rank's operation must be issued
 //! before any of them can complete), how point-to-point sends and receives that depend on each
 //! other progress together, and how many small operations are aggregated.
@@ -16,7 +17,7 @@
 //! Operations with a [`CollConfig`] may be grouped, with NCCL's rules
 //! (`ncclCollConfig_t` docs, NCCL 2.32):
 //!
-//! * At most one launch-completion event per communicator per group: a second one on the
+//! * At most one kernel-started event per communicator per group: a second one on the
 //!   same communicator is refused with [`Error::InvalidArgument`]. The event is recorded when
 //!   the group's fused launch happens, so wait on it only after [`Group::finish`] returned;
 //!   the group keeps it borrowed until then.
@@ -72,16 +73,16 @@ pub struct Group<'g> {
 }
 
 /// The per-group rules of [`CollConfig`]s: which communicators already carry a
-/// launch-completion event, and the first explicit `cgaClusterSize`. Empty (and without an
+/// kernel-started event, and the first explicit `cgaClusterSize`. Empty (and without an
 /// allocation) in groups without configurations.
 #[derive(Debug, Default)]
 struct GroupConfigs {
-    /// Communicators (by their shared state's address) with a launch-completion event.
+    /// Communicators (by their shared state's address) with a kernel-started event.
     events: Vec<usize>,
     cga_cluster_size: Option<u32>,
 }
 
-/// What the group rules look at in one configuration: whether it has a launch-completion
+/// What the group rules look at in one configuration: whether it has a kernel-started
 /// event, and its `cgaClusterSize`.
 #[derive(Debug, Clone, Copy)]
 struct ConfigKey {
@@ -92,7 +93,7 @@ struct ConfigKey {
 impl From<&CollConfig<'_>> for ConfigKey {
     fn from(config: &CollConfig<'_>) -> Self {
         ConfigKey {
-            event: config.launch_event().is_some(),
+            event: config.started_event().is_some(),
             cga_cluster_size: config.cga(),
         }
     }
@@ -106,8 +107,8 @@ impl GroupConfigs {
     fn check(&self, comm_id: usize, rank: usize, config: ConfigKey) -> Result<()> {
         if config.event && self.events.contains(&comm_id) {
             return Err(Error::invalid(format!(
-                "the group already holds a launch-completion event for rank {rank}'s \
-                 communicator; NCCL allows one per communicator per group"
+                "the group already holds a kernel-started event (launchCompletionEvent) for \
+                 rank {rank}'s communicator; NCCL allows one per communicator per group"
             )));
         }
         if let (Some(first), Some(this)) = (self.cga_cluster_size, config.cga_cluster_size) {
@@ -339,7 +340,7 @@ mod tests {
     }
 
     #[test]
-    fn one_launch_event_per_communicator() {
+    fn one_kernel_started_event_per_communicator() {
         let mut configs = GroupConfigs::default();
         let (a, b) = (0x1000, 0x2000);
         assert!(configs.check(a, 0, key(true, None)).is_ok());

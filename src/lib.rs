@@ -75,7 +75,9 @@
 //!   on a stream, watching the communicator's asynchronous error meanwhile.
 //! * **placement**: where a process sits in the job: rank, size, local rank
 //!   ([`bootstrap::Placement`], read from the launcher's variables). Handing an operation to
-//!   NCCL is **dispatch**; "launch" is left to launchers (`mpirun`, `srun`, `torchrun`).
+//!   NCCL is **dispatch**; "launch" is left to launchers (`mpirun`, `srun`, `torchrun`) and
+//!   to CUDA's kernel launches (an event NCCL records when a collective's kernel has started
+//!   is the **kernel-started event**, NCCL's `launchCompletionEvent`).
 
 //! # Safety guarantees
 //!

@@ -39,7 +39,7 @@ impl Kind {
 /// be enqueued; see the [module docs](super).
 ///
 /// The lifetime `'a` covers the buffers (and a [`PreMulSum`](crate::PreMulSum) operator, and
-/// a [`CollConfig`] with its launch-completion event): they stay borrowed until the operation
+/// a [`CollConfig`] with its kernel-started event): they stay borrowed until the operation
 /// is enqueued, or until the group that holds it ends.
 ///
 /// A collective may carry a per-collective configuration ([`Operation::with_config`], NCCL
@@ -132,7 +132,7 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Runs the collective with a per-collective configuration (`ncclAllReduceConfig` ...
-    /// `ncclScatterConfig`, NCCL 2.31; a launch-completion event needs 2.32): algorithm
+    /// `ncclScatterConfig`, NCCL 2.31; a kernel-started event needs 2.32): algorithm
     /// selection, CTA limits and policy, profiler tag. See [`CollConfig`] for NCCL's rules.
     ///
     /// The configuration (and its event) stays borrowed until the operation is enqueued, or
