@@ -18,7 +18,8 @@
 //!
 //! # Buffers and streams
 //!
-//! Buffers are any cudarc [`DevicePtr`] (read) or [`DevicePtrMut`] (written): `CudaSlice`,
+//! Buffers are any cudarc [`DevicePtr`](cudarc::driver::DevicePtr) (read) or
+//! [`DevicePtrMut`](cudarc::driver::DevicePtrMut) (written): `CudaSlice`,
 //! `CudaView`, `CudaViewMut`. cudarc's event tracking is honoured: the stream waits for
 //! earlier writes (and, for written buffers, reads) of each buffer, and the buffer's events
 //! are recorded after NCCL enqueued its work (inside a group, after the group ends).

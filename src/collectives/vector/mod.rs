@@ -8,12 +8,12 @@
 //! segment lies), `operation.rs` ([`VOperation`] and its constructors), `rules.rs` (the
 //! checks) and `plan.rs` (the expansion into NCCL calls), both pure functions, `dispatch.rs`
 //! (the path to NCCL) and `checked.rs` (what crosses ranks: the checked mode and
-//! [`Comm::exchange_counts`]).
+//! [`Comm::exchange_counts`](crate::Comm::exchange_counts)).
 //!
 //! # Using them
 //!
-//! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`], ...,
-//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`](crate::Group)
+//! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`](crate::Comm::all_to_all_v), ...,
+//! or [`Comm::enqueue_v_on`](crate::Comm::enqueue_v_on) for another stream of its context); in a [`Group`](crate::Group)
 //! (several GPUs driven from one thread, or fused with other operations),
 //! [`Group::enqueue_v`](crate::Group::enqueue_v) takes the same [`VOperation`]. Blocking and
 //! nonblocking communicators both work. Counts and displacements are in elements;
