@@ -119,10 +119,25 @@ fn validate_and_call<'b, 'a: 'b, T: NcclType>(
     };
 
     // Validation is over: take the device pointers (this orders the stream after earlier
-    // work on the buffers) and call NCCL.
-    let (args, guards) = take_pointers(stream, call, plan, used, op);
+    // work on the buffers) and call NCCL. Taken here, not in a helper: guards returned from
+    // one stayed in memory in builds that unwind, a few dozen instructions more per call.
+    let (send_base, send_guard) = match (used.send, call.send) {
+        (true, Some(held)) => {
+            let (ptr, guard) = held.buf.device_ptr(stream);
+            (ptr, Some(guard))
+        }
+        _ => (0, None),
+    };
+    let (recv_base, recv_guard) = match (used.recv, call.recv) {
+        (true, Some(held)) => {
+            let (ptr, guard) = held.buf.device_ptr_mut(stream);
+            (ptr, Some(guard))
+        }
+        _ => (0, None),
+    };
+    let args = Args::at::<T>(plan, send_base, recv_base, op, stream);
     call_nccl(comm, kind, args, in_group, entry)?;
-    keep(guards);
+    keep([send_guard, recv_guard]);
     Ok(())
 }
 
@@ -209,50 +224,6 @@ fn check_buffer_contexts<T: NcclType>(
     Ok(())
 }
 
-/// Takes the used buffers' device pointers on `stream` (ordering it after earlier work on
-/// them) and computes the arguments NCCL gets from `plan`; the guards record the buffers'
-/// events when dropped.
-#[inline(always)]
-fn take_pointers<'b, 'a: 'b, T: NcclType>(
-    stream: &'b CudaStream,
-    call: Operation<'a, T>,
-    plan: Plan,
-    used: Used,
-    op: ncclRedOp_t,
-) -> (Args, Guards<'b>) {
-    let (send_base, send_guard) = match (used.send, call.send) {
-        (true, Some(held)) => {
-            let (ptr, guard) = held.buf.device_ptr(stream);
-            (ptr, Some(guard))
-        }
-        _ => (0, None),
-    };
-    let (recv_base, recv_guard) = match (used.recv, call.recv) {
-        (true, Some(held)) => {
-            let (ptr, guard) = held.buf.device_ptr_mut(stream);
-            (ptr, Some(guard))
-        }
-        _ => (0, None),
-    };
-    let elem = std::mem::size_of::<T>() as u64;
-    let address = |ptr: Ptr| -> *mut c_void {
-        match ptr {
-            Ptr::Null => std::ptr::null_mut(),
-            Ptr::Send(offset) => (send_base + offset as u64 * elem) as *mut c_void,
-            Ptr::Recv(offset) => (recv_base + offset as u64 * elem) as *mut c_void,
-        }
-    };
-    let args = Args {
-        send: address(plan.send) as *const c_void,
-        recv: address(plan.recv),
-        count: plan.count,
-        datatype: T::DATA_TYPE.raw(),
-        op,
-        stream: stream.cu_stream() as cudaStream_t,
-    };
-    (args, [send_guard, recv_guard])
-}
-
 /// Calls NCCL through `entry` under the communicator's lock, then completes the call (in a
 /// group, an in-progress result is left for the group's end).
 #[inline(always)]
@@ -284,6 +255,36 @@ struct Args {
     datatype: ncclDataType_t,
     op: ncclRedOp_t,
     stream: cudaStream_t,
+}
+
+impl Args {
+    /// The arguments of `plan`, its pointers taken from the buffers starting at `send_base`
+    /// and `recv_base` (0 where a buffer is not used).
+    #[inline(always)]
+    fn at<T: NcclType>(
+        plan: Plan,
+        send_base: u64,
+        recv_base: u64,
+        op: ncclRedOp_t,
+        stream: &CudaStream,
+    ) -> Self {
+        let elem = std::mem::size_of::<T>() as u64;
+        let address = |ptr: Ptr| -> *mut c_void {
+            match ptr {
+                Ptr::Null => std::ptr::null_mut(),
+                Ptr::Send(offset) => (send_base + offset as u64 * elem) as *mut c_void,
+                Ptr::Recv(offset) => (recv_base + offset as u64 * elem) as *mut c_void,
+            }
+        };
+        Args {
+            send: address(plan.send) as *const c_void,
+            recv: address(plan.recv),
+            count: plan.count,
+            datatype: T::DATA_TYPE.raw(),
+            op,
+            stream: stream.cu_stream() as cudaStream_t,
+        }
+    }
 }
 
 /// Which NCCL entry point a validated operation goes to: the plain function or its
