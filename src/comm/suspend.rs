@@ -2,36 +2,7 @@
 //! [`Comm::resume`] and [`Comm::mem_stats`] (`ncclCommSuspend`, `ncclCommResume`,
 //! `ncclCommMemStats`, NCCL 2.29.7).
 //!
-//! What NCCL does (`src/mem_manager.cc`, 2.29.7 to 2.30.7), and what this room makes of it:
-//!
-//! * Both calls are **collective**: suspend synchronises the whole device
-//!   (`cudaDeviceSynchronize`) and then waits for every rank at a bootstrap barrier before
-//!   unmapping its buffers; resume re-creates them, exchanges the new handles with every rank
-//!   and ends with two more barriers. Every rank calls them, each rank from its own thread
-//!   (one thread driving several ranks would wait at the first barrier for ranks it has not
-//!   called yet), and only once nothing is outstanding on the communicator. Work of other
-//!   communicators on the same GPU is waited for too, so it must be able to finish without
-//!   this rank.
-//! * `NCCL_SUSPEND_MEM` is the only thing NCCL can suspend (2.29.7 to 2.32): "scratch"
-//!   buffers are unmapped, "offload" buffers are first copied to host memory; buffers NCCL
-//!   marks persistent stay. The virtual addresses are kept, so pointers NCCL handed out stay
-//!   valid once resumed.
-//! * While suspended, NCCL allows no use of the communicator. This crate refuses every call
-//!   on it before NCCL sees it ([`Error::Suspended`]), except the queries (rank, size,
-//!   device, asynchronous error, properties, [`Comm::mem_stats`]), [`Comm::resume`],
-//!   [`Comm::abort`] and [`Comm::destroy`]: operations, groups, window and buffer
-//!   registration and deregistration (a window or registration dropped meanwhile leaks
-//!   rather than being freed while NCCL cannot take it back), split, shrink, grow, revoke and
-//!   finalize all get the error. The check is per rank: each rank's `Comm` knows whether it
-//!   was suspended; a rank that goes on while its peers are suspended is refused locally,
-//!   and a rank that suspends while its peers do not waits for them at NCCL's barrier.
-//! * A second suspend, and a resume of a communicator that is not suspended, are refused
-//!   here (NCCL would refuse them too, with `ncclInvalidUsage`, which counts as fatal).
-//! * Dropping a suspended communicator aborts it at once: nothing can be outstanding, and
-//!   an orderly destroy would gain nothing (see `close.rs`), so the drop stays bounded.
-//! * NCCL refuses both calls on a communicator that shares resources with another
-//!   (`CommConfig::split_share`, on the parent and the child) and when the memory manager is
-//!   off (`NCCL_DISABLE_MEM_MANAGER=1`), with `ncclInvalidUsage`.
+//! The rules, from NCCL's source, are on [`Comm::suspend`].
 
 use std::fmt;
 
@@ -112,11 +83,44 @@ impl Comm {
     /// around a weight swap, until [`Comm::resume`].
     ///
     /// Collective and device-synchronising: every rank calls it, from its own thread, with
-    /// nothing outstanding on the communicator; see the [module docs](self) for what NCCL
-    /// does and what is refused meanwhile ([`Error::Suspended`]). Fails with
+    /// nothing outstanding on the communicator; see below for what NCCL does and what is
+    /// refused meanwhile ([`Error::Suspended`]). Fails with
     /// [`Error::Unsupported`] before NCCL 2.29.7, and with [`Error::InvalidUsage`] (nothing
     /// called) on a communicator already suspended or while a [`Group`](crate::Group) is
     /// open on this thread (NCCL would add the suspend to that group).
+    ///
+    /// # Rules
+    ///
+    /// What NCCL does (`src/mem_manager.cc`, 2.29.7 to 2.30.7), and what this room makes of it:
+    ///
+    /// * Both calls are **collective**: suspend synchronises the whole device
+    ///   (`cudaDeviceSynchronize`) and then waits for every rank at a bootstrap barrier before
+    ///   unmapping its buffers; resume re-creates them, exchanges the new handles with every rank
+    ///   and ends with two more barriers. Every rank calls them, each rank from its own thread
+    ///   (one thread driving several ranks would wait at the first barrier for ranks it has not
+    ///   called yet), and only once nothing is outstanding on the communicator. Work of other
+    ///   communicators on the same GPU is waited for too, so it must be able to finish without
+    ///   this rank.
+    /// * `NCCL_SUSPEND_MEM` is the only thing NCCL can suspend (2.29.7 to 2.32): "scratch"
+    ///   buffers are unmapped, "offload" buffers are first copied to host memory; buffers NCCL
+    ///   marks persistent stay. The virtual addresses are kept, so pointers NCCL handed out stay
+    ///   valid once resumed.
+    /// * While suspended, NCCL allows no use of the communicator. This crate refuses every call
+    ///   on it before NCCL sees it ([`Error::Suspended`]), except the queries (rank, size,
+    ///   device, asynchronous error, properties, [`Comm::mem_stats`]), [`Comm::resume`],
+    ///   [`Comm::abort`] and [`Comm::destroy`]: operations, groups, window and buffer
+    ///   registration and deregistration (a window or registration dropped meanwhile leaks
+    ///   rather than being freed while NCCL cannot take it back), split, shrink, grow, revoke and
+    ///   finalize all get the error. The check is per rank: each rank's `Comm` knows whether it
+    ///   was suspended; a rank that goes on while its peers are suspended is refused locally,
+    ///   and a rank that suspends while its peers do not waits for them at NCCL's barrier.
+    /// * A second suspend, and a resume of a communicator that is not suspended, are refused
+    ///   here (NCCL would refuse them too, with `ncclInvalidUsage`, which counts as fatal).
+    /// * Dropping a suspended communicator aborts it at once: nothing can be outstanding, and
+    ///   an orderly destroy would gain nothing, so the drop stays bounded.
+    /// * NCCL refuses both calls on a communicator that shares resources with another
+    ///   (`CommConfig::split_share`, on the parent and the child) and when the memory manager is
+    ///   off (`NCCL_DISABLE_MEM_MANAGER=1`), with `ncclInvalidUsage`.
     pub fn suspend(&self) -> Result<()> {
         self.lib.require_call(&calls::ncclCommSuspend)?;
         thread_group::ensure_outside("Comm::suspend")?;
