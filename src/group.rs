@@ -390,7 +390,8 @@ impl<'g> Simulation<'g> {
     /// [`Error::InvalidArgument`], the simulation going on as it was: point-to-point
     /// operations (and all-to-all, gather, scatter), nonblocking communicators and one-rank
     /// communicators, which NCCL would run or leave queued (see the
-    /// [module docs](self#simulated-groups)); otherwise validated as [`Group::enqueue_on`].
+    /// [module docs](self#simulated-groups)), and a [`CollConfig`] with a launch-completion
+    /// event (nothing launches to record it); otherwise validated as [`Group::enqueue_on`].
     pub fn enqueue_on<T: NcclType>(
         &mut self,
         comm: &'g Comm,
@@ -398,6 +399,15 @@ impl<'g> Simulation<'g> {
         call: Operation<'g, T>,
     ) -> Result<()> {
         check_simulable(call.kind, comm.is_blocking(), comm.size())?;
+        if call
+            .config()
+            .is_some_and(|config| config.launch_event().is_some())
+        {
+            return Err(Error::invalid(
+                "a simulated collective launches nothing, so its launch-completion event would \
+                 never be recorded; simulate it without one",
+            ));
+        }
         self.group.enqueue_on(comm, stream, call)
     }
 
