@@ -1,9 +1,10 @@
-//! `nccl::params` against a stand-in libnccl built with the C compiler at test time (`$CC`,
-//! else `cc`; skipped, saying so, when none works). The stand-in keeps its strings the way
+//! `nccl::params` and `Group::simulate` against a stand-in libnccl built with the C compiler
+//! at test time (`$CC`, else `cc`; skipped, saying so, when none works). The stand-in keeps its strings the way
 //! NCCL does, in buffers its next call overwrites (with garbage first, here), so a value not
 //! copied at once would read wrong. Its version comes from `NCCL_RS_FAKE_VERSION`: the test
-//! re-executes itself to load it as NCCL 2.28.3 and 2.30.2 too (the loaded library is
-//! process-global), where the API must be refused as unsupported.
+//! re-executes itself to load it as NCCL 2.21.5, 2.28.3 and 2.30.2 too (the loaded library is
+//! process-global), where the API must be refused as unsupported, and on 2.21.5
+//! `Group::simulate` too (NCCL 2.22), before any group is opened.
 #![cfg(target_os = "linux")]
 
 use std::path::{Path, PathBuf};
@@ -101,6 +102,21 @@ ncclResult_t ncclParamGet(const struct param* h, void* out, int max, int* len) {
   return OK;
 }
 
+/* Groups: ncclGroupSimulateEnd checks NCCL_SIM_INFO_INITIALIZER as NCCL does and, asked to
+ * by NCCL_RS_FAKE_ESTIMATE_US, writes an estimate (an empty group leaves it at -1). */
+static int depth;
+ncclResult_t ncclGroupStart(void) { depth++; return OK; }
+ncclResult_t ncclGroupEnd(void) { depth--; return OK; }
+typedef struct { size_t size; unsigned int magic; unsigned int version; float estimatedTime; } simInfo;
+ncclResult_t ncclGroupSimulateEnd(simInfo* info) {
+  if (depth-- <= 0) return 5;
+  if (info->size != sizeof(simInfo) || sizeof(simInfo) != 24 || info->magic != 0x74685283u ||
+      info->version != 23203 || info->estimatedTime != -1.0f) return INVALID_ARGUMENT;
+  const char* estimate = getenv("NCCL_RS_FAKE_ESTIMATE_US");
+  if (estimate) info->estimatedTime = (float)atof(estimate);
+  return OK;
+}
+
 #define GETTER(name, ctype, tid) \
   ncclResult_t name(const struct param* h, ctype* out) { \
     if (h->type != tid) return INVALID_ARGUMENT; \
@@ -171,6 +187,19 @@ fn refused_on_an_older_library() {
             other => panic!("expected Unsupported on NCCL {found}, got {other:?}"),
         }
     }
+    if found < Version::new(2, 22, 0) {
+        match nccl::Group::simulate() {
+            Err(Error::Unsupported { api, needs, .. }) => {
+                assert_eq!(api, "ncclGroupSimulateEnd");
+                assert_eq!(needs, Version::new(2, 22, 0));
+            }
+            other => panic!("Group::simulate on NCCL {found}: {other:?}"),
+        }
+        assert!(
+            !nccl::group::is_open(),
+            "a refused simulation left a group open"
+        );
+    }
     println!("refused on NCCL {found}");
 }
 
@@ -182,6 +211,7 @@ fn params_of_a_stand_in_library() {
     }
     let dir = std::env::temp_dir().join(format!("nccl-rs-params-{}", std::process::id()));
     let Some(lib) = build(&dir) else { return };
+    child(&lib, "22105");
     child(&lib, "22803");
     child(&lib, "23002");
 
@@ -250,5 +280,27 @@ fn params_of_a_stand_in_library() {
         Err(Error::InvalidArgument(text)) => assert!(text.contains("NUL"), "{text}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
+
+    // A simulation hands NCCL an initialised ncclSimInfo_t and reads its estimate back; one
+    // that planned nothing (NCCL leaves -1) has none. The group is closed either way.
+    match nccl::Group::simulate().expect("simulate").estimate() {
+        Err(Error::Unavailable { api, reason }) => {
+            assert_eq!(api, "ncclGroupSimulateEnd");
+            assert!(reason.contains("no estimate"), "{reason}");
+        }
+        other => panic!("an empty simulation: {other:?}"),
+    }
+    assert!(!nccl::group::is_open());
+    std::env::set_var("NCCL_RS_FAKE_ESTIMATE_US", "250.5");
+    let estimate = nccl::Group::simulate()
+        .unwrap()
+        .estimate()
+        .expect("estimate");
+    assert_eq!(estimate, std::time::Duration::from_nanos(250_500));
+    // Dropped unfinished, a simulation is still only simulated, and closes its group.
+    drop(nccl::Group::simulate().unwrap());
+    assert!(!nccl::group::is_open());
+    let group = nccl::Group::start().expect("a group opens after simulations");
+    group.finish().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
