@@ -407,6 +407,16 @@ mod tests {
             "ncclCommWindowRegister is not available here: no symmetric memory"
         );
         assert!(!Error::invalid("x").is_unsupported());
+        let suspended = Error::Suspended {
+            call: "ncclAllReduce",
+            rank: 2,
+        };
+        assert!(!suspended.is_fatal());
+        assert_eq!(
+            suspended.to_string(),
+            "ncclAllReduce on rank 2: the communicator is suspended; resume it first \
+             (Comm::resume, on every rank)"
+        );
     }
 
     #[test]
