@@ -97,9 +97,18 @@ pub struct Group<'g> {
     guards: InlineList<SyncOnDrop<'g>, 8>,
     /// What NCCL allows once per group among the operations' configurations.
     configs: GroupConfigs,
-    /// A simulated group ([`Group::simulate`]): ended by `ncclGroupSimulateEnd`, whose
-    /// estimate (microseconds) is kept here.
-    simulation: Option<Option<f32>>,
+    /// How the group ends: launched, or simulated ([`Group::simulate`]).
+    ending: Ending,
+}
+
+/// How a group ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ending {
+    /// `ncclGroupEnd`: everything in it is launched.
+    Launch,
+    /// `ncclGroupSimulateEnd`: planned, not launched; NCCL's estimate (microseconds) once
+    /// ended.
+    Simulate { estimate: Option<f32> },
 }
 
 /// The per-group rules of [`CollConfig`]s: which communicators already carry a
@@ -184,7 +193,7 @@ impl<'g> Group<'g> {
             membership: Membership::enter([]),
             guards: InlineList::new(),
             configs: GroupConfigs::default(),
-            simulation: None,
+            ending: Ending::Launch,
         })
     }
 
@@ -207,7 +216,7 @@ impl<'g> Group<'g> {
     pub fn simulate() -> Result<Simulation<'g>> {
         library::get()?.require_call(&calls::ncclGroupSimulateEnd)?;
         let mut group = Group::start()?;
-        group.simulation = Some(None);
+        group.ending = Ending::Simulate { estimate: None };
         Ok(Simulation { group })
     }
 
@@ -309,13 +318,13 @@ impl<'g> Group<'g> {
         if !self.raw.is_open() {
             return Ok(());
         }
-        let ended = match &mut self.simulation {
+        let ended = match &mut self.ending {
             // Nothing is launched, so nothing is left in progress (only blocking members).
-            Some(estimate) => self.raw.simulate_end().map(|time| {
+            Ending::Simulate { estimate } => self.raw.simulate_end().map(|time| {
                 *estimate = Some(time);
                 false
             }),
-            None => self.raw.end(),
+            Ending::Launch => self.raw.end(),
         };
         // An abort deferred while the group was open runs in `leave`: the fused operation
         // was cut short, which is this group's failure.
@@ -352,7 +361,7 @@ impl Drop for Group<'_> {
         // A group dropped without `finish` (an early return with `?`) still has to end, or
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         let _ = self.end();
-        if self.simulation.is_some() {
+        if matches!(self.ending, Ending::Simulate { .. }) {
             // Nothing was launched: no work uses the buffers, so no event is recorded.
             for guard in self.guards.iter_mut() {
                 match guard {
@@ -416,7 +425,12 @@ impl<'g> Simulation<'g> {
     /// estimate (an empty simulation).
     pub fn estimate(mut self) -> Result<Duration> {
         self.group.end()?;
-        let micros = self.group.simulation.flatten().unwrap_or(-1.0);
+        let micros = match self.group.ending {
+            Ending::Simulate {
+                estimate: Some(micros),
+            } => micros,
+            _ => nccl_sys::NCCL_UNDEF_FLOAT,
+        };
         if !(micros >= 0.0 && micros.is_finite()) {
             return Err(Error::Unavailable {
                 api: calls::ncclGroupSimulateEnd.name,
