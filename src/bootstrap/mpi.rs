@@ -79,6 +79,15 @@ pub fn exchange_id_mpi_with(
 /// Each broadcast carries a status byte, as in [`exchange_id_mpi`]: a creator that fails
 /// makes every rank fail instead of joining with garbage.
 pub fn exchange_ids_mpi(world: &impl Communicator, count: IdCount) -> crate::Result<Vec<UniqueId>> {
+    exchange_ids_mpi_with(world, count, UniqueId::new)
+}
+
+/// Like [`exchange_ids_mpi`], with each creating rank calling `make_id`.
+pub fn exchange_ids_mpi_with(
+    world: &impl Communicator,
+    count: IdCount,
+    mut make_id: impl FnMut() -> crate::Result<UniqueId>,
+) -> crate::Result<Vec<UniqueId>> {
     // MPI sizes and ranks are non-negative by definition.
     let size = world.size() as usize;
     let me = world.rank() as usize;
@@ -89,7 +98,7 @@ pub fn exchange_ids_mpi(world: &impl Communicator, count: IdCount) -> crate::Res
         let root = root_rank(index, size, count);
         let mut message = [0u8; 1 + UNIQUE_ID_BYTES];
         if root == me {
-            match UniqueId::new() {
+            match make_id() {
                 Ok(id) => {
                     message[0] = 1;
                     message[1..].copy_from_slice(id.as_bytes());

@@ -329,13 +329,23 @@ impl LocalJob {
     /// [`Comm::init_rank_scalable`]; rank 0 creates them with [`UniqueId::new`].
     /// [`LocalJob::init_comm`] joins with them.
     pub fn exchange_ids(&self) -> crate::Result<Vec<UniqueId>> {
+        self.exchange_ids_with(UniqueId::new)
+    }
+
+    /// Like [`LocalJob::exchange_ids`], with each id created by calling `make_id` (on rank 0;
+    /// under MPI, on the ranks NCCL's guide names, see
+    /// [`rank_has_root`](super::rank_has_root)).
+    pub fn exchange_ids_with(
+        &self,
+        make_id: impl FnMut() -> crate::Result<UniqueId>,
+    ) -> crate::Result<Vec<UniqueId>> {
         self.fail_if_a_rank_failed()?;
         #[cfg(feature = "mpi")]
         if let Some(universe) = &self.mpi {
             let count = super::IdCount::from_vars(process_var)?;
-            return super::mpi::exchange_ids_mpi(&universe.0.world(), count);
+            return super::mpi::exchange_ids_mpi_with(&universe.0.world(), count, make_id);
         }
-        super::exchange_ids(&self.placement, self.exchange.clone())
+        super::exchange_ids_with(&self.placement, self.exchange.clone(), make_id)
     }
 
     /// Exchanges the unique id among the job's ranks; rank 0 creates it with
