@@ -41,8 +41,9 @@
 //! NCCL only encrypts when it was built with `TLS_BACKEND=OPENSSL3` and finds OpenSSL 3
 //! (`libssl.so.3`, `libcrypto.so.3`) at run time. `ncclSetEncryption` itself succeeds either
 //! way (it only stores the key); the failure comes with the first connection, which is the
-//! first communicator's init. In NCCL's source (`ncclSetEncryption` and `cryptSetMasterKey` in
-//! its crypt module, 2.32) a build without TLS returns `ncclInvalidUsage` with the warning
+//! first communicator's init. In NCCL's source (`ncclSetEncryption`, `ncclGetCryptConnectionMode`
+//! and `cryptSetMasterKey` in `src/misc/crypt.cc`, 2.32; the key is installed when a socket
+//! connects or accepts) a build without TLS returns `ncclInvalidUsage` with the warning
 //! "NCCL was built without TLS support but a pre-shared key was configured", and a missing
 //! OpenSSL `ncclSystemError`. While a key is set, joins report those two as
 //! [`Error::Unavailable`] naming `ncclSetEncryption`, so the cause is not mistaken for a
