@@ -1,6 +1,10 @@
 //! One connection on rank 0: read and check the request, claim the rank, send the id, wait
 //! for the ack; or tell the peer why it is turned away. Version 2's reading, sealing and
 //! delivering are in [`keyed`](super::keyed); the bookkeeping here serves both versions.
+//!
+//! Past 600 lines on purpose: the steps of one conversation (read, check, claim, deliver,
+//! release) read in their order here, and every check of a request sits beside the refusal it
+//! sends; split, one conversation would be spread over several files.
 
 use std::fmt;
 use std::io::Read;
