@@ -66,6 +66,8 @@ calls! {
     ncclCommInitAll: (2, 0, 0);
     ncclCommInitRank: (2, 0, 0);
     ncclCommInitRankConfig: (2, 14, 0);
+    ncclCommInitRankScalable: (2, 23, 0);
+    ncclSetEncryption: (2, 32, 0);
 
     // Operations: collectives and point-to-point.
     ncclAllReduce: (2, 0, 0);

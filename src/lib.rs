@@ -38,7 +38,7 @@
 //! | NCCL's effective parameters | [`params`] | [`params::all`], [`params::get`], [`Param`], [`ParamValue`] |
 //! | errors | [`error`] | [`Error`], [`ResultCode`] |
 //! | unique id | [`id`] | [`UniqueId`] |
-//! | communicator: create, split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`] |
+//! | communicator: create (one id or several), split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`], [`Comm::init_rank_scalable`] |
 //! | suspend and resume, memory figures, status | [`comm`] (`suspend`, `status`) | [`Comm::suspend`], [`Comm::resume`], [`MemStats`], [`CommStatus`] |
 //! | configuration | [`config`] | [`CommConfig`] |
 //! | per-collective configuration | [`coll_config`] | [`CollConfig`], [`Operation::with_config`] |
@@ -52,6 +52,7 @@
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
 //! | windows, one-sided RMA | [`window`] | [`Window`], [`Comm::register_window`], [`Window::put_signal`] |
 //! | communicator properties | [`properties`] | [`Comm::properties`], [`CommProperties`] |
+//! | encrypting NCCL's sockets | [`encryption`] | [`set_encryption`], [`EncryptionKey`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
 //! # Words used here, one meaning each
@@ -111,6 +112,7 @@ pub mod collectives;
 pub mod comm;
 pub mod config;
 pub mod dtype;
+pub mod encryption;
 pub mod error;
 pub mod fault;
 pub mod group;
@@ -131,6 +133,7 @@ pub use collectives::{Construction, Layout, Operation, VOperation};
 pub use comm::{Comm, CommStatus, MemStats};
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};
+pub use encryption::{set_encryption, EncryptionKey};
 pub use error::{Error, Result, ResultCode};
 pub use fault::{
     AbortHandle, AbortOutcome, Recovered, ShrinkMode, Survivor, Watchdog, WatchdogAction,

@@ -1,6 +1,10 @@
 //! One connection on rank 0: read and check the request, claim the rank, send the id, wait
 //! for the ack; or tell the peer why it is turned away. Version 2's reading, sealing and
 //! delivering are in [`keyed`](super::keyed); the bookkeeping here serves both versions.
+//!
+//! Past 600 lines on purpose: the steps of one conversation (read, check, claim, deliver,
+//! release) read in their order here, and every check of a request sits beside the refusal it
+//! sends; split, one conversation would be spread over several files.
 
 use std::fmt;
 use std::io::Read;
@@ -13,10 +17,11 @@ use snow::HandshakeState;
 use super::keyed::{self, Keyed};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
-    kind_of, version_of, Ack, ReplyHeader, Request, Status, ACK_LEN, DUPLICATE_DONE,
+    kind_of, version_of, wire_u32, Ack, ReplyHeader, Request, Status, ACK_LEN, DUPLICATE_DONE,
     DUPLICATE_IN_FLIGHT, KEYED_VERSION, KIND_REPLY, KIND_REQUEST, MAGIC, PREFIX_LEN,
     REPLY_HEADER_LEN, REQUEST_LEN, VERSION,
 };
+use crate::bootstrap::ids::{self, ANY_IDS};
 use crate::bootstrap::util::{deadline_after, io_error, lock, time_left};
 use crate::bootstrap::BootstrapError;
 use crate::id::UNIQUE_ID_BYTES;
@@ -69,7 +74,8 @@ pub(super) struct Shared {
     state: Mutex<ServeState>,
     /// Which exchange under this job key this is, counted per process from 0.
     round: u32,
-    pub(super) id: UniqueId,
+    /// What this serve hands out: one id, or several for `ncclCommInitRankScalable`.
+    pub(super) ids: Vec<UniqueId>,
     world_size: usize,
     job_hash: u64,
     /// Set when the ranks share a key: then only version 2 is spoken.
@@ -81,7 +87,7 @@ pub(super) struct Shared {
 impl Shared {
     /// The state of one serve; `round` is taken from the job's history as serving starts.
     pub(super) fn new(
-        id: UniqueId,
+        ids: Vec<UniqueId>,
         world_size: usize,
         job_hash: u64,
         round: u32,
@@ -101,7 +107,7 @@ impl Shared {
                 finished: false,
             }),
             round,
-            id,
+            ids,
             world_size,
             job_hash,
             keyed,
@@ -241,7 +247,7 @@ impl Refusal {
     /// it; without a way to seal it the peer is closed without a reply.
     pub(super) fn sealed(mut self, handshake: &mut HandshakeState) -> Self {
         if let Some(Reply::Plain(status, detail)) = self.reply {
-            self.reply = keyed::seal_reply(handshake, status, detail, None)
+            self.reply = keyed::seal_reply(handshake, status, detail, &[])
                 .ok()
                 .map(Reply::Sealed);
         }
@@ -356,7 +362,29 @@ fn check_request(shared: &Shared, request: &Request) -> Result<usize, Refusal> {
         let refusal = Refusal::new(BootstrapError::WrongJob { detail }, Status::WrongJob, 0);
         return Err(refusal.for_rank(request.rank as usize));
     }
-    check_place(shared, request.world_size, request.rank, request.round)
+    let rank = check_place(shared, request.world_size, request.rank, request.round)?;
+    check_ids_wanted(shared, request.ids_wanted, rank)?;
+    Ok(rank)
+}
+
+/// Checks the number of ids a request asks for against what this serve hands out: 0 (a rank
+/// of a version that predates several ids) asks for one, `ANY_IDS` takes any number.
+pub(super) fn check_ids_wanted(shared: &Shared, wanted: u32, rank: usize) -> Result<(), Refusal> {
+    let handed_out = shared.ids.len();
+    let expected = match wanted {
+        ANY_IDS => return Ok(()),
+        0 => 1,
+        n => n as usize,
+    };
+    if expected == handed_out {
+        return Ok(());
+    }
+    let error = BootstrapError::IdCountMismatch {
+        handed_out,
+        expected,
+    };
+    let detail = u32::try_from(handed_out).unwrap_or(u32::MAX);
+    Err(Refusal::new(error, Status::IdCountMismatch, detail).for_rank(rank))
 }
 
 /// Checks the rest of a request whose job matched: world size, round and rank.
@@ -433,17 +461,22 @@ fn deliver(
     deadline: Instant,
     rank: usize,
 ) -> Result<(), Refusal> {
-    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
-    reply[..REPLY_HEADER_LEN].copy_from_slice(&ReplyHeader::encode(Status::Ok, 0));
-    reply[REPLY_HEADER_LEN..].copy_from_slice(shared.id.as_bytes());
+    // An ok reply's detail is the number of ids that follow (earlier versions sent 0 and one
+    // id, which a rank reads alike).
+    let count = wire_u32(shared.ids.len(), "id count").map_err(Refusal::silent)?;
+    let mut reply = Vec::with_capacity(REPLY_HEADER_LEN + shared.ids.len() * UNIQUE_ID_BYTES);
+    reply.extend_from_slice(&ReplyHeader::encode(Status::Ok, count));
+    for id in &shared.ids {
+        reply.extend_from_slice(id.as_bytes());
+    }
     write_full(stream, &reply, deadline)
-        .map_err(|e| Refusal::silent(io_error("sending the unique id", e)))?;
+        .map_err(|e| Refusal::silent(io_error("sending the unique ids", e)))?;
     let mut ack = [0u8; ACK_LEN];
     read_full(stream, &mut ack, deadline)
         .map_err(|short| Refusal::silent(ack_short(short, shared, rank, ACK_LEN)))?;
     let expected = Ack {
         rank: request_rank(rank),
-        fingerprint: shared.id.fingerprint(),
+        fingerprint: ids::fingerprint(&shared.ids),
     };
     if Ack::decode(&ack) != Some(expected) {
         return Err(Refusal::silent(BootstrapError::Protocol(
