@@ -107,6 +107,18 @@ calls! {
     ncclPutSignal: (2, 29, 0);
     ncclSignal: (2, 29, 0);
     ncclWaitSignal: (2, 29, 0);
+
+    // The device API (nccl_device/host.h): device communicators, teams, window pointers.
+    ncclDevCommCreate: (2, 28, 0);
+    ncclDevCommDestroy: (2, 28, 0), after_failure;
+    ncclTeamWorld: (2, 28, 0), after_failure;
+    ncclTeamLsa: (2, 28, 0), after_failure;
+    ncclTeamRail: (2, 28, 0), after_failure;
+    ncclTeamRankToWorld: (2, 28, 0), after_failure;
+    ncclTeamRankToLsa: (2, 28, 0), after_failure;
+    ncclGetLsaDevicePointer: (2, 29, 2), after_failure;
+    ncclGetPeerDevicePointer: (2, 29, 2), after_failure;
+    ncclGetLsaMultimemDevicePointer: (2, 29, 2), after_failure;
 }
 
 #[cfg(test)]
@@ -148,6 +160,15 @@ mod tests {
                 "ncclRedOpDestroy",
                 "ncclCommDeregister",
                 "ncclCommWindowDeregister",
+                "ncclDevCommDestroy",
+                "ncclTeamWorld",
+                "ncclTeamLsa",
+                "ncclTeamRail",
+                "ncclTeamRankToWorld",
+                "ncclTeamRankToLsa",
+                "ncclGetLsaDevicePointer",
+                "ncclGetPeerDevicePointer",
+                "ncclGetLsaMultimemDevicePointer",
             ]
         );
     }

@@ -108,6 +108,7 @@ pub mod coll_config;
 pub mod collectives;
 pub mod comm;
 pub mod config;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod fault;
