@@ -136,6 +136,15 @@ impl<'c, T: NcclType> Window<'c, T> {
     /// (`ncclGetLsaMultimemDevicePointer`, NCCL 2.29.2): [`Error::Unavailable`] where the
     /// communicator has no multicast (NVLS off), as on hosts without NVSwitch.
     pub fn lsa_multimem_ptr(&self, offset: usize) -> Result<PeerPtr<'_, T>> {
+        // Asked first, so NCCL's multicast set-up is never reached where there is none.
+        if !self.comm().properties()?.multimem_support {
+            return Err(Error::Unavailable {
+                api: calls::ncclGetLsaMultimemDevicePointer.name,
+                reason: "the communicator reports no multicast support (multimemSupport is \
+                         false: no NVSwitch multicast, or NVLS disabled)"
+                    .into(),
+            });
+        }
         self.query_ptr(
             &calls::ncclGetLsaMultimemDevicePointer,
             Query::LsaMultimem,
