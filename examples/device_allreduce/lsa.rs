@@ -48,7 +48,7 @@ pub fn input(rank: usize, count: usize, seed: u64) -> Vec<f32> {
 
 /// The CTAs for `count` floats (each thread handles 4 where `count` allows).
 fn ctas(count: usize) -> u32 {
-    let per_cta = THREADS as usize * if count % 4 == 0 { 4 } else { 1 };
+    let per_cta = THREADS as usize * if count.is_multiple_of(4) { 4 } else { 1 };
     count.div_ceil(per_cta).clamp(1, MAX_CTAS as usize) as u32
 }
 
