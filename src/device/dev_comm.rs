@@ -64,7 +64,8 @@ impl Image {
 /// The heap slot NCCL writes the device communicator into (see [`JobSlot`]).
 type Slot = JobSlot<Image>;
 
-/// A device communicator (`ncclDevComm`) of one rank; see the [module docs](self).
+/// A device communicator (`ncclDevComm`) of one rank; see the
+/// [device API docs](crate::device).
 ///
 /// It borrows its [`Comm`], so it cannot outlive it, and is destroyed (`ncclDevCommDestroy`)
 /// on drop or [`close`](DevComm::close), after waiting, for at most

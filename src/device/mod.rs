@@ -72,7 +72,7 @@
 //! * Device communicators need NCCL 2.29.2+ ([`DEV_COMM_SINCE`]): from there the structs carry
 //!   a `version` NCCL checks and translates; 2.28's had none (and changed between 2.28.3 and
 //!   2.28.9), so a 2.28 library cannot tell which layout a kernel reads. Older libraries give
-//!   [`Error::Unsupported`](crate::Error::Unsupported) before NCCL is called.
+//!   [`crate::Error::Unsupported`] before NCCL is called.
 //! * Device code must be compiled against headers no newer than the loaded library (NCCL
 //!   refuses a newer `version`); LSA (and multimem) kernels compiled against 2.29.2+ headers
 //!   run on any later library, which lays the device communicator out as they expect. GIN

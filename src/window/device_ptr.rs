@@ -49,6 +49,25 @@ unsafe impl<'a, 'b: 'a, 'w> PushKernelArg<&'b DeviceWindow<'w>> for LaunchArgs<'
 /// queried on is borrowed (and its communicator alive). A kernel argument (`T*` on the
 /// device side); it covers [`len`](PeerPtr::len) elements as this rank's window is
 /// registered (peers' windows may be smaller from NCCL 2.30.7: stay within theirs).
+///
+/// ```compile_fail
+/// // A peer pointer cannot outlive the borrow of its window.
+/// fn f(window: nccl::Window<'_, f32>) -> nccl::Result<()> {
+///     let ptr = window.lsa_ptr(0, 0)?;
+///     let buffer = window.close().map_err(|(_, err)| err)?;
+///     drop(ptr);
+///     Ok(())
+/// }
+/// ```
+///
+/// ```compile_fail
+/// // Nor can a window handle made for a kernel.
+/// fn f(mut window: nccl::Window<'_, f32>, stream: &cudarc::driver::CudaStream) {
+///     let handle = window.device_window(stream);
+///     drop(window);
+///     drop(handle);
+/// }
+/// ```
 pub struct PeerPtr<'w, T> {
     addr: u64,
     len: usize,

@@ -55,7 +55,8 @@ fn is_executable(path: &Path) -> Result<(), String> {
     }
 }
 
-/// Finds `nvcc` as NVIDIA's nccl_ep does (see [`candidates`]).
+/// Finds `nvcc` as NVIDIA's nccl_ep does: `$NVCC`, `$CUDA_HOME/bin/nvcc`,
+/// `$CUDA_PATH/bin/nvcc`, `/usr/local/cuda/bin/nvcc`, then every directory of `$PATH`.
 pub fn find_nvcc() -> Result<PathBuf, KernelError> {
     find_in(|name| std::env::var(name).ok())
 }
