@@ -36,7 +36,7 @@
 //! | 2.30.7 | 96 | `ginStrongSignalsRequired`, `ginVaSignalsRequired` (in former padding) |
 //! | 2.32.3 | 120 | `ginCustomStride`, `ginType`, `useRuntimeVersion`, `cftCaps`, `cftBarrierCount` |
 //!
-//! The `version` also picks the layout of the [`ncclDevComm`] NCCL writes: a library given an
+//! The `version` also picks the layout of the [`ncclDevComm_t`] NCCL writes: a library given an
 //! older version writes that version's layout (2.29.2/2.29.3 and 2.29.5 to 2.29.7 had no
 //! `magic`/`version` at its start; 224 bytes in 2.29.7), so the version must be the one the
 //! kernels reading it were compiled with. [`ncclDevComm_v23200`] is the 2.32.3 layout.
