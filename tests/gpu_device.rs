@@ -124,6 +124,10 @@ fn multimem_and_gin_are_refused_before_nccl() {
     let comms = one_rank();
     let props = comms[0].properties().expect("properties");
     assert!(
+        props.device_api_support,
+        "a one-rank communicator has the device API"
+    );
+    assert!(
         !props.multimem_support,
         "NVLS must be off here (NCCL_NVLS_ENABLE=0); this test never asks for multicast \
          where it exists"

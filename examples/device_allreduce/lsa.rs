@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
-use nccl::device::kernel::Toolchain;
+use nccl::device::kernel::{DeviceModule, Toolchain};
 use nccl::device::{DevComm, DevCommRequirements, DeviceAbi};
 use nccl::properties::{GinConnection, GinType};
 use nccl::{Comm, Group, NcclBuffer, Operation, ReduceOp, Window, WindowFlags};
@@ -97,14 +97,22 @@ impl<'c> Ranks<'c> {
     /// Builds the kernel for every rank's GPU, registers the windows and creates the device
     /// communicators (collective: every rank, from this thread).
     pub fn new(comms: &'c [Comm], toolchain: &Toolchain) -> Res<Self> {
+        // One build per GPU (ranks sharing a GPU share its primary context).
+        let mut built: Vec<(usize, DeviceModule)> = Vec::new();
         let mut kernels = Vec::with_capacity(comms.len());
-        let mut abi = None;
         for comm in comms {
-            let module = toolchain.build(comm.context(), SOURCE)?;
-            abi = Some(module.abi());
+            let ordinal = comm.context().ordinal();
+            let module = match built.iter().find(|(o, _)| *o == ordinal) {
+                Some((_, module)) => module.clone(),
+                None => {
+                    let module = toolchain.build(comm.context(), SOURCE)?;
+                    built.push((ordinal, module.clone()));
+                    module
+                }
+            };
             kernels.push(module.function(KERNEL)?);
         }
-        let abi = abi.ok_or("no communicators")?;
+        let abi = toolchain.abi();
         let windows = |_| -> Res<Vec<Window<'c, f32>>> {
             let buffers = comms
                 .iter()
