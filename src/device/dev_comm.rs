@@ -119,6 +119,11 @@ fn prepare(
 ) -> Result<ncclDevCommRequirements_t> {
     let lib = comm.library();
     lib.require_call(&calls::ncclDevCommCreate)?;
+    // Before the properties, which a library older than 2.29 has not either.
+    lib.require(
+        "ncclDevCommCreate (versioned device communicators)",
+        super::DEV_COMM_SINCE,
+    )?;
     thread_group::ensure_outside("DevComm::create")?;
     comm.check_failure(CALL)?;
     let props = comm.properties()?;
