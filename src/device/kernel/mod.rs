@@ -34,11 +34,13 @@
 mod headers;
 mod nvcc;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DriverError};
 use cudarc::nvrtc::Ptx;
+use parking_lot::Mutex;
 
 pub use headers::{HeaderAttempt, NcclHeaders};
 pub use nvcc::{find_nvcc, NvccAttempt};
@@ -166,6 +168,22 @@ impl BuildOptions {
     }
 }
 
+/// One compile's inputs: the same ones give the same cubin, so a process compiles each once.
+#[derive(PartialEq, Eq, Hash)]
+struct CacheKey {
+    nvcc: PathBuf,
+    include: PathBuf,
+    source: String,
+    arch: (i32, i32),
+    extra: Vec<String>,
+}
+
+/// The cubins this process compiled (a few, each some hundred KiB at most).
+fn cache() -> &'static Mutex<HashMap<CacheKey, Vec<u8>>> {
+    static CACHE: OnceLock<Mutex<HashMap<CacheKey, Vec<u8>>>> = OnceLock::new();
+    CACHE.get_or_init(Mutex::default)
+}
+
 /// `nvcc` and the NCCL headers that suit the loaded library.
 #[derive(Debug, Clone)]
 pub struct Toolchain {
@@ -210,7 +228,8 @@ impl Toolchain {
         DeviceAbi::new(self.headers.version())
     }
 
-    /// Compiles `source` to a cubin for compute capability `arch` (`(9, 0)` for H100).
+    /// Compiles `source` to a cubin for compute capability `arch` (`(9, 0)` for H100), once
+    /// per process for the same source, architecture, options, compiler and headers.
     pub fn compile(
         &self,
         source: &str,
@@ -223,7 +242,19 @@ impl Toolchain {
                 library: self.library,
             });
         }
-        nvcc::compile(&self.nvcc, self.headers.dir(), source, arch, &options.extra)
+        let key = CacheKey {
+            nvcc: self.nvcc.clone(),
+            include: self.headers.dir().to_path_buf(),
+            source: source.to_string(),
+            arch,
+            extra: options.extra.clone(),
+        };
+        if let Some(cubin) = cache().lock().get(&key) {
+            return Ok(cubin.clone());
+        }
+        let cubin = nvcc::compile(&self.nvcc, self.headers.dir(), source, arch, &options.extra)?;
+        cache().lock().insert(key, cubin.clone());
+        Ok(cubin)
     }
 
     /// Compiles `source` for the device of `ctx` and loads it there.
