@@ -140,6 +140,18 @@ calls! {
     ncclParamGetU16: (2, 30, 3);
     ncclParamGetU32: (2, 30, 3);
     ncclParamGetU64: (2, 30, 3);
+
+    // The device API (nccl_device/host.h): device communicators, teams, window pointers.
+    ncclDevCommCreate: (2, 28, 0);
+    ncclDevCommDestroy: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamWorld: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamLsa: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamRail: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamRankToWorld: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamRankToLsa: (2, 28, 0), after_failure, while_suspended;
+    ncclGetLsaDevicePointer: (2, 29, 2), after_failure;
+    ncclGetPeerDevicePointer: (2, 29, 2), after_failure;
+    ncclGetLsaMultimemDevicePointer: (2, 29, 2), after_failure;
 }
 
 #[cfg(test)]
@@ -182,6 +194,15 @@ mod tests {
                 "ncclRedOpDestroy",
                 "ncclCommDeregister",
                 "ncclCommWindowDeregister",
+                "ncclDevCommDestroy",
+                "ncclTeamWorld",
+                "ncclTeamLsa",
+                "ncclTeamRail",
+                "ncclTeamRankToWorld",
+                "ncclTeamRankToLsa",
+                "ncclGetLsaDevicePointer",
+                "ncclGetPeerDevicePointer",
+                "ncclGetLsaMultimemDevicePointer",
             ]
         );
     }
@@ -206,6 +227,12 @@ mod tests {
                 "ncclCommDestroy",
                 "ncclCommResume",
                 "ncclRedOpDestroy",
+                "ncclDevCommDestroy",
+                "ncclTeamWorld",
+                "ncclTeamLsa",
+                "ncclTeamRail",
+                "ncclTeamRankToWorld",
+                "ncclTeamRankToLsa",
             ]
         );
     }

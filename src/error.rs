@@ -230,6 +230,13 @@ pub enum Error {
     /// type does not name a layer above it; `Error::bootstrap()` hands it back typed.
     #[error(transparent)]
     Bootstrap(BoxedError),
+
+    /// Building or loading device code failed (`device::kernel`: no nvcc, a compile error
+    /// with nvcc's output, NCCL headers missing or newer than the library). Its own error,
+    /// `device::kernel::KernelError`, is inside, carried as a [`BoxedError`] so that this
+    /// ground-floor type does not name a layer above it.
+    #[error(transparent)]
+    Kernel(BoxedError),
 }
 
 fn last_error_suffix(last: &Option<String>) -> String {

@@ -111,6 +111,7 @@ pub mod coll_config;
 pub mod collectives;
 pub mod comm;
 pub mod config;
+pub mod device;
 pub mod dtype;
 pub mod encryption;
 pub mod error;
