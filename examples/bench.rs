@@ -64,6 +64,13 @@
 //! `--control` makes both columns issue raw calls: what that comparison reports is the
 //! measurement's own spread, the yardstick for the safe/raw differences.
 //!
+//! `--simulate` adds, after each row, a comment line (`#`, so parsers of nccl-tests' output
+//! skip it) with NCCL's own estimate of the operation's time: every rank simulates the
+//! same operation in a [`nccl::Group::simulate`] (`ncclGroupSimulateEnd`, NCCL 2.22;
+//! nothing is launched) and rank 0 prints the estimate beside the measured time (the first
+//! API's column) and their ratio, out of place and in place. Point-to-point operations and
+//! those built from it, the v-collectives and the put_signal ring have no estimate.
+//!
 //! # Registered buffers (`-R`) and one-sided RMA (`--rma`)
 //!
 //! `-R 1` registers both buffers with `Comm::register` (`ncclCommRegister`) and passes the
@@ -692,6 +699,21 @@ impl TypeVisitor for TypeRun<'_> {
                 }
                 if me == 0 {
                     println!("{}", report.line(&row));
+                }
+                if options.simulate {
+                    // Every rank simulates, as every rank runs the operation.
+                    let mut estimates = Vec::new();
+                    for (in_place, cell) in [(false, &row.out_of_place), (true, &row.in_place)] {
+                        let Some(measured) = cell.first() else {
+                            continue;
+                        };
+                        if let Some(estimate) = issuer.simulate(&rank.comm, &mut bufs, in_place)? {
+                            estimates.push((in_place, estimate, measured.time_us));
+                        }
+                    }
+                    if me == 0 {
+                        println!("{}", report::simulated_line(&estimates));
+                    }
                 }
                 report.rows.push(row);
             }

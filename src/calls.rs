@@ -25,25 +25,36 @@ pub(crate) struct Call {
     /// Whether it may be called on a communicator that failed but was not released:
     /// queries, tear-down, and the calls that build a replacement from it.
     pub(crate) after_failure: bool,
+    /// Whether it may be called on a suspended communicator (`ncclCommSuspend`): queries,
+    /// resume and tear-down. NCCL allows no other use until `ncclCommResume`.
+    pub(crate) while_suspended: bool,
 }
 
 /// Writes one `Call` constant per row, its name taken from the row's identifier, and the
-/// list of them all (for the table's own tests).
+/// list of them all (for the table's own tests). A row's markers (`after_failure`,
+/// `while_suspended`) follow its version.
 macro_rules! calls {
-    ($($name:ident: ($major:literal, $minor:literal, $patch:literal) $(, $after:ident)?;)*) => {
+    ($($name:ident: ($major:literal, $minor:literal, $patch:literal) $(, $marker:ident)*;)*) => {
         $(
             pub(crate) const $name: Call = Call {
                 name: stringify!($name),
                 since: Version::new($major, $minor, $patch),
-                after_failure: calls!(@after $($after)?),
+                after_failure: calls!(@after_failure $($marker)*),
+                while_suspended: calls!(@while_suspended $($marker)*),
             };
         )*
         /// Every row, in the table's order.
         #[cfg(test)]
         pub(crate) const ALL: &[&Call] = &[$(&$name),*];
     };
-    (@after after_failure) => { true };
-    (@after) => { false };
+    // Whether a row's markers include `after_failure` / `while_suspended`; an unknown
+    // marker is a compile error.
+    (@after_failure) => { false };
+    (@after_failure after_failure $($rest:ident)*) => { true };
+    (@after_failure while_suspended $($rest:ident)*) => { calls!(@after_failure $($rest)*) };
+    (@while_suspended) => { false };
+    (@while_suspended while_suspended $($rest:ident)*) => { true };
+    (@while_suspended after_failure $($rest:ident)*) => { calls!(@while_suspended $($rest)*) };
 }
 
 calls! {
@@ -51,9 +62,12 @@ calls! {
     ncclGetUniqueId: (2, 0, 0);
     ncclGroupStart: (2, 0, 0);
     ncclGroupEnd: (2, 0, 0);
+    ncclGroupSimulateEnd: (2, 22, 0);
     ncclCommInitAll: (2, 0, 0);
     ncclCommInitRank: (2, 0, 0);
     ncclCommInitRankConfig: (2, 14, 0);
+    ncclCommInitRankScalable: (2, 23, 0);
+    ncclSetEncryption: (2, 32, 0);
 
     // Operations: collectives and point-to-point.
     ncclAllReduce: (2, 0, 0);
@@ -77,11 +91,12 @@ calls! {
     ncclScatterConfig: (2, 31, 0);
 
     // Queries.
-    ncclCommGetAsyncError: (2, 4, 0), after_failure;
-    ncclCommCount: (2, 0, 0), after_failure;
-    ncclCommUserRank: (2, 0, 0), after_failure;
-    ncclCommCuDevice: (2, 0, 0), after_failure;
-    ncclCommQueryProperties: (2, 29, 0);
+    ncclCommGetAsyncError: (2, 4, 0), after_failure, while_suspended;
+    ncclCommCount: (2, 0, 0), after_failure, while_suspended;
+    ncclCommUserRank: (2, 0, 0), after_failure, while_suspended;
+    ncclCommCuDevice: (2, 0, 0), after_failure, while_suspended;
+    ncclCommQueryProperties: (2, 29, 0), while_suspended;
+    ncclCommMemStats: (2, 29, 7), after_failure, while_suspended;
 
     // Creating, tearing down and rebuilding communicators.
     ncclCommSplit: (2, 18, 0), after_failure;
@@ -90,12 +105,16 @@ calls! {
     ncclCommGrow: (2, 29, 0);
     ncclCommGetUniqueId: (2, 29, 0);
     ncclCommFinalize: (2, 14, 0);
-    ncclCommAbort: (2, 4, 0), after_failure;
-    ncclCommDestroy: (2, 0, 0), after_failure;
+    ncclCommAbort: (2, 4, 0), after_failure, while_suspended;
+    ncclCommDestroy: (2, 0, 0), after_failure, while_suspended;
+
+    // Releasing and restoring a communicator's dynamic GPU memory.
+    ncclCommSuspend: (2, 29, 7);
+    ncclCommResume: (2, 29, 7), while_suspended;
 
     // Reduction operators.
     ncclRedOpCreatePreMulSum: (2, 11, 0);
-    ncclRedOpDestroy: (2, 11, 0), after_failure;
+    ncclRedOpDestroy: (2, 11, 0), after_failure, while_suspended;
 
     // Memory, registration, windows and one-sided RMA.
     ncclMemAlloc: (2, 19, 0);
@@ -107,6 +126,32 @@ calls! {
     ncclPutSignal: (2, 29, 0);
     ncclSignal: (2, 29, 0);
     ncclWaitSignal: (2, 29, 0);
+
+    // NCCL's effective parameters (exported from 2.30.3, declared in nccl.h from 2.30.4).
+    ncclParamGetAllParameterKeys: (2, 30, 3);
+    ncclParamGetParameter: (2, 30, 3);
+    ncclParamBind: (2, 30, 3);
+    ncclParamGet: (2, 30, 3);
+    ncclParamGetI8: (2, 30, 3);
+    ncclParamGetI16: (2, 30, 3);
+    ncclParamGetI32: (2, 30, 3);
+    ncclParamGetI64: (2, 30, 3);
+    ncclParamGetU8: (2, 30, 3);
+    ncclParamGetU16: (2, 30, 3);
+    ncclParamGetU32: (2, 30, 3);
+    ncclParamGetU64: (2, 30, 3);
+
+    // The device API (nccl_device/host.h): device communicators, teams, window pointers.
+    ncclDevCommCreate: (2, 28, 0);
+    ncclDevCommDestroy: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamWorld: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamLsa: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamRail: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamRankToWorld: (2, 28, 0), after_failure, while_suspended;
+    ncclTeamRankToLsa: (2, 28, 0), after_failure, while_suspended;
+    ncclGetLsaDevicePointer: (2, 29, 2), after_failure;
+    ncclGetPeerDevicePointer: (2, 29, 2), after_failure;
+    ncclGetLsaMultimemDevicePointer: (2, 29, 2), after_failure;
 }
 
 #[cfg(test)]
@@ -140,6 +185,7 @@ mod tests {
                 "ncclCommCount",
                 "ncclCommUserRank",
                 "ncclCommCuDevice",
+                "ncclCommMemStats",
                 "ncclCommSplit",
                 "ncclCommShrink",
                 "ncclCommRevoke",
@@ -148,6 +194,45 @@ mod tests {
                 "ncclRedOpDestroy",
                 "ncclCommDeregister",
                 "ncclCommWindowDeregister",
+                "ncclDevCommDestroy",
+                "ncclTeamWorld",
+                "ncclTeamLsa",
+                "ncclTeamRail",
+                "ncclTeamRankToWorld",
+                "ncclTeamRankToLsa",
+                "ncclGetLsaDevicePointer",
+                "ncclGetPeerDevicePointer",
+                "ncclGetLsaMultimemDevicePointer",
+            ]
+        );
+    }
+
+    #[test]
+    fn only_queries_resume_and_tear_down_are_allowed_while_suspended() {
+        let allowed: Vec<&str> = ALL
+            .iter()
+            .filter(|call| call.while_suspended)
+            .map(|call| call.name)
+            .collect();
+        assert_eq!(
+            allowed,
+            [
+                "ncclCommGetAsyncError",
+                "ncclCommCount",
+                "ncclCommUserRank",
+                "ncclCommCuDevice",
+                "ncclCommQueryProperties",
+                "ncclCommMemStats",
+                "ncclCommAbort",
+                "ncclCommDestroy",
+                "ncclCommResume",
+                "ncclRedOpDestroy",
+                "ncclDevCommDestroy",
+                "ncclTeamWorld",
+                "ncclTeamLsa",
+                "ncclTeamRail",
+                "ncclTeamRankToWorld",
+                "ncclTeamRankToLsa",
             ]
         );
     }

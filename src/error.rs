@@ -177,6 +177,22 @@ pub enum Error {
     #[error("invalid usage: {0}")]
     InvalidUsage(String),
 
+    /// The call was refused before reaching NCCL because this rank's communicator is
+    /// suspended ([`Comm::suspend`](crate::Comm::suspend)): NCCL allows only queries,
+    /// [`Comm::resume`](crate::Comm::resume), abort and destroy until it is resumed. The
+    /// check is per rank: each rank refuses the calls made on its own communicator. Not
+    /// fatal: nothing was changed, and the communicator works again once resumed.
+    #[error(
+        "{call} on rank {rank}: the communicator is suspended; resume it first \
+         (Comm::resume, on every rank)"
+    )]
+    Suspended {
+        /// The refused call, e.g. `"ncclAllReduce"`.
+        call: &'static str,
+        /// The rank whose communicator is suspended.
+        rank: usize,
+    },
+
     /// No CUDA driver or no GPU: this machine cannot run NCCL work.
     #[error("no CUDA GPU available: {0}")]
     NoGpu(String),
@@ -214,6 +230,13 @@ pub enum Error {
     /// type does not name a layer above it; `Error::bootstrap()` hands it back typed.
     #[error(transparent)]
     Bootstrap(BoxedError),
+
+    /// Building or loading device code failed (`device::kernel`: no nvcc, a compile error
+    /// with nvcc's output, NCCL headers missing or newer than the library). Its own error,
+    /// `device::kernel::KernelError`, is inside, carried as a [`BoxedError`] so that this
+    /// ground-floor type does not name a layer above it.
+    #[error(transparent)]
+    Kernel(BoxedError),
 }
 
 fn last_error_suffix(last: &Option<String>) -> String {
@@ -391,6 +414,16 @@ mod tests {
             "ncclCommWindowRegister is not available here: no symmetric memory"
         );
         assert!(!Error::invalid("x").is_unsupported());
+        let suspended = Error::Suspended {
+            call: "ncclAllReduce",
+            rank: 2,
+        };
+        assert!(!suspended.is_fatal());
+        assert_eq!(
+            suspended.to_string(),
+            "ncclAllReduce on rank 2: the communicator is suspended; resume it first \
+             (Comm::resume, on every rank)"
+        );
     }
 
     #[test]

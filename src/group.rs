@@ -25,11 +25,39 @@
 //!   else undefined. Two configurations of one group that set different sizes are refused
 //!   here; an operation without a configuration (or one that leaves the size unset) uses its
 //!   communicator's size, which cannot be seen here: keep those consistent yourself.
+//!
+//! # Simulated groups
+//!
+//! [`Group::simulate`] opens a group that NCCL plans but does not launch
+//! (`ncclGroupSimulateEnd`, NCCL 2.22): [`Simulation::estimate`] returns NCCL's cost-model
+//! estimate of the group's time, and no kernel runs, so output buffers are untouched. The
+//! buffers are released without recording cudarc events (no work was queued that uses
+//! them). What NCCL does and therefore what a simulation accepts (`src/group.cc`,
+//! `src/enqueue.cc`, 2.22 to 2.30.7):
+//!
+//! * Collectives only (all-reduce, broadcast, reduce, all-gather, reduce-scatter). NCCL
+//!   builds sends and receives, and the all-to-all, gather and scatter made of them, into
+//!   per-peer queues that only a launch empties, so a simulated one would be left behind
+//!   for the next group; they are refused ([`Error::InvalidArgument`]), as are
+//!   v-collectives.
+//! * Blocking communicators of at least two ranks: NCCL runs a one-rank collective at once,
+//!   as a copy, when it is enqueued, and ends a nonblocking communicator's group on a
+//!   background thread that launches it.
+//! * Every rank simulates the same operations, like a real group: NCCL connects the
+//!   channels the chosen algorithm needs (with its default runtime connection) before it
+//!   estimates, which waits for the peers.
+//! * The estimate is NCCL's tuning model, in microseconds, of the last collective it
+//!   scheduled (NCCL aggregates similar ones first): for a group of one collective, that
+//!   collective's time. It is a model, not a measurement: compare it with a timed run
+//!   (the bench's `--simulate`).
+
+use std::time::Duration;
 
 use cudarc::driver::{CudaStream, SyncOnDrop};
 
+use crate::calls;
 use crate::coll_config::CollConfig;
-use crate::collectives::{dispatch, dispatch_v, verify_counts, Operation, VOperation};
+use crate::collectives::{dispatch, dispatch_v, verify_counts, Kind, Operation, VOperation};
 use crate::comm::{Comm, Membership};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
@@ -70,6 +98,17 @@ pub struct Group<'g> {
     guards: InlineList<SyncOnDrop<'g>, 8>,
     /// What NCCL allows once per group among the operations' configurations.
     configs: GroupConfigs,
+    /// How the group ends: run, or simulated ([`Group::simulate`]).
+    ending: Ending,
+}
+
+/// How a group ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ending {
+    /// `ncclGroupEnd`: everything in it runs.
+    Run,
+    /// `ncclGroupSimulateEnd`: planned, not run; NCCL's estimate (microseconds) once ended.
+    Simulate { estimate: Option<f32> },
 }
 
 /// The per-group rules of [`CollConfig`]s: which communicators already carry a
@@ -154,7 +193,31 @@ impl<'g> Group<'g> {
             membership: Membership::enter([]),
             guards: InlineList::new(),
             configs: GroupConfigs::default(),
+            ending: Ending::Run,
         })
+    }
+
+    /// Opens a group that NCCL plans without launching, for its estimate of the group's time
+    /// (`ncclGroupSimulateEnd`, NCCL 2.22); see [Simulated groups](self#simulated-groups).
+    /// [`Error::Unsupported`] before NCCL 2.22.
+    ///
+    /// ```no_run
+    /// # fn main() -> nccl::Result<()> {
+    /// # let comm: nccl::Comm = unimplemented!();
+    /// # let mut grads = comm.stream().alloc_zeros::<f32>(1 << 20)?;
+    /// use nccl::{Group, Operation, ReduceOp};
+    /// let mut simulation = Group::simulate()?;
+    /// simulation.enqueue(&comm, Operation::all_reduce_in_place(&mut grads, ReduceOp::Sum))?;
+    /// let estimate = simulation.estimate()?; // nothing ran; `grads` is as it was
+    /// println!("NCCL expects {estimate:?}");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn simulate() -> Result<Simulation<'g>> {
+        library::get()?.require_call(&calls::ncclGroupSimulateEnd)?;
+        let mut group = Group::start()?;
+        group.ending = Ending::Simulate { estimate: None };
+        Ok(Simulation { group })
     }
 
     /// Adds `call` on `comm`'s own stream to the group.
@@ -255,7 +318,14 @@ impl<'g> Group<'g> {
         if !self.raw.is_open() {
             return Ok(());
         }
-        let ended = self.raw.end();
+        let ended = match &mut self.ending {
+            // Nothing runs, so nothing is left in progress (only blocking members).
+            Ending::Simulate { estimate } => self.raw.simulate_end().map(|time| {
+                *estimate = Some(time);
+                false
+            }),
+            Ending::Run => self.raw.end(),
+        };
         // An abort deferred while the group was open runs in `leave`: the fused operation
         // was cut short, which is this group's failure.
         let failure = self.membership.leave("Group::finish");
@@ -291,8 +361,116 @@ impl Drop for Group<'_> {
         // A group dropped without `finish` (an early return with `?`) still has to end, or
         // this thread's NCCL group state would stay open; its error has nowhere to go.
         let _ = self.end();
+        if matches!(self.ending, Ending::Simulate { .. }) {
+            // Nothing was launched: no work uses the buffers, so no event is recorded.
+            for guard in self.guards.iter_mut() {
+                match guard {
+                    SyncOnDrop::Record(target) => *target = None,
+                    SyncOnDrop::Sync(target) => *target = None,
+                }
+            }
+        }
         self.guards.clear();
     }
+}
+
+/// A group that NCCL plans without launching ([`Group::simulate`]); see
+/// [Simulated groups](self#simulated-groups). Dropped without [`Simulation::estimate`], it
+/// is still only simulated.
+pub struct Simulation<'g> {
+    group: Group<'g>,
+}
+
+impl std::fmt::Debug for Simulation<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Simulation")
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
+impl<'g> Simulation<'g> {
+    /// Adds the collective `call` on `comm`'s own stream.
+    pub fn enqueue<T: NcclType>(&mut self, comm: &'g Comm, call: Operation<'g, T>) -> Result<()> {
+        self.enqueue_on(comm, comm.stream(), call)
+    }
+
+    /// Adds the collective `call` on `stream` (on `comm`'s device). Refused with
+    /// [`Error::InvalidArgument`], the simulation going on as it was: point-to-point
+    /// operations (and all-to-all, gather, scatter), nonblocking communicators and one-rank
+    /// communicators, which NCCL would run or leave queued (see the
+    /// [module docs](self#simulated-groups)), and a [`CollConfig`] with a kernel-started
+    /// event (no kernel starts to record it); otherwise validated as [`Group::enqueue_on`].
+    pub fn enqueue_on<T: NcclType>(
+        &mut self,
+        comm: &'g Comm,
+        stream: &'g CudaStream,
+        call: Operation<'g, T>,
+    ) -> Result<()> {
+        check_simulable(call.kind, comm.is_blocking(), comm.size())?;
+        if call
+            .config()
+            .is_some_and(|config| config.started_event().is_some())
+        {
+            return Err(Error::invalid(
+                "a simulated collective starts no kernel, so its kernel-started event \
+                 (launchCompletionEvent) would never be recorded; simulate it without one",
+            ));
+        }
+        self.group.enqueue_on(comm, stream, call)
+    }
+
+    /// Ends the simulation (`ncclGroupSimulateEnd`) and returns NCCL's estimate of the
+    /// group's time. Nothing runs. [`Error::Unavailable`] where NCCL planned nothing to
+    /// estimate (an empty simulation).
+    pub fn estimate(mut self) -> Result<Duration> {
+        self.group.end()?;
+        let micros = match self.group.ending {
+            Ending::Simulate {
+                estimate: Some(micros),
+            } => micros,
+            _ => nccl_sys::NCCL_UNDEF_FLOAT,
+        };
+        if !(micros >= 0.0 && micros.is_finite()) {
+            return Err(Error::Unavailable {
+                api: calls::ncclGroupSimulateEnd.name,
+                reason: format!(
+                    "NCCL gave no estimate ({micros}): the simulated group held no collective \
+                     it planned"
+                ),
+            });
+        }
+        Ok(Duration::from_secs_f64(f64::from(micros) * 1e-6))
+    }
+
+    /// The number of buffers the simulation holds borrowed.
+    pub fn buffer_count(&self) -> usize {
+        self.group.buffer_count()
+    }
+}
+
+/// Whether NCCL can simulate an operation of `kind` on a communicator that is `blocking`
+/// and has `size` ranks, without running it or leaving it queued.
+fn check_simulable(kind: Kind, blocking: bool, size: usize) -> Result<()> {
+    let why = match kind {
+        Kind::Send { .. }
+        | Kind::Recv { .. }
+        | Kind::AllToAll
+        | Kind::Gather { .. }
+        | Kind::Scatter { .. } => {
+            "NCCL queues point-to-point transfers (and the all-to-all, gather and scatter built \
+             from them) per peer until a launch, so a simulated one would stay queued"
+        }
+        _ if !blocking => {
+            "NCCL ends a nonblocking communicator's group on a thread that launches it"
+        }
+        _ if size < 2 => "NCCL runs a one-rank collective at once, as a copy, when it is enqueued",
+        _ => return Ok(()),
+    };
+    Err(Error::invalid(format!(
+        "{} cannot be simulated: {why}",
+        kind.call().name
+    )))
 }
 
 /// The blocking v-collective: its NCCL calls are issued in a group of their own, which is why
@@ -374,5 +552,36 @@ mod tests {
         // The first explicit size stays the reference.
         configs.record(2, key(false, Some(2)));
         assert_eq!(configs.cga_cluster_size, Some(2));
+    }
+
+    #[test]
+    fn only_collectives_of_blocking_multi_rank_communicators_simulate() {
+        for kind in [
+            Kind::AllReduce,
+            Kind::Broadcast { root: 1 },
+            Kind::Reduce { root: 0 },
+            Kind::AllGather,
+            Kind::ReduceScatter,
+        ] {
+            assert!(check_simulable(kind, true, 2).is_ok(), "{kind:?}");
+            let text = match check_simulable(kind, false, 2) {
+                Err(Error::InvalidArgument(text)) => text,
+                other => panic!("{other:?}"),
+            };
+            assert!(text.contains("nonblocking"), "{text}");
+            let text = check_simulable(kind, true, 1).unwrap_err().to_string();
+            assert!(text.contains("one-rank"), "{text}");
+        }
+        for kind in [
+            Kind::Send { peer: 1 },
+            Kind::Recv { peer: 0 },
+            Kind::AllToAll,
+            Kind::Gather { root: 0 },
+            Kind::Scatter { root: 0 },
+        ] {
+            let text = check_simulable(kind, true, 4).unwrap_err().to_string();
+            assert!(text.contains("point-to-point"), "{kind:?}: {text}");
+            assert!(text.contains(kind.call().name), "{text}");
+        }
     }
 }

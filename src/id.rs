@@ -30,6 +30,7 @@ impl UniqueId {
     /// `NCCL_SOCKET_IFNAME` and friends.
     pub fn new() -> Result<Self> {
         let lib = library::get()?;
+        crate::encryption::network_started();
         let mut raw = nccl_sys::ncclUniqueId {
             internal: [0; UNIQUE_ID_BYTES],
         };

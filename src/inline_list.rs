@@ -35,6 +35,11 @@ impl<T, const N: usize> InlineList<T, N> {
         self.inline.iter().flatten().chain(&self.spilled)
     }
 
+    /// The items, mutably, in the order they were pushed.
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.inline.iter_mut().flatten().chain(&mut self.spilled)
+    }
+
     /// Drops every item, in the order they were pushed.
     pub(crate) fn clear(&mut self) {
         for slot in &mut self.inline {

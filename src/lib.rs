@@ -35,9 +35,11 @@
 //! | NCCL concept | module | main items |
 //! |---|---|---|
 //! | loading, versions | [`library`] | [`version`], [`Version`], [`library::load_from`] |
+//! | NCCL's effective parameters | [`params`] | [`params::all`], [`params::get`], [`Param`], [`ParamValue`] |
 //! | errors | [`error`] | [`Error`], [`ResultCode`] |
 //! | unique id | [`id`] | [`UniqueId`] |
-//! | communicator: create, split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`] |
+//! | communicator: create (one id or several), split, wait, end | [`comm`] (`init`, `child`, `wait`, `close`, `state`) | [`Comm`], [`Comm::init_rank_scalable`] |
+//! | suspend and resume, memory figures, status | [`comm`] (`suspend`, `status`) | [`Comm::suspend`], [`Comm::resume`], [`MemStats`], [`CommStatus`] |
 //! | configuration | [`config`] | [`CommConfig`] |
 //! | per-collective configuration | [`coll_config`] | [`CollConfig`], [`Operation::with_config`] |
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
@@ -45,11 +47,12 @@
 //! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |
 //! | variable-count collectives | [`collectives::vector`] (`layout`, `operation`, `rules`, `plan`, `dispatch`, `checked`) | [`VOperation`], [`Layout`], [`Comm::all_to_all_v`], [`Comm::exchange_counts`] |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
-//! | groups | [`group`] | [`Group`] |
+//! | groups, simulated groups | [`group`] | [`Group`], [`Group::simulate`] |
 //! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
 //! | windows, one-sided RMA | [`window`] | [`Window`], [`Comm::register_window`], [`Window::put_signal`] |
 //! | communicator properties | [`properties`] | [`Comm::properties`], [`CommProperties`] |
+//! | encrypting NCCL's sockets | [`encryption`] | [`set_encryption`], [`EncryptionKey`] |
 //! | starting N processes | [`bootstrap`] | launcher detection, id exchange |
 //!
 //! # Words used here, one meaning each
@@ -110,7 +113,9 @@ pub mod coll_config;
 pub mod collectives;
 pub mod comm;
 pub mod config;
+pub mod device;
 pub mod dtype;
+pub mod encryption;
 pub mod error;
 pub mod fault;
 pub mod group;
@@ -120,6 +125,7 @@ pub mod library;
 pub mod memory;
 pub mod op;
 pub mod p2p;
+pub mod params;
 pub mod properties;
 mod release;
 mod thread_group;
@@ -127,19 +133,21 @@ pub mod window;
 
 pub use coll_config::CollConfig;
 pub use collectives::{Construction, Layout, Operation, VOperation};
-pub use comm::Comm;
+pub use comm::{Comm, CommStatus, MemStats};
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};
+pub use encryption::{set_encryption, EncryptionKey};
 pub use error::{Error, Result, ResultCode};
 pub use fault::{
     AbortHandle, AbortOutcome, Recovered, ShrinkMode, Survivor, Watchdog, WatchdogAction,
     WatchdogOptions, WatchdogTrip,
 };
-pub use group::Group;
+pub use group::{Group, Simulation};
 pub use id::UniqueId;
 pub use library::version;
 pub use memory::{NcclBuffer, Registration};
 pub use op::{PreMulSum, ReduceOp, Reduction};
+pub use params::{Param, ParamValue, Params};
 pub use properties::CommProperties;
 pub use release::Version;
 pub use window::{

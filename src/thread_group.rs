@@ -76,6 +76,23 @@ impl RawGroup {
         self.lib.check_pending(calls::ncclGroupEnd.name, status)
     }
 
+    /// Ends the group without launching it (`ncclGroupSimulateEnd`, NCCL 2.22, which the
+    /// caller checked): NCCL plans its operations and returns its estimate of their time, in
+    /// microseconds (`NCCL_UNDEF_FLOAT`, -1, where it planned none).
+    pub(crate) fn simulate_end(&mut self) -> Result<f32> {
+        if !self.open {
+            return Err(Error::usage("the group has already ended"));
+        }
+        self.open = false;
+        OPEN_GROUPS.with(|open| open.set(open.get().saturating_sub(1)));
+        let mut info = nccl_sys::nccl_sim_info_initializer();
+        // SAFETY: matches the ncclGroupStart of `start` on this same thread; `info` is an
+        // initialised ncclSimInfo_t that NCCL reads and fills in during the call.
+        let status = unsafe { self.lib.api().ncclGroupSimulateEnd(&mut info) };
+        self.lib.check(calls::ncclGroupSimulateEnd.name, status)?;
+        Ok(info.estimatedTime)
+    }
+
     /// Whether `ncclGroupEnd` is still to come.
     pub(crate) fn is_open(&self) -> bool {
         self.open

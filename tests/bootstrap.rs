@@ -135,6 +135,7 @@ const LAUNCH_VARS: &[&str] = &[
     "NCCL_RS_RENDEZVOUS_KEY",
     "NCCL_RS_RENDEZVOUS_DIR",
     "NCCL_RS_BOOTSTRAP_TIMEOUT",
+    "NCCL_RS_UNIQUE_IDS",
     "MASTER_ADDR",
     "MASTER_PORT",
 ];
@@ -271,6 +272,25 @@ fn play(role: &str) -> Result<i32, String> {
             Err(format!(
                 "publish returned {result:?} instead of being killed"
             ))
+        }
+        // A spawn_local job handing out NCCL_RS_UNIQUE_IDS ids: every rank prints them.
+        "spawn-ids" => {
+            let job = spawn_local(3).map_err(|e| e.to_string())?;
+            let rank = job.placement().rank;
+            let mut seed = 70;
+            let ids = job
+                .exchange_ids_with(|| {
+                    seed += 1;
+                    Ok(sample_id(seed))
+                })
+                .map_err(|e| e.to_string())?;
+            let prints: Vec<String> = ids
+                .iter()
+                .map(|id| format!("{:016x}", id.fingerprint()))
+                .collect();
+            println!("rank={rank} ids={}", prints.join(","));
+            job.wait().map_err(|e| e.to_string())?;
+            Ok(0)
         }
         // A spawn_local job whose every rank prints itself and the exchanged id.
         "spawn-ok" => {
@@ -1610,14 +1630,15 @@ fn file_corrupt_content_is_reported_or_replaced() {
         let err = rank1.fetch().unwrap_err();
         assert!(matches!(err, BootstrapError::Protocol(_)), "{err}");
     }
-    // A valid-looking file of another protocol version.
+    // A valid-looking file of another protocol version (this side reads 1 and 2, the record
+    // with several ids).
     let mut future = vec![0u8; 192];
     future[..4].copy_from_slice(b"NRSF");
     future[5] = 9;
     std::fs::write(&id_path, &future).expect("write");
     let err = rank1.fetch().unwrap_err();
     assert!(
-        matches!(err, BootstrapError::VersionMismatch { local: 1, peer: 9 }),
+        matches!(err, BootstrapError::VersionMismatch { local: 2, peer: 9 }),
         "{err}"
     );
 
@@ -1681,6 +1702,37 @@ fn spawn_local_runs_every_rank_and_waits() {
             "rank={rank} world=3 local={rank} launcher={launcher} spawned={spawned} {fingerprint} \
              encrypted=true"
         );
+        assert!(
+            lines.contains(&expected.as_str()),
+            "missing {expected:?} in {lines:?}"
+        );
+    }
+}
+
+#[test]
+fn spawn_local_hands_every_rank_the_same_ids() {
+    let done = finish(
+        role_command("spawn-ids")
+            .env("NCCL_RS_UNIQUE_IDS", "2")
+            .spawn()
+            .expect("spawn"),
+        Duration::from_secs(30),
+    );
+    assert!(
+        done.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        done.stdout,
+        done.stderr
+    );
+    let ids = format!(
+        "ids={:016x},{:016x}",
+        sample_id(71).fingerprint(),
+        sample_id(72).fingerprint()
+    );
+    let lines = rank_lines(&done.stdout);
+    assert_eq!(lines.len(), 3, "{}", done.stdout);
+    for rank in 0..3 {
+        let expected = format!("rank={rank} {ids}");
         assert!(
             lines.contains(&expected.as_str()),
             "missing {expected:?} in {lines:?}"

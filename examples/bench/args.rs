@@ -136,6 +136,8 @@ pub struct Options {
     pub cold_bytes: usize,
     /// With `--compare`, issue raw calls in both columns (`--control`).
     pub control: bool,
+    /// Print NCCL's estimate (`Group::simulate`) beside each measured row (`--simulate`).
+    pub simulate: bool,
     /// How per-rank times are combined (`-a`).
     pub average: Average,
     /// Report the host time spent issuing instead of the time to completion (`-C 1`).
@@ -193,6 +195,7 @@ impl Default for Options {
             latency: false,
             cold_bytes: 0,
             control: false,
+            simulate: false,
             average: Average::Mean,
             cputime: false,
             apis: Apis::Safe,
@@ -318,6 +321,10 @@ this benchmark's own:
                                the median of the per-round ratios (default 1)
       --control                with --compare: both columns issue raw calls, which shows how
                                far apart the comparison puts two identical paths
+      --simulate               after each row, a comment line with NCCL's own estimate of
+                               the operation's time (Group::simulate, ncclGroupSimulateEnd,
+                               NCCL 2.22; nothing launched) beside the measured time, for
+                               all_reduce, all_gather, reduce_scatter, broadcast and reduce
       --latency                time every call with CUDA events: median and p99
       --cold <size>            write and read <size> of other host memory before every call
                                (the calls run cache-cold, as after a program's own work);
@@ -418,6 +425,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             | "--compare"
             | "--latency"
             | "--control"
+            | "--simulate"
             | "--rma"
             | "--registration-compare" => {
                 if inline.is_some() {
@@ -427,6 +435,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                     "--raw" => options.apis = Apis::Raw,
                     "--compare" => options.apis = Apis::Compare,
                     "--control" => options.control = true,
+                    "--simulate" => options.simulate = true,
                     "--registration-compare" => options.registration_compare = true,
                     "--rma" => {
                         if coll_given && options.coll != Coll::PutSignal {
@@ -748,6 +757,13 @@ mod tests {
         ] {
             assert!(run(args).unwrap_err().contains("--alloc nccl"), "{args:?}");
         }
+    }
+
+    #[test]
+    fn simulate_is_a_flag_without_a_value() {
+        assert!(!run(&[]).unwrap().simulate);
+        assert!(run(&["all_gather", "--simulate"]).unwrap().simulate);
+        assert!(run(&["--simulate=1"]).is_err());
     }
 
     #[test]

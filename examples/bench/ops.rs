@@ -499,6 +499,98 @@ impl Issuer {
         Ok(())
     }
 
+    /// NCCL's estimate of the operation's time (`Group::simulate`, `ncclGroupSimulateEnd`),
+    /// nothing launched; `None` for the operations a simulation cannot take (point-to-point
+    /// and those built from it, v-collectives, one-sided RMA) or a single rank. Every rank
+    /// calls it for the same operation, as for a real one.
+    pub fn simulate<T: Elem>(
+        &self,
+        comm: &Comm,
+        b: &mut Buffers<'_, T>,
+        in_place: bool,
+    ) -> BenchResult<Option<std::time::Duration>> {
+        let Layout {
+            count,
+            send_len,
+            recv_len,
+            ..
+        } = self.layout;
+        let (op, root) = (self.op, self.root);
+        let simulable = matches!(
+            self.coll,
+            Coll::AllReduce
+                | Coll::AllGather
+                | Coll::ReduceScatter
+                | Coll::Broadcast
+                | Coll::Reduce
+        );
+        if !simulable || self.n < 2 {
+            return Ok(None);
+        }
+        let estimate = match (self.coll, in_place) {
+            (Coll::AllReduce, false) => estimate(
+                comm,
+                Operation::all_reduce(&b.send.part(0, count)?, &mut b.recv.part_mut(0, count)?, op),
+            ),
+            (Coll::AllReduce, true) => estimate(
+                comm,
+                Operation::all_reduce_in_place(&mut b.recv.part_mut(0, count)?, op),
+            ),
+            (Coll::AllGather, false) => estimate(
+                comm,
+                Operation::all_gather(
+                    &b.send.part(0, send_len)?,
+                    &mut b.recv.part_mut(0, recv_len)?,
+                ),
+            ),
+            (Coll::AllGather, true) => estimate(
+                comm,
+                Operation::all_gather_in_place(&mut b.recv.part_mut(0, recv_len)?),
+            ),
+            (Coll::ReduceScatter, false) => estimate(
+                comm,
+                Operation::reduce_scatter(
+                    &b.send.part(0, send_len)?,
+                    &mut b.recv.part_mut(0, recv_len)?,
+                    op,
+                ),
+            ),
+            (Coll::ReduceScatter, true) => estimate(
+                comm,
+                Operation::reduce_scatter_in_place(&mut b.recv.part_mut(0, send_len)?, op),
+            ),
+            (Coll::Broadcast, false) => {
+                let send = b.send.part(0, count)?;
+                estimate(
+                    comm,
+                    Operation::broadcast(
+                        Some(&send as &dyn DevicePtr<T>),
+                        &mut b.recv.part_mut(0, count)?,
+                        root,
+                    ),
+                )
+            }
+            (Coll::Broadcast, true) => estimate(
+                comm,
+                Operation::broadcast_in_place(&mut b.recv.part_mut(0, count)?, root),
+            ),
+            (Coll::Reduce, false) => {
+                let send = b.send.part(0, count)?;
+                let mut recv = b.recv.part_mut(0, count)?;
+                estimate(
+                    comm,
+                    Operation::reduce(&send, Some(&mut recv as &mut dyn DevicePtrMut<T>), op, root),
+                )
+            }
+            (Coll::Reduce, true) => estimate(
+                comm,
+                Operation::reduce_in_place(&mut b.recv.part_mut(0, count)?, op, root),
+            ),
+            _ => return Ok(None),
+        };
+        Ok(Some(estimate?))
+    }
+
     fn issue_raw<T: Elem>(
         &self,
         b: &Buffers<'_, T>,
@@ -600,6 +692,16 @@ impl Issuer {
 }
 
 /// Turns a raw call's outcome into a result.
+/// NCCL's estimate for `operation` alone in a simulated group (nothing launched).
+fn estimate<'g, T: Elem>(
+    comm: &'g Comm,
+    operation: Operation<'g, T>,
+) -> BenchResult<std::time::Duration> {
+    let mut simulation = Group::simulate()?;
+    simulation.enqueue(comm, operation)?;
+    Ok(simulation.estimate()?)
+}
+
 pub fn raw_check(call: &str, status: Result<ncclResult_t, sys::MissingSymbol>) -> BenchResult<()> {
     match status {
         Ok(ncclResult_t::ncclSuccess) => Ok(()),

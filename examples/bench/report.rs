@@ -491,6 +491,32 @@ impl Report {
 }
 
 /// The mode's name in the files.
+/// The `--simulate` line after a row: NCCL's estimate beside the measured time (both in
+/// microseconds) and their ratio, for each placement that has one.
+pub fn simulated_line(estimates: &[(bool, std::time::Duration, f64)]) -> String {
+    if estimates.is_empty() {
+        return "#  simulate: no estimate (NCCL simulates only collectives, on 2+ ranks)".into();
+    }
+    let parts: Vec<String> = estimates
+        .iter()
+        .map(|&(in_place, estimate, measured_us)| {
+            let estimate_us = estimate.as_secs_f64() * 1e6;
+            format!(
+                "{} estimate {} us, measured {} us (estimate/measured {})",
+                if in_place { "in-place" } else { "out-of-place" },
+                g(estimate_us),
+                g(measured_us),
+                if measured_us > 0.0 {
+                    format!("{:.2}", estimate_us / measured_us)
+                } else {
+                    "n/a".into()
+                }
+            )
+        })
+        .collect();
+    format!("#  simulate: {}", parts.join("; "))
+}
+
 pub fn mode_name(mode: Mode) -> &'static str {
     match mode {
         Mode::Host => "host",
@@ -563,6 +589,24 @@ pub mod tests {
             cputime,
             rows,
         }
+    }
+
+    #[test]
+    fn the_simulate_line_is_a_comment_with_estimate_beside_measurement() {
+        let line = simulated_line(&[
+            (false, std::time::Duration::from_micros(50), 100.0),
+            (true, std::time::Duration::from_nanos(12_500), 10.0),
+        ]);
+        assert!(line.starts_with("#  simulate: "), "{line}");
+        assert!(
+            line.contains("out-of-place estimate 50 us, measured 100 us (estimate/measured 0.50)"),
+            "{line}"
+        );
+        assert!(
+            line.contains("in-place estimate 12.5 us, measured 10 us (estimate/measured 1.25)"),
+            "{line}"
+        );
+        assert!(simulated_line(&[]).starts_with("#  simulate: no estimate"));
     }
 
     #[test]

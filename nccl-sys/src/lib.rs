@@ -17,8 +17,10 @@
 //!   [`nccl_coll_config_initializer`], [`nccl_sim_info_initializer`] and
 //!   [`nccl_encryption_config_initializer`] (also the structs' [`Default`]).
 //! * The host side of the device API that `nccl.h` does not declare, written by hand in the
-//!   same style ([`device`]): [`ncclCommProperties_t`], its initializer
-//!   [`nccl_comm_properties_initializer`] and [`NcclLib::ncclCommQueryProperties`].
+//!   same style ([`device`]): [`ncclCommProperties_t`] and [`ncclDevCommRequirements_t`] with
+//!   their initializers, [`ncclDevComm_t`], teams, and the host functions
+//!   ([`NcclLib::ncclCommQueryProperties`], [`NcclLib::ncclDevCommCreate`],
+//!   [`NcclLib::ncclGetLsaDevicePointer`], ...), each resolved on its own.
 //! * [`NcclLib`]: every host function of `nccl.h`, resolved from one loaded library. A function
 //!   the library does not export (an older NCCL, say) is reported as [`MissingSymbol`] when
 //!   called, never as a load failure or a panic.

@@ -157,7 +157,8 @@ fn calls_reach_c_with_the_right_abi() {
 /// Called from the test above, which built the fake library (one build per process).
 fn comm_properties_reach_c_with_the_header_layout(lib: &NcclLib) {
     assert!(lib.has_symbol("ncclCommQueryProperties"));
-    assert_eq!(DEVICE_HOST_FUNCTION_NAMES, ["ncclCommQueryProperties"]);
+    assert_eq!(DEVICE_HOST_FUNCTION_NAMES[0], "ncclCommQueryProperties");
+    assert!(DEVICE_HOST_FUNCTION_NAMES.contains(&"ncclDevCommCreate"));
     let mut props = nccl_comm_properties_initializer();
     // SAFETY: the fake reads the header fields and writes every field of the struct.
     let rc = unsafe { lib.ncclCommQueryProperties(7 as ncclComm_t, &mut props) };
@@ -188,4 +189,42 @@ fn comm_properties_reach_c_with_the_header_layout(lib: &NcclLib) {
     // SAFETY: as above.
     let rc = unsafe { lib.ncclCommQueryProperties(NCCL_COMM_NULL, &mut wrong) };
     assert_eq!(rc, Ok(ncclResult_t::ncclInvalidArgument));
+    device_functions_reach_c(lib);
+}
+
+/// Teams by value, rank translation, a requirement helper; and functions the library lacks
+/// (as 2.32.3 lacks `ncclCftBarrierCreateRequirement`) are `MissingSymbol`, not a crash.
+fn device_functions_reach_c(lib: &NcclLib) {
+    // SAFETY: the fake only reads the handle's value.
+    let team = unsafe { lib.ncclTeamLsa(5 as ncclComm_t) }.unwrap();
+    assert_eq!(
+        team,
+        ncclTeam_t {
+            nRanks: 5,
+            rank: 3,
+            stride: 1
+        }
+    );
+    // SAFETY: as above; the team is passed by value.
+    let world = unsafe { lib.ncclTeamRankToWorld(100 as ncclComm_t, team, 4) }.unwrap();
+    assert_eq!(world, 101);
+    let mut handle = ncclLsaBarrierHandle_t::default();
+    let mut req = ncclDevResourceRequirements_t::default();
+    // SAFETY: both out-pointers are valid for writes.
+    let rc = unsafe { lib.ncclLsaBarrierCreateRequirement(team, 2, &mut handle, &mut req) };
+    assert_eq!(rc, Ok(ncclResult_t::ncclSuccess));
+    assert_eq!(handle.nBarriers, 2);
+    assert_eq!(req.bufferSize, (3 * 2 + 2 * 5) * 4);
+    assert_eq!(req.bufferAlign, 4);
+    assert_eq!(req.outBufferHandle, &raw mut handle.bufHandle);
+    let mut cft = ncclCftBarrierHandle_t::default();
+    // SAFETY: the function is missing, so nothing is called.
+    let missing = unsafe { lib.ncclCftBarrierCreateRequirement(team, 1, &mut cft, &mut req) };
+    assert_eq!(
+        missing,
+        Err(MissingSymbol {
+            name: "ncclCftBarrierCreateRequirement"
+        })
+    );
+    assert!(!lib.has_symbol("ncclDevCommCreate"));
 }

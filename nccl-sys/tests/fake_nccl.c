@@ -5,6 +5,7 @@
 #include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef int ncclResult_t; /* C enums are int-sized */
 enum { OK = 0, INVALID_ARGUMENT = 4 };
@@ -151,5 +152,40 @@ ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t* p) {
   p->cftSupport = 1;
   p->cftMulticastSupport = 0;
   p->cftCountedSupport = 1;
+  return OK;
+}
+
+/* Device-API host functions of nccl_device/host.h 2.32.3 (teams are returned by value, in
+ * registers on x86-64; requirements are written through pointers). */
+typedef struct { int nRanks, rank, stride; } ncclTeam_t;
+typedef struct { uint32_t bufHandle; int nBarriers; } ncclLsaBarrierHandle_t;
+typedef struct ncclDevResourceRequirements {
+  struct ncclDevResourceRequirements* next;
+  size_t bufferSize, bufferAlign;
+  uint32_t* outBufferHandle;
+  int ginSignalCount, ginCounterCount;
+  uint32_t* outGinSignalStart;
+  uint32_t* outGinCounterStart;
+} ncclDevResourceRequirements_t;
+
+ncclTeam_t ncclTeamLsa(ncclComm_t comm) {
+  ncclTeam_t t = {(int)(uintptr_t)comm, 3, 1};
+  return t;
+}
+
+int ncclTeamRankToWorld(ncclComm_t comm, ncclTeam_t team, int rank) {
+  return (int)(uintptr_t)comm + (rank - team.rank) * team.stride;
+}
+
+/* As NCCL 2.32.3 computes it (src/nccl_device/lsa_barrier.cc). */
+ncclResult_t ncclLsaBarrierCreateRequirement(ncclTeam_t team, int nBarriers,
+                                             ncclLsaBarrierHandle_t* outHandle,
+                                             ncclDevResourceRequirements_t* outReq) {
+  if (sizeof(ncclDevResourceRequirements_t) != 56) return INVALID_ARGUMENT;
+  memset(outReq, 0, sizeof(*outReq));
+  outHandle->nBarriers = nBarriers;
+  outReq->bufferSize = (3 * nBarriers + nBarriers * team.nRanks) * sizeof(uint32_t);
+  outReq->bufferAlign = sizeof(uint32_t);
+  outReq->outBufferHandle = &outHandle->bufHandle;
   return OK;
 }

@@ -16,6 +16,7 @@ pub(crate) mod vars {
     pub const RENDEZVOUS_KEY: &str = "NCCL_RS_RENDEZVOUS_KEY";
     pub const RENDEZVOUS_DIR: &str = "NCCL_RS_RENDEZVOUS_DIR";
     pub const TIMEOUT: &str = "NCCL_RS_BOOTSTRAP_TIMEOUT";
+    pub const UNIQUE_IDS: &str = "NCCL_RS_UNIQUE_IDS";
     pub const LOCAL_RANKS: &str = "NCCL_RS_LOCAL_RANKS";
     /// How ranks share GPUs when a node has more ranks than GPUs (`off`, `hosts`, `shared`).
     pub const GPU_SHARING: &str = "NCCL_RS_GPU_SHARING";

@@ -106,6 +106,21 @@ pub enum BootstrapError {
         got: usize,
     },
 
+    /// Rank 0 hands out another number of unique ids than this rank was set up to expect
+    /// ([`IdCount`](super::IdCount): `NCCL_RS_UNIQUE_IDS` or
+    /// [`Rendezvous::with_id_count`](super::Rendezvous::with_id_count) differ between ranks,
+    /// or one side runs an nccl-rs that hands out a single id).
+    #[error(
+        "rank 0 hands out {handed_out} unique id(s), this rank expects {expected}; set the same \
+         NCCL_RS_UNIQUE_IDS (or id count) on every rank, or leave it on auto"
+    )]
+    IdCountMismatch {
+        /// How many ids rank 0 hands out.
+        handed_out: usize,
+        /// How many this rank expects.
+        expected: usize,
+    },
+
     /// A second process claimed a rank that another process already holds.
     #[error("rank {0} joined twice: another process already claimed it")]
     DuplicateRank(usize),

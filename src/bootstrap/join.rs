@@ -7,7 +7,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use super::env::{lookup, process_var};
 use super::sharing::HOST_ID_VAR;
-use super::{exchange_id, BootstrapError, Exchange, GpuSharing, Placement};
+use super::{exchange_ids, BootstrapError, Exchange, GpuSharing, Placement};
 use crate::comm::Comm;
 use crate::UniqueId;
 
@@ -62,7 +62,7 @@ pub(super) fn device_of(placement: &Placement, sharing: Sharing) -> crate::Resul
 pub(super) fn init_comm(
     placement: &Placement,
     sharing: Sharing,
-    exchange: impl FnOnce() -> crate::Result<UniqueId>,
+    exchange: impl FnOnce() -> crate::Result<Vec<UniqueId>>,
 ) -> crate::Result<(Comm, Arc<CudaStream>)> {
     let device = device_of(placement, sharing)?;
     // The default stream: see `LocalJob::init_comm`.
@@ -72,12 +72,13 @@ pub(super) fn init_comm(
 }
 
 /// Joins the communicator described by `placement` on `stream`, which must be on its GPU
-/// ([`device_of`]).
+/// ([`device_of`]): with `ncclCommInitRank` when the exchange handed out one id, else with
+/// `ncclCommInitRankScalable`.
 pub(super) fn join_on(
     placement: &Placement,
     sharing: Sharing,
     stream: Arc<CudaStream>,
-    exchange: impl FnOnce() -> crate::Result<UniqueId>,
+    exchange: impl FnOnce() -> crate::Result<Vec<UniqueId>>,
 ) -> crate::Result<Comm> {
     let device = device_of(placement, sharing)?;
     let on = stream.context().ordinal();
@@ -87,8 +88,12 @@ pub(super) fn join_on(
             placement.rank
         )));
     }
-    let id = exchange()?;
-    Comm::init_rank(stream, &id, placement.rank, placement.world_size)
+    let ids = exchange()?;
+    let (rank, size) = (placement.rank, placement.world_size);
+    match ids.as_slice() {
+        [id] => Comm::init_rank(stream, id, rank, size),
+        several => Comm::init_rank_scalable(stream, several, rank, size),
+    }
 }
 
 impl Comm {
@@ -97,8 +102,11 @@ impl Comm {
     /// picks its GPU ([`Placement::device_ordinal`]: the only one this process sees, else the
     /// local rank; with `NCCL_RS_GPU_SHARING` set, ranks may share one, see
     /// [`GpuSharing`]), takes its default stream (see
-    /// [`LocalJob::init_comm`](super::LocalJob::init_comm) for why), exchanges the unique id
-    /// ([`Exchange::Auto`]: TCP when an address is set, else a file on one node) and joins.
+    /// [`LocalJob::init_comm`](super::LocalJob::init_comm) for why), exchanges the unique ids
+    /// ([`Exchange::Auto`]: TCP when an address is set, else a file on one node; as many as
+    /// `NCCL_RS_UNIQUE_IDS` says, by default one, or one per
+    /// [`SCALABLE_RANKS_PER_ID`](super::SCALABLE_RANKS_PER_ID) ranks on NCCL 2.23+) and joins
+    /// ([`Comm::init_rank`], or [`Comm::init_rank_scalable`] with several ids).
     ///
     /// Without a launcher this is a single rank on GPU 0; to start one process per GPU
     /// instead, use [`spawn_local`](super::spawn_local) and
@@ -106,7 +114,7 @@ impl Comm {
     pub fn from_env() -> crate::Result<(Comm, Arc<CudaStream>)> {
         let placement = Placement::from_env()?;
         init_comm(&placement, Sharing::from_env()?, || {
-            exchange_id(&placement, Exchange::Auto)
+            exchange_ids(&placement, Exchange::Auto)
         })
     }
 }

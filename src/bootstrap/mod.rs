@@ -8,7 +8,9 @@
 //! 1. [`Placement::from_env`] reads the rank, world size and local rank exported by the launcher
 //!    (Open MPI, MPICH/Hydra/PMI, PMIx, Slurm's `srun`, `torchrun`, or none at all).
 //! 2. [`exchange_id`] hands rank 0's id to every rank over TCP ([`TcpRendezvous`]) or, when all
-//!    ranks share one machine, through a file ([`FileRendezvous`]).
+//!    ranks share one machine, through a file ([`FileRendezvous`]); [`exchange_ids`] hands out
+//!    several, for NCCL's scalable init ([`IdCount`]: by itself above
+//!    [`SCALABLE_RANKS_PER_ID`] ranks, or when `NCCL_RS_UNIQUE_IDS` asks).
 //! 3. [`spawn_local`] turns a plain `cargo run` into a job of one process per GPU.
 //!
 //! With the `mpi` feature, `mpi::exchange_id_mpi` broadcasts the id over an existing MPI
@@ -94,6 +96,7 @@
 //! | `NCCL_RS_RENDEZVOUS_KEY` | the secret of the encrypted, authenticated TCP rendezvous ([`RendezvousKey`]): at least 64 hexadecimal digits (32 bytes, e.g. `openssl rand -hex 32`), the same on every rank; unset means the unencrypted protocol |
 //! | `NCCL_RS_RENDEZVOUS_DIR` | directory of the file rendezvous (default: [`std::env::temp_dir`]) |
 //! | `NCCL_RS_BOOTSTRAP_TIMEOUT` | seconds every rank waits for the others (default 300) |
+//! | `NCCL_RS_UNIQUE_IDS` | how many unique ids [`exchange_ids`], [`Comm::from_env`](crate::Comm::from_env) and [`LocalJob::init_comm`] hand out: `auto` (default: one, or one per [`SCALABLE_RANKS_PER_ID`] ranks on NCCL 2.23+) or a count from 1 to the world size; several ids are joined with [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable) ([`IdCount`]) |
 //! | `NCCL_RS_LOCAL_RANKS` | overrides the rank count given to [`spawn_local`] |
 //! | `NCCL_RS_GPU_SHARING` | `off`, `hosts` or `shared`: how ranks share GPUs when a node has more ranks than GPUs ([`GpuSharing`]) |
 //!
@@ -136,14 +139,17 @@
 //! # Rooms
 //!
 //! `launch` reads the launchers' variables into a [`Placement`] and picks the GPU;
-//! `env` reads the rendezvous settings; [`Rendezvous`] is what TCP and the file method share
+//! `env` reads the rendezvous settings; `ids` is how many ids an exchange hands out and who
+//! creates them; [`Rendezvous`] is what TCP and the file method share
 //! (rank, world size, job key, deadline, the exchange); `tcp` and `file` are the two
 //! [`Transport`]s, each with its wire format in a `wire` room; `history` remembers past
 //! exchanges so that repeated ones stay apart; `sharing` is how ranks share a GPU; `spawn` is [`spawn_local`] and its supervisor;
 //! `join` is the glue to the rest of the crate ([`Comm::from_env`](crate::Comm::from_env),
 //! [`LocalJob::init_comm`]); `mpi` (feature `mpi`) broadcasts the id over MPI.
 //!
-//! `bootstrap` uses only [`UniqueId`], [`Comm::init_rank`](crate::Comm::init_rank),
+//! `bootstrap` uses only [`UniqueId`], [`Comm::init_rank`](crate::Comm::init_rank) and
+//! [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable), [`EncryptionKey`](crate::EncryptionKey)
+//! (derived from a [`RendezvousKey`]),
 //! [`library::cuda_device_count`](crate::library::cuda_device_count), the loaded library's
 //! [`Version`](crate::Version) (`sharing` checks it) and [`crate::Error`] from the rest of the
 //! crate; nothing else in the crate depends on it but [`crate::Error`]'s
@@ -154,6 +160,9 @@ mod env;
 mod error;
 mod file;
 mod history;
+mod ids;
+#[cfg(test)]
+mod ids_tests;
 mod join;
 mod launch;
 #[cfg(feature = "mpi")]
@@ -167,6 +176,7 @@ mod util;
 pub use env::{DEFAULT_JOB_KEY, DEFAULT_TIMEOUT};
 pub use error::{BootstrapError, ChildExit, Result};
 pub use file::{FileRendezvous, FileTransport};
+pub use ids::{rank_has_root, root_rank, IdCount, MAX_EXCHANGED_IDS, SCALABLE_RANKS_PER_ID};
 pub use launch::{Launcher, Placement};
 pub use rendezvous::{Rendezvous, Transport};
 pub use sharing::GpuSharing;
@@ -250,26 +260,64 @@ pub fn exchange_id_with(
     if placement.world_size == 1 && placement.rank == 0 {
         return make_id();
     }
-    let method = match method {
-        Exchange::Auto => Exchange::from_env(placement)?,
-        other => other,
-    };
-    match method {
-        Exchange::Tcp(tcp) => exchange_over(placement, &tcp, make_id),
-        Exchange::File(file) => exchange_over(placement, &file, make_id),
-        // `from_env` never returns Auto.
-        Exchange::Auto => {
-            Err(BootstrapError::Config("Exchange::Auto could not be resolved".to_owned()).into())
-        }
+    match resolve(placement, method)? {
+        Exchange::Tcp(tcp) => checked(placement, &tcp)?.exchange_with(make_id),
+        Exchange::File(file) => checked(placement, &file)?.exchange_with(make_id),
+        Exchange::Auto => Err(unresolved()),
     }
 }
 
-/// Runs `rendezvous`, which must agree with `placement` on rank and world size.
-fn exchange_over<T: Transport>(
+/// Gives every rank the same unique ids, as many as the rendezvous's [`IdCount`] says
+/// (`NCCL_RS_UNIQUE_IDS` for [`Exchange::Auto`]; by default one, or one per
+/// [`SCALABLE_RANKS_PER_ID`] ranks on NCCL 2.23+), for
+/// [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable); rank 0 creates them with
+/// [`UniqueId::new`]. See [`exchange_ids_with`].
+pub fn exchange_ids(placement: &Placement, method: Exchange) -> crate::Result<Vec<UniqueId>> {
+    exchange_ids_with(placement, method, UniqueId::new)
+}
+
+/// Like [`exchange_ids`], with rank 0 creating each id by calling `make_id`.
+///
+/// The ids are all created on rank 0 (each `ncclGetUniqueId` starts a bootstrap root of its
+/// own, a thread with its own port, in rank 0's process): that spreads the roots' work over
+/// threads but keeps their connections on rank 0's host. NCCL's guide would rather have the
+/// roots on ranks spread over the job ([`rank_has_root`]); the `mpi` feature's exchange does
+/// that.
+pub fn exchange_ids_with(
     placement: &Placement,
-    rendezvous: &Rendezvous<T>,
-    make_id: impl FnOnce() -> crate::Result<UniqueId>,
-) -> crate::Result<UniqueId> {
+    method: Exchange,
+    mut make_id: impl FnMut() -> crate::Result<UniqueId>,
+) -> crate::Result<Vec<UniqueId>> {
+    let method = match (placement.world_size, placement.rank, method) {
+        // A job of one rank needs no exchange, and one id.
+        (1, 0, _) => return Ok(vec![make_id()?]),
+        (_, _, method) => resolve(placement, method)?,
+    };
+    match method {
+        Exchange::Tcp(tcp) => checked(placement, &tcp)?.exchange_ids_with(make_id),
+        Exchange::File(file) => checked(placement, &file)?.exchange_ids_with(make_id),
+        Exchange::Auto => Err(unresolved()),
+    }
+}
+
+/// Resolves [`Exchange::Auto`] from the environment.
+fn resolve(placement: &Placement, method: Exchange) -> crate::Result<Exchange> {
+    Ok(match method {
+        Exchange::Auto => Exchange::from_env(placement)?,
+        other => other,
+    })
+}
+
+/// `from_env` never returns Auto.
+fn unresolved() -> crate::Error {
+    BootstrapError::Config("Exchange::Auto could not be resolved".to_owned()).into()
+}
+
+/// `rendezvous`, which must agree with `placement` on rank and world size.
+fn checked<'a, T: Transport>(
+    placement: &Placement,
+    rendezvous: &'a Rendezvous<T>,
+) -> crate::Result<&'a Rendezvous<T>> {
     let (rank, world_size) = (rendezvous.rank(), rendezvous.world_size());
     if (rank, world_size) != (placement.rank, placement.world_size) {
         return Err(BootstrapError::Config(format!(
@@ -279,5 +327,5 @@ fn exchange_over<T: Transport>(
         ))
         .into());
     }
-    rendezvous.exchange_with(make_id)
+    Ok(rendezvous)
 }

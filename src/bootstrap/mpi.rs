@@ -19,7 +19,8 @@
 use ::mpi::topology::Communicator;
 use ::mpi::traits::Root;
 
-use super::{BootstrapError, Launcher, Placement};
+use super::ids::IdCount;
+use super::{root_rank, BootstrapError, Launcher, Placement};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
 
@@ -65,6 +66,68 @@ pub fn exchange_id_mpi_with(
     let mut bytes = [0u8; UNIQUE_ID_BYTES];
     bytes.copy_from_slice(&message[1..]);
     Ok(UniqueId::from_bytes(bytes))
+}
+
+/// Gives every rank of `world` the same `count` unique ids, for
+/// [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable), created as NCCL's guide
+/// asks: id `i` by the first rank of the `i`-th of `count` even groups of ranks
+/// ([`rank_has_root`](super::rank_has_root)), each then broadcast from its creator
+/// (`MPI_Bcast`, one per id, in order). Collective: every rank of `world` must call it with
+/// the same `count` ([`IdCount::Auto`] resolves alike on every rank, from the world size and
+/// the loaded NCCL's version).
+///
+/// Each broadcast carries a status byte, as in [`exchange_id_mpi`]: a creator that fails
+/// makes every rank fail instead of joining with garbage.
+pub fn exchange_ids_mpi(world: &impl Communicator, count: IdCount) -> crate::Result<Vec<UniqueId>> {
+    exchange_ids_mpi_with(world, count, UniqueId::new)
+}
+
+/// Like [`exchange_ids_mpi`], with each creating rank calling `make_id`.
+pub fn exchange_ids_mpi_with(
+    world: &impl Communicator,
+    count: IdCount,
+    mut make_id: impl FnMut() -> crate::Result<UniqueId>,
+) -> crate::Result<Vec<UniqueId>> {
+    // MPI sizes and ranks are non-negative by definition.
+    let size = world.size() as usize;
+    let me = world.rank() as usize;
+    let count = count.resolve_for_host(size)?;
+    let mut ids = Vec::with_capacity(count);
+    let mut own_error = None;
+    for index in 0..count {
+        let root = root_rank(index, size, count);
+        let mut message = [0u8; 1 + UNIQUE_ID_BYTES];
+        if root == me {
+            match make_id() {
+                Ok(id) => {
+                    message[0] = 1;
+                    message[1..].copy_from_slice(id.as_bytes());
+                }
+                Err(error) => own_error = Some(error),
+            }
+        }
+        world
+            .process_at_rank(root as ::mpi::Rank)
+            .broadcast_into(&mut message[..]);
+        if message[0] != 1 {
+            // Every rank takes part in every broadcast before giving up, so none is left
+            // waiting in one.
+            own_error.get_or_insert_with(|| {
+                BootstrapError::Config(format!(
+                    "rank {root} could not create NCCL unique id {index} (see its error)"
+                ))
+                .into()
+            });
+            continue;
+        }
+        let mut bytes = [0u8; UNIQUE_ID_BYTES];
+        bytes.copy_from_slice(&message[1..]);
+        ids.push(UniqueId::from_bytes(bytes));
+    }
+    match own_error {
+        Some(error) => Err(error),
+        None => Ok(ids),
+    }
 }
 
 /// This process's [`Placement`] from MPI itself: rank and size of `world`, and the local rank and

@@ -42,6 +42,7 @@ pub mod vector;
 use cudarc::driver::CudaStream;
 
 pub(crate) use dispatch::dispatch;
+pub(crate) use operation::Kind;
 pub use operation::Operation;
 pub(crate) use vector::{dispatch_v, verify as verify_counts};
 pub use vector::{Construction, Layout, VOperation};

@@ -132,9 +132,13 @@ impl From<(Comm, Error)> for Error {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        let (live, failed) = {
+        let (live, failed, suspended) = {
             let state = self.shared.lock();
-            (!state.ptr.is_null(), state.failure.is_some())
+            (
+                !state.ptr.is_null(),
+                state.failure.is_some(),
+                state.suspended,
+            )
         };
         if !live {
             return;
@@ -142,9 +146,11 @@ impl Drop for Comm {
         // Let the last operations finish, unless the communicator already failed or is stuck
         // in progress (every call waits until it is ready, so a communicator still in
         // progress here has timed out and its work will not finish). A dead peer or the
-        // timeout ends the wait, and the abort below then cancels what is left.
+        // timeout ends the wait, and the abort below then cancels what is left. A suspended
+        // one has no work left (suspending synchronised the device) and no proxy sends to
+        // drain: it is aborted at once.
         let start = std::time::Instant::now();
-        let healthy = !failed && matches!(self.async_code(), Ok(ResultCode::Success));
+        let healthy = !failed && !suspended && matches!(self.async_code(), Ok(ResultCode::Success));
         let wait = match &self.siblings {
             Some(siblings) => siblings.drop_wait(self.drop_timeout),
             None => self.drop_timeout,

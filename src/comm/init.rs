@@ -44,41 +44,132 @@ impl Comm {
         size: usize,
         config: &CommConfig,
     ) -> Result<Comm> {
+        Self::join(stream, Ids::One(id), rank, size, config)
+    }
+
+    /// Joins the communicator named by several unique ids (`ncclCommInitRankScalable`, NCCL
+    /// 2.23), so that NCCL's bootstrap spreads over several roots: each id's root serves an
+    /// even share of the ranks instead of one root serving all of them.
+    ///
+    /// When it pays: NCCL makes ranks queue for their root once it serves more than
+    /// `NCCL_UID_STAGGER_THRESHOLD` ranks (256 by default; then each waits its turn at
+    /// `NCCL_UID_STAGGER_RATE`, 7000 connections a second), so one id per 256 ranks keeps
+    /// every root under that bound; [`bootstrap::SCALABLE_RANKS_PER_ID`](crate::bootstrap::SCALABLE_RANKS_PER_ID)
+    /// is that figure, and the rendezvous of [`crate::bootstrap`] hands out that many ids by
+    /// itself ([`bootstrap::IdCount`](crate::bootstrap::IdCount)). Below a few hundred ranks
+    /// one id is as fast. For best effect NCCL's guide asks that the ids be created on ranks
+    /// spread evenly over the job ([`bootstrap::rank_has_root`](crate::bootstrap::rank_has_root)
+    /// says which).
+    ///
+    /// Checked here: `ids` is not empty, has no id twice, and holds at most `size` ids (NCCL's
+    /// limit, one root per rank). Left to the caller, since no rank can see the others' ids
+    /// before joining: **every rank passes the same ids in the same order** (the bootstrap
+    /// rendezvous guarantees this for what it hands out; a rank with other ids or another
+    /// order joins another communicator or none, and the init fails or times out). Only the
+    /// first id names the communicator in NCCL's logs. One id behaves like
+    /// [`Comm::init_rank_with_config`].
+    pub fn init_rank_scalable(
+        stream: Arc<CudaStream>,
+        ids: &[UniqueId],
+        rank: usize,
+        size: usize,
+    ) -> Result<Comm> {
+        Self::init_rank_scalable_with_config(stream, ids, rank, size, &CommConfig::default())
+    }
+
+    /// [`Comm::init_rank_scalable`] with a configuration; a nonblocking one returns once NCCL
+    /// accepted the call and waits for readiness like [`Comm::init_rank_with_config`].
+    pub fn init_rank_scalable_with_config(
+        stream: Arc<CudaStream>,
+        ids: &[UniqueId],
+        rank: usize,
+        size: usize,
+        config: &CommConfig,
+    ) -> Result<Comm> {
+        Self::join(stream, Ids::Several(ids), rank, size, config)
+    }
+
+    /// The one path of every join by unique id: checks, binds the stream's context, calls the
+    /// NCCL function `ids` asks for and adopts the handle.
+    fn join(
+        stream: Arc<CudaStream>,
+        ids: Ids<'_>,
+        rank: usize,
+        size: usize,
+        config: &CommConfig,
+    ) -> Result<Comm> {
         let lib = library::get()?;
-        thread_group::ensure_outside("Comm::init_rank")?;
+        thread_group::ensure_outside(match ids {
+            Ids::One(_) => "Comm::init_rank",
+            Ids::Several(_) => "Comm::init_rank_scalable",
+        })?;
         let (my_rank, nranks) = rank_and_size(rank, size)?;
+        if let Ids::Several(list) = ids {
+            lib.require_call(&calls::ncclCommInitRankScalable)?;
+            check_ids(list, size)?;
+        }
         let mut raw_config = config.to_raw(lib)?;
         stream.context().bind_to_thread()?;
+        crate::encryption::network_started();
         let mut raw: ncclComm_t = ptr::null_mut();
-        let status = match raw_config.as_mut() {
-            // SAFETY: `raw` is a valid out-pointer; the id is passed by value as NCCL expects.
-            None => unsafe {
-                lib.api()
-                    .ncclCommInitRank(&mut raw, nranks, id.to_raw(), my_rank)
-            },
-            // SAFETY: as above, and `cfg` is an initialised ncclConfig_t whose strings live in
-            // `raw_config` until the call returns (NCCL copies what it keeps).
-            Some(cfg) => unsafe {
-                lib.api()
-                    .ncclCommInitRankConfig(&mut raw, nranks, id.to_raw(), my_rank, cfg)
-            },
-        };
-        let call = if raw_config.as_mut().is_some() {
-            calls::ncclCommInitRankConfig.name
-        } else {
-            calls::ncclCommInitRank.name
+        let (call, status) = match (ids, raw_config.as_mut()) {
+            (Ids::One(id), None) => (
+                calls::ncclCommInitRank.name,
+                // SAFETY: `raw` is a valid out-pointer; the id is passed by value as NCCL
+                // expects.
+                unsafe {
+                    lib.api()
+                        .ncclCommInitRank(&mut raw, nranks, id.to_raw(), my_rank)
+                },
+            ),
+            (Ids::One(id), Some(cfg)) => (
+                calls::ncclCommInitRankConfig.name,
+                // SAFETY: as above, and `cfg` is an initialised ncclConfig_t whose strings live
+                // in `raw_config` until the call returns (NCCL copies what it keeps).
+                unsafe {
+                    lib.api()
+                        .ncclCommInitRankConfig(&mut raw, nranks, id.to_raw(), my_rank, cfg)
+                },
+            ),
+            (Ids::Several(list), cfg) => {
+                let mut raw_ids: Vec<nccl_sys::ncclUniqueId> =
+                    list.iter().map(|id| id.to_raw()).collect();
+                // `check_ids` bounded the count by `size`, which fits a C int.
+                let n_ids = raw_ids.len() as c_int;
+                let cfg = cfg.map_or(ptr::null_mut(), |cfg| cfg as *mut _);
+                (
+                    calls::ncclCommInitRankScalable.name,
+                    // SAFETY: `raw` is a valid out-pointer; `raw_ids` holds `n_ids` ids and
+                    // outlives the call (NCCL copies them before returning); `cfg` is null
+                    // (NCCL's defaults) or an initialised ncclConfig_t as above.
+                    unsafe {
+                        lib.api().ncclCommInitRankScalable(
+                            &mut raw,
+                            nranks,
+                            my_rank,
+                            n_ids,
+                            raw_ids.as_mut_ptr(),
+                            cfg,
+                        )
+                    },
+                )
+            }
         };
         Self::adopt(lib, raw, stream, config, call, status).map_err(|err| match err {
             // Say what a nonblocking init waits for: usually a rank that never joined.
             Error::Timeout { waited, .. } => Error::Timeout {
                 what: format!(
                     "{call} of rank {rank} of {size} to complete (every rank must join with \
-                     the same id; one has not, or the bootstrap network is unreachable); the \
-                     communicator was aborted"
+                     the same {}; one has not, or the bootstrap network is unreachable); the \
+                     communicator was aborted",
+                    match ids {
+                        Ids::One(_) => "id",
+                        Ids::Several(_) => "ids in the same order",
+                    }
                 ),
                 waited,
             },
-            other => other,
+            other => crate::encryption::explain(other),
         })
     }
 
@@ -120,6 +211,7 @@ impl Comm {
         }
         let ndev = c_int::try_from(devices.len())
             .map_err(|_| Error::invalid("too many streams for ncclCommInitAll"))?;
+        crate::encryption::network_started();
         let mut raws: Vec<ncclComm_t> = vec![ptr::null_mut(); devices.len()];
         // SAFETY: `raws` has room for `ndev` handles and `devices` holds `ndev` ordinals.
         let status = unsafe {
@@ -322,6 +414,38 @@ fn check_shared_device(
     Ok(())
 }
 
+/// The unique ids a join names: one (`ncclCommInitRank[Config]`) or a list
+/// (`ncclCommInitRankScalable`).
+#[derive(Clone, Copy)]
+enum Ids<'a> {
+    One(&'a UniqueId),
+    Several(&'a [UniqueId]),
+}
+
+/// What `ncclCommInitRankScalable` accepts: at least one id, at most one per rank (NCCL
+/// returns `ncclInvalidArgument` otherwise), and no id twice (two roots at one address).
+pub(crate) fn check_ids(ids: &[UniqueId], size: usize) -> Result<()> {
+    if ids.is_empty() {
+        return Err(Error::invalid(
+            "init_rank_scalable needs at least one unique id",
+        ));
+    }
+    if ids.len() > size {
+        return Err(Error::invalid(format!(
+            "{} unique ids for a communicator of {size} ranks: NCCL allows at most one per rank",
+            ids.len()
+        )));
+    }
+    for (i, id) in ids.iter().enumerate() {
+        if let Some(j) = ids[..i].iter().position(|earlier| earlier == id) {
+            return Err(Error::invalid(format!(
+                "unique ids {j} and {i} are the same id: each names a bootstrap root of its own"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Validates and converts a rank and size for NCCL's `int` parameters.
 pub(crate) fn rank_and_size(rank: usize, size: usize) -> Result<(c_int, c_int)> {
     if size == 0 {
@@ -355,5 +479,25 @@ mod tests {
         assert!(err.contains("rank 4 is out of range"), "{err}");
         let err = rank_and_size(0, usize::MAX).unwrap_err().to_string();
         assert!(err.contains("does not fit"), "{err}");
+    }
+
+    #[test]
+    fn scalable_ids_are_checked() {
+        let id = |b: u8| UniqueId::from_bytes([b; crate::id::UNIQUE_ID_BYTES]);
+        assert!(check_ids(&[id(1), id(2)], 2).is_ok());
+        assert!(check_ids(&[id(1)], 1).is_ok());
+        let err = check_ids(&[], 4).unwrap_err().to_string();
+        assert!(err.contains("at least one unique id"), "{err}");
+        let err = check_ids(&[id(1), id(2), id(3)], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("3 unique ids") && err.contains("at most one per rank"),
+            "{err}"
+        );
+        let err = check_ids(&[id(1), id(2), id(1)], 4)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ids 0 and 2 are the same"), "{err}");
     }
 }

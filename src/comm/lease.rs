@@ -1,5 +1,5 @@
 //! What NCCL lends on a communicator and must get back on it: a window, a buffer
-//! registration, a pre-multiplied-sum operator (and next the device API's `ncclDevComm`).
+//! registration, a pre-multiplied-sum operator, a device communicator (`ncclDevComm`).
 //!
 //! Each is a handle made by one NCCL call on a [`Comm`] and given back by another, and each
 //! follows the same rules, kept here once:

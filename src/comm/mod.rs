@@ -8,7 +8,8 @@
 //!
 //! The rooms: `state.rs` owns the raw handle and its state (one owner, as rusqlite's
 //! `InnerConnection`); `init.rs` creates communicators, `child.rs` splits them, `wait.rs`
-//! waits on them and `close.rs` ends them. Failure handling (abort handles, the watchdog,
+//! waits on them, `suspend.rs` releases and restores their memory, `status.rs` describes
+//! them (`Debug`, `Display`) and `close.rs` ends them. Failure handling (abort handles, the watchdog,
 //! revoke/shrink/grow) lives in [`crate::fault`].
 //!
 //! # End of life
@@ -70,6 +71,8 @@ mod lease;
 pub(crate) use init::{MULTI_RANK_GPU_MAX, MULTI_RANK_GPU_SINCE, MULTI_RANK_GPU_VAR};
 mod membership;
 pub(crate) mod state;
+mod status;
+mod suspend;
 mod wait;
 
 use std::cell::Cell;
@@ -87,6 +90,8 @@ pub(crate) use job_slot::JobSlot;
 pub(crate) use lease::Lease;
 pub(crate) use membership::Membership;
 pub(crate) use state::{Shared, State};
+pub use status::CommStatus;
+pub use suspend::MemStats;
 pub(crate) use wait::Backoff;
 
 use crate::calls::Call;
@@ -144,18 +149,6 @@ pub struct Comm {
     /// see [`crate::window::rma`]).
     pub(crate) rma_setup: Cell<RmaSetup>,
     _not_sync: PhantomData<Cell<()>>,
-}
-
-impl std::fmt::Debug for Comm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Comm")
-            .field("rank", &self.rank)
-            .field("size", &self.size)
-            .field("device", &self.device)
-            .field("blocking", &self.shared.blocking)
-            .field("released", &self.shared.lock().ptr.is_null())
-            .finish()
-    }
 }
 
 impl Comm {

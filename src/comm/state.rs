@@ -52,6 +52,11 @@ impl Shared {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock()
     }
+
+    /// The state if its lock is free now; for descriptions, which must never wait.
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        self.state.try_lock()
+    }
 }
 
 /// The raw handle and its fault state, guarded by the communicator's lock.
@@ -65,6 +70,9 @@ pub(crate) struct State {
     /// Why the communicator can no longer run work, if it cannot. Boxed so the state stays
     /// small: every enqueue reads it next to the lock word and the pointer.
     pub(crate) failure: Option<Box<Failure>>,
+    /// Whether `ncclCommSuspend` released the communicator's dynamic GPU memory (and no
+    /// `ncclCommResume` restored it yet): only calls marked `while_suspended` may be made.
+    pub(crate) suspended: bool,
 }
 
 impl State {
@@ -74,14 +82,16 @@ impl State {
             open_groups: 0,
             deferred: None,
             failure: None,
+            suspended: false,
         }
     }
 
-    /// Fails unless `call` may be made now: never once released, and after a failure only
-    /// calls that inspect, tear down or rebuild the communicator.
+    /// Fails unless `call` may be made now: never once released, after a failure only
+    /// calls that inspect, tear down or rebuild the communicator, and while suspended only
+    /// calls that inspect, resume or tear it down.
     #[inline]
     pub(crate) fn usable_for(&self, call: &'static Call, rank: usize) -> Result<()> {
-        if !self.ptr.is_null() && self.failure.is_none() {
+        if !self.ptr.is_null() && self.failure.is_none() && !self.suspended {
             return Ok(());
         }
         self.unusable_for(call, rank)
@@ -94,9 +104,16 @@ impl State {
             return Err(self.released_error(call.name, rank));
         }
         match &self.failure {
-            Some(failure) if !call.after_failure => Err(failure.to_error(call.name, rank)),
-            _ => Ok(()),
+            Some(failure) if !call.after_failure => return Err(failure.to_error(call.name, rank)),
+            _ => {}
         }
+        if self.suspended && !call.while_suspended {
+            return Err(Error::Suspended {
+                call: call.name,
+                rank,
+            });
+        }
+        Ok(())
     }
 
     /// Fails with the recorded failure, or because the communicator was released.
@@ -425,5 +442,65 @@ pub(crate) mod tests {
         assert!(revoked
             .to_string()
             .contains("only shrink, split, abort and destroy"));
+    }
+
+    #[test]
+    fn a_suspended_communicator_takes_only_queries_resume_and_tear_down() {
+        let mut state = live_state();
+        state.suspended = true;
+        for call in [
+            &calls::ncclAllReduce,
+            &calls::ncclSend,
+            &calls::ncclCommSplit,
+            &calls::ncclCommShrink,
+            &calls::ncclCommWindowRegister,
+            &calls::ncclCommWindowDeregister,
+            &calls::ncclCommRegister,
+            &calls::ncclCommFinalize,
+            &calls::ncclCommSuspend,
+            &calls::ncclPutSignal,
+        ] {
+            match state.usable_for(call, 3) {
+                Err(Error::Suspended { call: name, rank }) => {
+                    assert_eq!((name, rank), (call.name, 3));
+                }
+                other => panic!("{}: {other:?}", call.name),
+            }
+        }
+        for call in [
+            &calls::ncclCommResume,
+            &calls::ncclCommMemStats,
+            &calls::ncclCommGetAsyncError,
+            &calls::ncclCommCount,
+            &calls::ncclCommAbort,
+            &calls::ncclCommDestroy,
+        ] {
+            assert!(state.usable_for(call, 3).is_ok(), "{}", call.name);
+        }
+        let text = state
+            .usable_for(&calls::ncclAllReduce, 3)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("ncclAllReduce on rank 3"), "{text}");
+        assert!(text.contains("Comm::resume"), "{text}");
+        // A failure recorded meanwhile wins: it is what the caller must act on.
+        state.record(FailureState::Failed, Failure::owner(FailureState::Failed));
+        assert!(matches!(
+            state.usable_for(&calls::ncclAllReduce, 3),
+            Err(Error::InvalidUsage(_))
+        ));
+        // Resumed and healthy again: the fast path passes.
+        let mut state = live_state();
+        state.suspended = true;
+        state.suspended = false;
+        assert!(state.usable_for(&calls::ncclAllReduce, 3).is_ok());
+        // Released while suspended: the release is what is reported.
+        let mut state = live_state();
+        state.suspended = true;
+        state.take(Failure::owner(FailureState::Released));
+        assert!(matches!(
+            state.usable_for(&calls::ncclCommResume, 3),
+            Err(Error::InvalidUsage(_))
+        ));
     }
 }

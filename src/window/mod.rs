@@ -150,6 +150,7 @@
 //! ```
 
 mod agreement;
+mod device_ptr;
 mod register;
 pub mod rma;
 mod view;
@@ -168,6 +169,7 @@ use crate::error::{Error, Result};
 use crate::memory::{forward_to_buffer, NcclBuffer};
 use crate::release::Version;
 
+pub use device_ptr::{DeviceWindow, PeerPtr};
 pub use register::RegisterError;
 pub use rma::{Signal, SignalWait};
 pub use view::{WindowView, WindowViewMut};

@@ -124,7 +124,8 @@ fn precheck(comm: &Comm) -> Result<()> {
     thread_group::ensure_outside(CALL)?;
     // Checked up front as well as under the lock of the call: in a group, a communicator
     // refused halfway would leave the registrations already queued waiting for its rank.
-    comm.check_failure(CALL)
+    // A failed or suspended one is refused before the ranks' agreement exchange.
+    comm.usable(&calls::ncclCommWindowRegister).map(drop)
 }
 
 fn no_window() -> Error {

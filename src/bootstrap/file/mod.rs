@@ -17,9 +17,10 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use self::fs::{owner, read_small, read_small_file, remove_quietly, write_atomically};
-use self::wire::{encode_ack, IdRecord, ACK_FILE_LEN, ID_FILE_LEN};
+use self::wire::{encode_ack, IdRecord, ACK_FILE_LEN, MAX_ID_FILE_LEN};
 use super::bytes::job_key_hash;
 use super::env::{lookup, process_var, vars, Vars};
+use super::ids::{self, IdCount};
 use super::rendezvous::{sealed, Rendezvous, Transport};
 use super::util::{deadline_after, io_error, random_u64, time_left};
 use super::{BootstrapError, Placement, Result};
@@ -57,6 +58,14 @@ pub type FileRendezvous = Rendezvous<FileTransport>;
 /// record, writes `<name>.ack.<rank>` the same way (naming the nonce it read), and returns;
 /// rank 0 removes the id file and the acks once all ranks acked, or at its deadline.
 ///
+/// Several ids ([`IdCount`]) are written as version 2 of the record: the same first 56 bytes
+/// (with version 2), the id count `u32`, a reserved `u32`, the ids, and the checksum. One id is
+/// always written as version 1, so such a job's files are what earlier versions wrote; an
+/// earlier reader refuses a version 2 file ([`BootstrapError::VersionMismatch`], reported at
+/// its deadline). A rank that expects another count than the file holds fails with
+/// [`BootstrapError::IdCountMismatch`] without acking (rank 0 then times out naming it). The ack
+/// names the ids by a fingerprint of all of them.
+///
 /// A file left by a job that crashed is recognised as stale when its writer process is gone
 /// (or its pid now belongs to a newer process), and ignored; the new rank 0 replaces it. Ack
 /// files carry the nonce, so leftovers of an old job are never counted. Files are created
@@ -73,15 +82,16 @@ impl Transport for FileTransport {}
 impl sealed::Halves for FileTransport {
     fn host<E: From<BootstrapError>>(
         rendezvous: &FileRendezvous,
-        make_id: impl FnOnce() -> Result<UniqueId, E>,
-    ) -> Result<UniqueId, E> {
-        let id = make_id()?;
-        rendezvous.publish(id)?;
-        Ok(id)
+        count: usize,
+        make_ids: impl FnOnce(usize) -> Result<Vec<UniqueId>, E>,
+    ) -> Result<Vec<UniqueId>, E> {
+        let ids = make_ids(count)?;
+        rendezvous.publish_ids(&ids)?;
+        Ok(ids)
     }
 
-    fn fetch(rendezvous: &FileRendezvous) -> Result<UniqueId> {
-        rendezvous.read_and_ack()
+    fn fetch(rendezvous: &FileRendezvous, wanted: IdCount) -> Result<Vec<UniqueId>> {
+        rendezvous.read_and_ack(wanted)
     }
 }
 
@@ -178,7 +188,15 @@ impl Rendezvous<FileTransport> {
     /// Rank 0: publishes `id` and waits until every other rank has acked it (or the timeout,
     /// [`BootstrapError::Timeout`] listing the missing ranks). The files are removed either way.
     pub fn publish(&self, id: UniqueId) -> Result<()> {
+        self.publish_ids(&[id])
+    }
+
+    /// Like [`publish`](Self::publish), for several ids (in this order): 1 to the world size,
+    /// at most [`MAX_EXCHANGED_IDS`](crate::bootstrap::MAX_EXCHANGED_IDS). Several ids are
+    /// written as version 2 of the record.
+    pub fn publish_ids(&self, ids: &[UniqueId]) -> Result<()> {
         self.require_rank0("publishes the unique id")?;
+        IdCount::Exactly(ids.len()).check(self.world_size())?;
         if self.world_size() == 1 {
             return Ok(());
         }
@@ -202,25 +220,25 @@ impl Rendezvous<FileTransport> {
             pid: std::process::id(),
             start_ticks: procfs::own_start_ticks(),
             pid_namespace: procfs::own_pid_namespace(),
-            id: id.into_bytes(),
+            ids: ids.to_vec(),
         };
         let path = self.id_path();
         // The rename replaces a stale file of a crashed job in one step.
         write_atomically(&path, &record.encode())
             .map_err(|e| io_error(format!("publishing the unique id in {}", path.display()), e))?;
-        let outcome = self.await_acks(&record, &id, started);
+        let outcome = self.await_acks(&record, started);
         self.remove_if_published_by(&path, record.nonce);
         self.remove_acks();
         outcome
     }
 
     /// Rank 0: polls until every rank's ack of `record` is there, or the deadline.
-    fn await_acks(&self, record: &IdRecord, id: &UniqueId, started: Instant) -> Result<()> {
+    fn await_acks(&self, record: &IdRecord, started: Instant) -> Result<()> {
         let deadline = deadline_after(started, self.timeout());
         let mut pending: Vec<usize> = (1..self.world_size()).collect();
         let mut pause = FIRST_POLL_PAUSE;
         loop {
-            pending.retain(|&rank| !self.has_valid_ack(rank, record, id));
+            pending.retain(|&rank| !self.has_valid_ack(rank, record));
             if pending.is_empty() {
                 return Ok(());
             }
@@ -242,7 +260,7 @@ impl Rendezvous<FileTransport> {
         }
     }
 
-    fn has_valid_ack(&self, rank: usize, record: &IdRecord, id: &UniqueId) -> bool {
+    fn has_valid_ack(&self, rank: usize, record: &IdRecord) -> bool {
         let Ok(bytes) = read_small_file(&self.ack_path(rank), ACK_FILE_LEN) else {
             return false;
         };
@@ -251,7 +269,8 @@ impl Rendezvous<FileTransport> {
         };
         // Anything but the exact expected bytes is an old or foreign ack; a real one replaces
         // it by rename.
-        bytes[..] == encode_ack(record.job_hash, record.nonce, rank, id.fingerprint())[..]
+        let fingerprint = ids::fingerprint(&record.ids);
+        bytes[..] == encode_ack(record.job_hash, record.nonce, rank, fingerprint)[..]
     }
 
     fn remove_acks(&self) {
@@ -262,7 +281,7 @@ impl Rendezvous<FileTransport> {
 
     /// Removes the id file if it is still the publication `nonce` (not a newer job's file).
     fn remove_if_published_by(&self, path: &Path, nonce: u64) {
-        let Ok(bytes) = read_small_file(path, ID_FILE_LEN) else {
+        let Ok(bytes) = read_small_file(path, MAX_ID_FILE_LEN) else {
             return;
         };
         if matches!(IdRecord::decode(&bytes, path), Ok(record) if record.nonce == nonce) {
@@ -275,7 +294,7 @@ impl Rendezvous<FileTransport> {
     /// A stale file (its writer is gone) is ignored until rank 0 replaces it. A corrupt or
     /// foreign file is waited out too, since rank 0 may still replace it, and reported as such
     /// when the timeout passes. A live file for another world size fails at once.
-    fn read_and_ack(&self) -> Result<UniqueId> {
+    fn read_and_ack(&self, wanted: IdCount) -> Result<Vec<UniqueId>> {
         let ack_rank = u32::try_from(self.rank())
             .map_err(|_| BootstrapError::Config(format!("rank {} is too large", self.rank())))?;
         let record = self.await_publication()?;
@@ -285,14 +304,19 @@ impl Rendezvous<FileTransport> {
                 got: self.world_size(),
             });
         }
-        let id = UniqueId::from_bytes(record.id);
-        let ack = encode_ack(record.job_hash, record.nonce, ack_rank, id.fingerprint());
+        wanted.accepts(record.ids.len())?;
+        let ack = encode_ack(
+            record.job_hash,
+            record.nonce,
+            ack_rank,
+            ids::fingerprint(&record.ids),
+        );
         let ack_path = self.ack_path(self.rank());
         write_atomically(&ack_path, &ack)
             .map_err(|e| io_error(format!("writing the ack {}", ack_path.display()), e))?;
         self.history
             .mark_used(record.job_hash, self.rank(), record.nonce);
-        Ok(id)
+        Ok(record.ids)
     }
 
     /// Polls the id file until it holds a current publication, or the deadline.
@@ -341,7 +365,7 @@ impl Rendezvous<FileTransport> {
                 });
             }
         }
-        let bytes = read_small(&file, ID_FILE_LEN)
+        let bytes = read_small(&file, MAX_ID_FILE_LEN)
             .map_err(|e| io_error(format!("reading {}", path.display()), e))?;
         let record = IdRecord::decode(&bytes, path)?;
         if record.job_hash != self.job_hash() {

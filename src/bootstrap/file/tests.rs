@@ -61,7 +61,7 @@ fn file_of_a_dead_writer_is_ignored() {
         pid: dead_pid,
         start_ticks: 1,
         pid_namespace: procfs::own_pid_namespace(),
-        id: sample_id(1).into_bytes(),
+        ids: vec![sample_id(1)],
     };
     write_atomically(&client.id_path(), &record.encode()).expect("write");
     if procfs::own_pid_namespace() != 0 {

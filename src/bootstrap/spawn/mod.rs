@@ -12,6 +12,7 @@ use cudarc::driver::CudaStream;
 
 use self::supervisor::{stop_all, Supervisor};
 use super::env::{lookup, process_var, timeout_from, vars};
+use super::ids::id_count_from;
 use super::join::{device_of, init_comm, join_on, Sharing};
 use super::sharing::GpuSharing;
 use super::util::{io_error, random_u64};
@@ -142,6 +143,8 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
         .to_string();
     let job_key = format!("local-{}-{:016x}", std::process::id(), random_u64());
     let timeout = timeout_from(&process_var)?;
+    // The children inherit NCCL_RS_UNIQUE_IDS and read it themselves.
+    let id_count = id_count_from(&process_var)?;
     // A fresh key per job: whatever NCCL_RS_RENDEZVOUS_KEY this process has is not needed,
     // and a key of our own cannot be one another job shares.
     let (secret, secret_hex) = RendezvousKey::generate_hex()?;
@@ -157,6 +160,7 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
     let rendezvous = TcpRendezvous::new(addr, 0, ranks)
         .with_job_key(job_key)
         .with_timeout(timeout)
+        .with_id_count(id_count)
         .with_prebound(listener)
         .with_interrupt(supervisor.interrupt())
         .with_secret(secret);
@@ -319,6 +323,31 @@ impl LocalJob {
         }
     }
 
+    /// Exchanges the unique ids among the job's ranks, as many as `NCCL_RS_UNIQUE_IDS` says
+    /// ([`IdCount`](super::IdCount); by default one, or one per
+    /// [`SCALABLE_RANKS_PER_ID`](super::SCALABLE_RANKS_PER_ID) ranks on NCCL 2.23+), for
+    /// [`Comm::init_rank_scalable`]; rank 0 creates them with [`UniqueId::new`].
+    /// [`LocalJob::init_comm`] joins with them.
+    pub fn exchange_ids(&self) -> crate::Result<Vec<UniqueId>> {
+        self.exchange_ids_with(UniqueId::new)
+    }
+
+    /// Like [`LocalJob::exchange_ids`], with each id created by calling `make_id` (on rank 0;
+    /// under MPI, on the ranks NCCL's guide names, see
+    /// [`rank_has_root`](super::rank_has_root)).
+    pub fn exchange_ids_with(
+        &self,
+        make_id: impl FnMut() -> crate::Result<UniqueId>,
+    ) -> crate::Result<Vec<UniqueId>> {
+        self.fail_if_a_rank_failed()?;
+        #[cfg(feature = "mpi")]
+        if let Some(universe) = &self.mpi {
+            let count = super::IdCount::from_vars(process_var)?;
+            return super::mpi::exchange_ids_mpi_with(&universe.0.world(), count, make_id);
+        }
+        super::exchange_ids_with(&self.placement, self.exchange.clone(), make_id)
+    }
+
     /// Exchanges the unique id among the job's ranks; rank 0 creates it with
     /// [`UniqueId::new`].
     pub fn exchange_id(&self) -> crate::Result<UniqueId> {
@@ -381,12 +410,12 @@ impl LocalJob {
         })
     }
 
-    /// Exchanges the id, then makes sure no spawned rank failed meanwhile: joining waits for
+    /// Exchanges the ids, then makes sure no spawned rank failed meanwhile: joining waits for
     /// every rank, and a blocking join cannot be interrupted.
-    fn exchange_checked(&self) -> crate::Result<UniqueId> {
-        let id = self.exchange_id()?;
+    fn exchange_checked(&self) -> crate::Result<Vec<UniqueId>> {
+        let ids = self.exchange_ids()?;
         self.fail_if_a_rank_failed()?;
-        Ok(id)
+        Ok(ids)
     }
 
     /// On the spawning process: waits for every spawned rank to exit, and fails with

@@ -8,14 +8,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::key::{job_digest, RendezvousKey};
-use super::keyed::{self, KeyedRequest, SEALED_ID_LEN, SEALED_REFUSAL_LEN};
+use super::keyed::{self, KeyedRequest};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
-    wire_u32, Ack, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT, KEYED_VERSION, KIND_REPLY,
-    KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
+    ids_announced, wire_u32, Ack, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT, KEYED_VERSION,
+    KIND_REPLY, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
 };
 use super::TcpRendezvous;
 use crate::bootstrap::bytes::job_key_hash;
+use crate::bootstrap::ids::{self, IdCount, MAX_EXCHANGED_IDS};
 use crate::bootstrap::util::{deadline_after, time_left};
 use crate::bootstrap::{BootstrapError, Result};
 use crate::id::UNIQUE_ID_BYTES;
@@ -28,8 +29,9 @@ const MAX_RETRY_PAUSE: Duration = Duration::from_millis(250);
 /// Longest a single connect() may take before the next address or attempt is tried.
 const MAX_CONNECT_WAIT: Duration = Duration::from_secs(2);
 
-/// Fetches the id from rank 0, retrying until the rendezvous's timeout.
-pub(super) fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
+/// Fetches the ids from rank 0 (as many as `wanted` allows), retrying until the rendezvous's
+/// timeout.
+pub(super) fn fetch(rendezvous: &TcpRendezvous, wanted: IdCount) -> Result<Vec<UniqueId>> {
     let job_hash = job_key_hash(rendezvous.job_key());
     let rank = rendezvous.rank();
     let round = rendezvous.history.round(job_hash, rank);
@@ -38,6 +40,7 @@ pub(super) fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
         world_size: wire_u32(rendezvous.world_size(), "world size")?,
         rank: wire_u32(rank, "rank")?,
         round,
+        ids_wanted: wanted.wire(),
     };
     let keyed = match &rendezvous.transport.secret {
         Some(key) => Some(KeyedClient {
@@ -47,6 +50,7 @@ pub(super) fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
                 world_size: request.world_size,
                 rank: request.rank,
                 round,
+                ids_wanted: request.ids_wanted,
             },
         }),
         None => None,
@@ -54,6 +58,7 @@ pub(super) fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
     let client = Client {
         rendezvous,
         request,
+        wanted,
         keyed,
     };
     let started = Instant::now();
@@ -65,9 +70,9 @@ pub(super) fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
             Some(keyed) => client.attempt_keyed(keyed, deadline),
         };
         let last_failure = match outcome {
-            Ok(id) => {
+            Ok(ids) => {
                 rendezvous.history.finish_round(job_hash, rank, round);
-                return Ok(id);
+                return Ok(ids);
             }
             Err(Attempt::Fatal(error)) => return Err(error),
             Err(Attempt::Retry(why)) => why,
@@ -100,6 +105,8 @@ enum Attempt {
 struct Client<'a> {
     rendezvous: &'a TcpRendezvous,
     request: Request,
+    /// How many ids this rank accepts.
+    wanted: IdCount,
     /// Set when the rank has a key: then only version 2 is spoken.
     keyed: Option<KeyedClient<'a>>,
 }
@@ -115,8 +122,8 @@ impl Client<'_> {
         self.rendezvous.addr()
     }
 
-    /// One connection: request, reply, id, ack.
-    fn attempt(&self, deadline: Instant) -> Result<UniqueId, Attempt> {
+    /// One connection: request, reply, ids, ack.
+    fn attempt(&self, deadline: Instant) -> Result<Vec<UniqueId>, Attempt> {
         let stream = self.connect(deadline)?;
         // Small messages in both directions: send them at once.
         let _ = stream.set_nodelay(true);
@@ -128,16 +135,32 @@ impl Client<'_> {
         let reply_deadline = deadline.min(deadline_after(Instant::now(), connection_timeout));
         let header = self.read_header(&stream, reply_deadline)?;
         self.judge(header)?;
-        let id = self.read_id(&stream, reply_deadline)?;
+        let count = self.count_of(header.detail)?;
+        let ids = self.read_ids(&stream, count, reply_deadline)?;
         let ack = Ack {
             rank: self.request.rank,
-            fingerprint: id.fingerprint(),
+            fingerprint: ids::fingerprint(&ids),
         };
         // Without the ack rank 0 does not count this rank and frees the slot, so trying again
         // is both safe and necessary.
         write_full(&stream, &ack.encode(), deadline)
             .map_err(|e| Attempt::Retry(format!("sending the acknowledgement: {e}")))?;
-        Ok(id)
+        Ok(ids)
+    }
+
+    /// The number of ids an ok reply announces, if this rank takes that many. A rank 0 that
+    /// predates several ids announces 0 and sends one; one that ignores the count this rank
+    /// asked for (also an earlier version) is caught here, before anything is acknowledged.
+    fn count_of(&self, detail: u32) -> Result<usize, Attempt> {
+        let count = ids_announced(detail);
+        if count > MAX_EXCHANGED_IDS {
+            return Err(self.protocol(format!(
+                "announced {count} unique ids, more than the {MAX_EXCHANGED_IDS} a rendezvous \
+                 hands out"
+            )));
+        }
+        self.wanted.accepts(count).map_err(Attempt::Fatal)?;
+        Ok(count)
     }
 
     /// One connection in version 2: hello, sealed reply with the id, encrypted ack.
@@ -145,7 +168,7 @@ impl Client<'_> {
         &self,
         keyed: &KeyedClient<'_>,
         deadline: Instant,
-    ) -> Result<UniqueId, Attempt> {
+    ) -> Result<Vec<UniqueId>, Attempt> {
         let stream = self.connect(deadline)?;
         let _ = stream.set_nodelay(true);
         let mut handshake = keyed::initiator(keyed.key).map_err(Attempt::Fatal)?;
@@ -159,7 +182,7 @@ impl Client<'_> {
             return Err(self.clear_refusal(header));
         }
         let len = header.detail as usize;
-        if len != SEALED_REFUSAL_LEN && len != SEALED_ID_LEN {
+        if !keyed::sealed_len_is_valid(len) {
             return Err(self.protocol(format!("announced a sealed reply of {len} bytes")));
         }
         let mut sealed = vec![0u8; len];
@@ -169,9 +192,12 @@ impl Client<'_> {
                 self.protocol(format!("truncated sealed reply: {got} of {len} bytes"))
             }
         })?;
-        let (inner, id) = keyed::open_reply(&mut handshake, &sealed).map_err(Attempt::Fatal)?;
+        let (inner, ids) = keyed::open_reply(&mut handshake, &sealed).map_err(Attempt::Fatal)?;
         self.judge(inner)?;
-        let id = id.ok_or_else(|| self.protocol("sealed an ok reply without the id".to_owned()))?;
+        if ids.is_empty() {
+            return Err(self.protocol("sealed an ok reply without the ids".to_owned()));
+        }
+        self.count_of(inner.detail)?;
         let mut transport = handshake.into_transport_mode().map_err(|e| {
             Attempt::Fatal(BootstrapError::Protocol(format!(
                 "finishing the handshake: {e}"
@@ -179,12 +205,12 @@ impl Client<'_> {
         })?;
         let ack = Ack {
             rank: self.request.rank,
-            fingerprint: id.fingerprint(),
+            fingerprint: ids::fingerprint(&ids),
         };
         let frame = keyed::ack_frame(&mut transport, &ack).map_err(Attempt::Fatal)?;
         write_full(&stream, &frame, deadline)
             .map_err(|e| Attempt::Retry(format!("sending the acknowledgement: {e}")))?;
-        Ok(id)
+        Ok(ids)
     }
 
     /// What a reply in clear text means to a rank with a key: rank 0 turned it away before
@@ -380,6 +406,13 @@ impl Client<'_> {
                 world_size: detail as usize,
             },
             Status::DuplicateRank => BootstrapError::DuplicateRank(rank),
+            Status::IdCountMismatch => BootstrapError::IdCountMismatch {
+                handed_out: detail as usize,
+                expected: match self.wanted {
+                    IdCount::Exactly(n) => n,
+                    IdCount::Auto => 1,
+                },
+            },
             Status::Late => BootstrapError::Protocol(format!(
                 "this rank is on exchange {} under this job key, but rank 0 is already on \
                  exchange {detail}: a previous exchange of this rank failed or was skipped",
@@ -392,14 +425,27 @@ impl Client<'_> {
         }
     }
 
-    fn read_id(&self, stream: &TcpStream, deadline: Instant) -> Result<UniqueId, Attempt> {
-        let mut bytes = [0u8; UNIQUE_ID_BYTES];
+    fn read_ids(
+        &self,
+        stream: &TcpStream,
+        count: usize,
+        deadline: Instant,
+    ) -> Result<Vec<UniqueId>, Attempt> {
+        let len = count * UNIQUE_ID_BYTES;
+        let mut bytes = vec![0u8; len];
         match read_full(stream, &mut bytes, deadline) {
-            Ok(()) => Ok(UniqueId::from_bytes(bytes)),
-            Err(Short::Eof { got }) | Err(Short::TimedOut { got }) => Err(self.protocol(format!(
-                "truncated unique id: {got} of {UNIQUE_ID_BYTES} bytes"
-            ))),
-            Err(Short::Io(e)) => Err(Attempt::Retry(format!("reading the id: {e}"))),
+            Ok(()) => Ok(bytes
+                .chunks_exact(UNIQUE_ID_BYTES)
+                .map(|chunk| {
+                    let mut id = [0u8; UNIQUE_ID_BYTES];
+                    id.copy_from_slice(chunk);
+                    UniqueId::from_bytes(id)
+                })
+                .collect()),
+            Err(Short::Eof { got }) | Err(Short::TimedOut { got }) => {
+                Err(self.protocol(format!("truncated unique ids: {got} of {len} bytes")))
+            }
+            Err(Short::Io(e)) => Err(Attempt::Retry(format!("reading the ids: {e}"))),
         }
     }
 

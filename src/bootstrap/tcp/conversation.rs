@@ -1,7 +1,8 @@
 //! One connection on rank 0, in either protocol version: read and check the request (version
-//! 2: decrypt the hello), claim the rank, send the id (sealed), wait for the ack; or tell the
-//! peer why it is turned away. The state of the serve and the steps both versions share are
-//! in [`serve`](super::serve); the Noise handshake and messages in [`keyed`](super::keyed).
+//! 2: decrypt the hello), claim the rank, send the ids (sealed), wait for the ack; or tell the
+//! peer why it is turned away. The steps of one conversation read in their order here; the
+//! state of the serve and the checks both versions share are in [`serve`](super::serve), the
+//! Noise handshake and messages in [`keyed`](super::keyed).
 
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -14,16 +15,17 @@ use super::keyed::{
     HELLO_LEN, REQUEST_PAYLOAD_LEN,
 };
 use super::serve::{
-    ack_short, check_place, claim, read_part, read_prefix, released_on_failure, request_rank,
-    Refusal, Reply, Serve,
+    ack_short, check_ids_wanted, check_place, claim, read_part, read_prefix, released_on_failure,
+    request_rank, Refusal, Reply, Serve,
 };
 use super::socket::{read_full, write_full};
 use super::wire::{
-    kind_of, version_of, Ack, ReplyHeader, Request, Status, ACK_LEN, KEYED_VERSION, KIND_ACK,
-    KIND_HELLO, KIND_REPLY, KIND_REQUEST, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN, REQUEST_LEN,
-    VERSION,
+    kind_of, version_of, wire_u32, Ack, ReplyHeader, Request, Status, ACK_LEN, KEYED_VERSION,
+    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN,
+    REQUEST_LEN, VERSION,
 };
 use crate::bootstrap::bytes::get_u16;
+use crate::bootstrap::ids;
 use crate::bootstrap::util::{deadline_after, io_error, time_left};
 use crate::bootstrap::BootstrapError;
 use crate::id::UNIQUE_ID_BYTES;
@@ -116,7 +118,9 @@ fn check_request(serve: &Serve, request: &Request) -> Result<usize, Refusal> {
         let refusal = Refusal::new(BootstrapError::WrongJob { detail }, Status::WrongJob, 0);
         return Err(refusal.for_rank(request.rank as usize));
     }
-    check_place(serve, request.world_size, request.rank, request.round)
+    let rank = check_place(serve, request.world_size, request.rank, request.round)?;
+    check_ids_wanted(serve, request.ids_wanted, rank)?;
+    Ok(rank)
 }
 
 /// Sends the id to the rank that claimed `rank` and waits for its ack.
@@ -126,17 +130,22 @@ fn deliver(
     deadline: Instant,
     rank: usize,
 ) -> Result<(), Refusal> {
-    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
-    reply[..REPLY_HEADER_LEN].copy_from_slice(&ReplyHeader::encode(Status::Ok, 0));
-    reply[REPLY_HEADER_LEN..].copy_from_slice(serve.id.as_bytes());
+    // An ok reply's detail is the number of ids that follow (earlier versions sent 0 and one
+    // id, which a rank reads alike).
+    let count = wire_u32(serve.ids.len(), "id count").map_err(Refusal::silent)?;
+    let mut reply = Vec::with_capacity(REPLY_HEADER_LEN + serve.ids.len() * UNIQUE_ID_BYTES);
+    reply.extend_from_slice(&ReplyHeader::encode(Status::Ok, count));
+    for id in &serve.ids {
+        reply.extend_from_slice(id.as_bytes());
+    }
     write_full(stream, &reply, deadline)
-        .map_err(|e| Refusal::silent(io_error("sending the unique id", e)))?;
+        .map_err(|e| Refusal::silent(io_error("sending the unique ids", e)))?;
     let mut ack = [0u8; ACK_LEN];
     read_full(stream, &mut ack, deadline)
         .map_err(|short| Refusal::silent(ack_short(short, serve, rank, ACK_LEN)))?;
     let expected = Ack {
         rank: request_rank(rank),
-        fingerprint: serve.id.fingerprint(),
+        fingerprint: ids::fingerprint(&serve.ids),
     };
     if Ack::decode(&ack) != Some(expected) {
         return Err(Refusal::silent(BootstrapError::Protocol(
@@ -216,7 +225,9 @@ fn check_keyed_request(
         };
         return Err(Refusal::new(error, Status::WrongJob, 0).for_rank(request.rank as usize));
     }
-    check_place(serve, request.world_size, request.rank, request.round)
+    let rank = check_place(serve, request.world_size, request.rank, request.round)?;
+    check_ids_wanted(serve, request.ids_wanted, rank)?;
+    Ok(rank)
 }
 
 /// Sends the id sealed to the rank that claimed `rank` and waits for its encrypted ack.
@@ -227,8 +238,9 @@ fn deliver_keyed(
     rank: usize,
     mut handshake: HandshakeState,
 ) -> Result<(), Refusal> {
+    let count = wire_u32(serve.ids.len(), "id count").map_err(Refusal::silent)?;
     let reply =
-        seal_reply(&mut handshake, Status::Ok, 0, Some(&serve.id)).map_err(Refusal::silent)?;
+        seal_reply(&mut handshake, Status::Ok, count, &serve.ids).map_err(Refusal::silent)?;
     write_full(stream, &reply, deadline)
         .map_err(|e| Refusal::silent(io_error("sending the sealed unique id", e)))?;
     let mut transport = handshake
@@ -251,7 +263,7 @@ fn deliver_keyed(
     }
     let expected = Ack {
         rank: u32::try_from(rank).unwrap_or(u32::MAX),
-        fingerprint: serve.id.fingerprint(),
+        fingerprint: ids::fingerprint(&serve.ids),
     };
     if Ack::decode_as(&ack, KEYED_VERSION) != Some(expected) {
         return Err(Refusal::silent(BootstrapError::Protocol(

@@ -22,6 +22,8 @@ pub(super) const DIGEST_LEN: usize = 32;
 /// Keeps the PSK apart from any other use of the same user key (say, NCCL's own
 /// `ncclSetEncryption` with the same secret): the rendezvous never uses the key as given.
 const PSK_LABEL: &[u8] = b"nccl-rs rendezvous v2 psk\0";
+/// Keeps NCCL's TLS key apart from the rendezvous PSK it is derived from.
+const ENCRYPTION_LABEL: &[u8] = b"nccl-rs ncclSetEncryption psk\0";
 /// Prefix of the job-key digest that the encrypted request carries.
 const JOB_LABEL: &[u8] = b"nccl-rs rendezvous v2 job key\0";
 
@@ -97,6 +99,25 @@ impl RendezvousKey {
                 other => other.to_string(),
             },
         })
+    }
+
+    /// The key for NCCL's own TLS ([`set_encryption`](crate::encryption::set_encryption)),
+    /// derived one-way from this one: BLAKE2s-256(`"nccl-rs ncclSetEncryption psk\0"` ‖
+    /// the rendezvous PSK), as 64 hex digits. Every rank holding this rendezvous key derives the
+    /// same encryption key, and neither key reveals the other, so one secret handed to the job
+    /// protects both the unique id and NCCL's traffic.
+    pub fn encryption_key(&self) -> crate::Result<crate::EncryptionKey> {
+        let mut derived = blake2s(&[ENCRYPTION_LABEL, &self.psk])?;
+        let mut text: Vec<u8> = Vec::with_capacity(2 * DIGEST_LEN);
+        for byte in derived {
+            for nibble in [byte >> 4, byte & 0xf] {
+                text.push(b"0123456789abcdef"[usize::from(nibble)]);
+            }
+        }
+        derived.zeroize();
+        let key = crate::EncryptionKey::new(&text);
+        text.zeroize();
+        key
     }
 
     /// The 32-byte PSK of the Noise handshake.
@@ -214,6 +235,26 @@ mod tests {
             assert!(!text.contains(bad), "{text}");
         }
         assert_eq!(format!("{key:?}"), "RendezvousKey(<hidden>)");
+    }
+
+    #[test]
+    fn the_encryption_key_is_derived_alike_and_differs_from_the_psk() {
+        let hex = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+        let a = RendezvousKey::from_hex(hex)
+            .unwrap()
+            .encryption_key()
+            .unwrap();
+        let b = RendezvousKey::from_hex(hex)
+            .unwrap()
+            .encryption_key()
+            .unwrap();
+        assert_eq!(a.len(), 64);
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        let other = RendezvousKey::generate().unwrap().encryption_key().unwrap();
+        // Same length, hidden either way: compare through a test-only view of the bytes.
+        assert_eq!(a.secret_for_tests(), b.secret_for_tests());
+        assert_ne!(a.secret_for_tests(), other.secret_for_tests());
+        assert!(!a.secret_for_tests().contains("00112233"));
     }
 
     #[test]

@@ -13,10 +13,11 @@ use snow::{HandshakeState, TransportState};
 
 use super::key::{RendezvousKey, DIGEST_LEN};
 use super::wire::{
-    put_prefix, version_of, Ack, ReplyHeader, Status, ACK_LEN, KEYED_VERSION, KIND_ACK, KIND_HELLO,
-    KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN,
+    ids_announced, put_prefix, version_of, Ack, ReplyHeader, Status, ACK_LEN, KEYED_VERSION,
+    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN,
 };
 use crate::bootstrap::bytes::{get_u16, get_u32, put};
+use crate::bootstrap::ids::MAX_EXCHANGED_IDS;
 use crate::bootstrap::{BootstrapError, Result};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -36,9 +37,25 @@ pub(super) const CLEAR_PREFIX_LEN: usize = 8;
 pub(super) const REQUEST_PAYLOAD_LEN: usize = CLEAR_PREFIX_LEN + DIGEST_LEN + 16;
 /// The hello on the wire: clear prefix, ephemeral key, encrypted request, tag.
 pub(super) const HELLO_LEN: usize = CLEAR_PREFIX_LEN + DH_LEN + REQUEST_PAYLOAD_LEN + TAG_LEN;
-/// The Noise message of a sealed refusal (reply header only) and of a sealed id.
+/// The Noise message of a sealed refusal (reply header only); a sealed reply with ids adds
+/// [`UNIQUE_ID_BYTES`] per id.
 pub(super) const SEALED_REFUSAL_LEN: usize = DH_LEN + REPLY_HEADER_LEN + TAG_LEN;
+/// The Noise message of a sealed single id.
+#[cfg(test)]
 pub(super) const SEALED_ID_LEN: usize = SEALED_REFUSAL_LEN + UNIQUE_ID_BYTES;
+/// The longest sealed reply: [`MAX_EXCHANGED_IDS`] ids, well inside Noise's 65,535-byte
+/// messages.
+pub(super) const MAX_SEALED_LEN: usize = SEALED_REFUSAL_LEN + MAX_EXCHANGED_IDS * UNIQUE_ID_BYTES;
+const _: () = assert!(MAX_SEALED_LEN <= 65_535);
+
+/// Whether a sealed reply of `len` bytes can be one: a refusal, or 1 to
+/// [`MAX_EXCHANGED_IDS`] ids.
+pub(super) fn sealed_len_is_valid(len: usize) -> bool {
+    len == SEALED_REFUSAL_LEN
+        || (len > SEALED_REFUSAL_LEN
+            && len <= MAX_SEALED_LEN
+            && (len - SEALED_REFUSAL_LEN).is_multiple_of(UNIQUE_ID_BYTES))
+}
 /// The ack on the wire: clear prefix, then the version 1 ack layout encrypted.
 pub(super) const ACK_FRAME_LEN: usize = CLEAR_PREFIX_LEN + ACK_LEN + TAG_LEN;
 
@@ -57,6 +74,8 @@ pub(super) struct KeyedRequest {
     pub(super) world_size: u32,
     pub(super) rank: u32,
     pub(super) round: u32,
+    /// As in version 1's request: 0 means one id, `ANY_IDS` whatever rank 0 hands out.
+    pub(super) ids_wanted: u32,
 }
 
 impl KeyedRequest {
@@ -68,6 +87,7 @@ impl KeyedRequest {
         put(&mut bytes, at, &self.world_size.to_be_bytes());
         put(&mut bytes, at + 4, &self.rank.to_be_bytes());
         put(&mut bytes, at + 8, &self.round.to_be_bytes());
+        put(&mut bytes, at + 12, &self.ids_wanted.to_be_bytes());
         bytes
     }
 
@@ -87,6 +107,7 @@ impl KeyedRequest {
                 world_size: get_u32(bytes, at),
                 rank: get_u32(bytes, at + 4),
                 round: get_u32(bytes, at + 8),
+                ids_wanted: get_u32(bytes, at + 12),
             }
         })
     }
@@ -142,12 +163,12 @@ pub(super) fn hello(
 }
 
 /// Opens rank 0's sealed reply (the Noise message after the clear header): the reply header
-/// and, when it says ok, the id.
+/// and, when it says ok, the ids (as many as the header's detail announces).
 pub(super) fn open_reply(
     handshake: &mut HandshakeState,
     message: &[u8],
-) -> Result<(ReplyHeader, Option<UniqueId>)> {
-    let mut payload = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
+) -> Result<(ReplyHeader, Vec<UniqueId>)> {
+    let mut payload = vec![0u8; REPLY_HEADER_LEN + MAX_EXCHANGED_IDS * UNIQUE_ID_BYTES];
     let len = handshake.read_message(message, &mut payload).map_err(|_| {
         BootstrapError::Authentication {
             detail: "rank 0's reply did not decrypt under this rank's key: the keys differ, or \
@@ -158,22 +179,29 @@ pub(super) fn open_reply(
     let mut header_bytes = [0u8; REPLY_HEADER_LEN];
     header_bytes.copy_from_slice(&payload[..REPLY_HEADER_LEN]);
     let header = ReplyHeader::decode(&header_bytes);
+    let id_bytes = len.saturating_sub(REPLY_HEADER_LEN);
     let well_formed = header_bytes[0..4] == MAGIC
         && header.version == KEYED_VERSION
         && header.kind == KIND_REPLY
-        && (len == REPLY_HEADER_LEN || len == REPLY_HEADER_LEN + UNIQUE_ID_BYTES);
+        && len >= REPLY_HEADER_LEN
+        && id_bytes.is_multiple_of(UNIQUE_ID_BYTES)
+        && (id_bytes == 0 || id_bytes / UNIQUE_ID_BYTES == ids_announced(header.detail));
     if !well_formed {
         return Err(BootstrapError::Protocol(format!(
-            "rank 0's sealed reply is not a version 2 reply ({len} bytes, version {}, kind {})",
-            header.version, header.kind
+            "rank 0's sealed reply is not a version 2 reply ({len} bytes, version {}, kind {}, \
+             detail {})",
+            header.version, header.kind, header.detail
         )));
     }
-    let id = (len > REPLY_HEADER_LEN).then(|| {
-        let mut id = [0u8; UNIQUE_ID_BYTES];
-        id.copy_from_slice(&payload[REPLY_HEADER_LEN..len]);
-        UniqueId::from_bytes(id)
-    });
-    Ok((header, id))
+    let ids = payload[REPLY_HEADER_LEN..len]
+        .chunks_exact(UNIQUE_ID_BYTES)
+        .map(|chunk| {
+            let mut id = [0u8; UNIQUE_ID_BYTES];
+            id.copy_from_slice(chunk);
+            UniqueId::from_bytes(id)
+        })
+        .collect();
+    Ok((header, ids))
 }
 
 /// The ack a joining rank sends once it holds the id: only a rank that completed this very
@@ -190,22 +218,22 @@ pub(super) fn ack_frame(transport: &mut TransportState, ack: &Ack) -> Result<[u8
     Ok(bytes)
 }
 
-/// Encrypts a reply (`id` when the status is ok) as the handshake's second message, behind
-/// the clear header that announces it.
+/// Encrypts a reply (`ids` when the status is ok, none otherwise) as the handshake's second
+/// message, behind the clear header that announces it.
 pub(super) fn seal_reply(
     handshake: &mut HandshakeState,
     status: Status,
     detail: u32,
-    id: Option<&UniqueId>,
+    ids: &[UniqueId],
 ) -> Result<Vec<u8>> {
-    let mut payload = Vec::with_capacity(REPLY_HEADER_LEN + UNIQUE_ID_BYTES);
+    let mut payload = Vec::with_capacity(REPLY_HEADER_LEN + ids.len() * UNIQUE_ID_BYTES);
     payload.extend_from_slice(&ReplyHeader::encode_as(
         KEYED_VERSION,
         KIND_REPLY,
         status,
         detail,
     ));
-    if let Some(id) = id {
+    for id in ids {
         payload.extend_from_slice(id.as_bytes());
     }
     let mut message = vec![0u8; DH_LEN + payload.len() + TAG_LEN];
@@ -231,6 +259,7 @@ mod tests {
             world_size: 4,
             rank: 3,
             round: 2,
+            ids_wanted: 0,
         };
         assert_eq!(KeyedRequest::decode(&request.encode()), Some(request));
         assert_eq!(KeyedRequest::decode(&request.encode()[1..]), None);
@@ -245,9 +274,15 @@ mod tests {
             .expect("open hello");
         assert_eq!(KeyedRequest::decode(&payload), Some(request));
         let id = UniqueId::from_bytes([5; UNIQUE_ID_BYTES]);
-        let reply = seal_reply(&mut server, Status::Ok, 0, Some(&id)).expect("seal");
+        let reply = seal_reply(&mut server, Status::Ok, 0, &[id]).expect("seal");
         assert_eq!(reply.len(), REPLY_HEADER_LEN + SEALED_ID_LEN);
         let (header, opened) = open_reply(&mut client, &reply[REPLY_HEADER_LEN..]).expect("open");
-        assert_eq!((header.status, opened), (Status::Ok as u16, Some(id)));
+        assert_eq!((header.status, opened), (Status::Ok as u16, vec![id]));
+        assert!(sealed_len_is_valid(SEALED_ID_LEN));
+        assert!(sealed_len_is_valid(
+            SEALED_REFUSAL_LEN + 3 * UNIQUE_ID_BYTES
+        ));
+        assert!(!sealed_len_is_valid(SEALED_ID_LEN + 1));
+        assert!(!sealed_len_is_valid(MAX_SEALED_LEN + UNIQUE_ID_BYTES));
     }
 }

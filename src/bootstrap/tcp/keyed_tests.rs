@@ -132,6 +132,7 @@ fn genuine_session(addr: SocketAddr, hex: &str, job: &str, world: u32, rank: u32
         world_size: world,
         rank,
         round: 0,
+        ids_wanted: 0,
     };
     let hello = keyed::hello(&mut handshake, &request).expect("hello");
     let mut stream = connect(addr);
@@ -140,7 +141,8 @@ fn genuine_session(addr: SocketAddr, hex: &str, job: &str, world: u32, rank: u32
     assert_eq!(header.kind, KIND_SEALED_REPLY);
     let (inner, id) = keyed::open_reply(&mut handshake, &sealed).expect("open");
     assert_eq!(inner.status, Status::Ok as u16);
-    let id = id.expect("id");
+    assert_eq!(id.len(), 1, "one id, as version 1 of the id count");
+    let id = id[0];
     let mut transport = handshake.into_transport_mode().expect("transport");
     let ack = Ack {
         rank,
@@ -214,6 +216,7 @@ fn keyed_wrong_key_is_refused_on_both_sides() {
             world_size: 2,
             rank: 1,
             round: 0,
+            ids_wanted: 0,
         };
         let forged_hello = keyed::hello(&mut other, &request).expect("hello");
         let mut responder_side = snow_responder(&wrong);
@@ -221,8 +224,8 @@ fn keyed_wrong_key_is_refused_on_both_sides() {
         responder_side
             .read_message(&forged_hello[8..], &mut payload)
             .expect("read");
-        let reply = keyed::seal_reply(&mut responder_side, Status::Ok, 0, Some(&sample_id(99)))
-            .expect("seal");
+        let reply =
+            keyed::seal_reply(&mut responder_side, Status::Ok, 0, &[sample_id(99)]).expect("seal");
         let _ = stream.write_all(&reply);
         let _ = stream.read_to_end(&mut Vec::new());
     });
@@ -341,6 +344,7 @@ fn keyed_truncated_or_altered_messages_are_refused() {
         world_size: 2,
         rank: 1,
         round: 0,
+        ids_wanted: 0,
     };
     let hello = keyed::hello(&mut keyed::initiator(&key_a).expect("init"), &request).expect("hi");
 
@@ -363,7 +367,7 @@ fn keyed_truncated_or_altered_messages_are_refused() {
     stream.write_all(&hello).expect("hello");
     let (_, sealed) = read_reply(&mut stream).expect("reply");
     let (_, got) = keyed::open_reply(&mut handshake, &sealed).expect("open");
-    assert_eq!(got, Some(id));
+    assert_eq!(got, [id]);
     let mut transport = handshake.into_transport_mode().expect("transport");
     let ack = Ack {
         rank: 1,

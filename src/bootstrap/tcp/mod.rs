@@ -29,6 +29,7 @@ pub use server::{ServeReport, TcpServer};
 
 use super::bytes::job_key_hash;
 use super::env::{address_from, lookup, process_var, vars, Vars};
+use super::ids::IdCount;
 use super::rendezvous::{sealed, Rendezvous, Transport};
 use super::util::{io_error, Interrupt};
 use super::{BootstrapError, Placement, Result};
@@ -69,8 +70,8 @@ pub type TcpRendezvous = Rendezvous<TcpTransport>;
 ///
 /// | message | bytes |
 /// | --- | --- |
-/// | request (rank → rank 0), 32 bytes | magic `NRSB`, version `u16`, kind `u16` = 1, job-key hash `u64`, world size `u32`, rank `u32`, round `u32`, reserved `u32` |
-/// | reply (rank 0 → rank), 16 bytes | magic `NRSB`, version `u16`, kind `u16` = 2, status `u16`, reserved `u16`, detail `u32`; then the 128-byte id when status is 0 |
+/// | request (rank → rank 0), 32 bytes | magic `NRSB`, version `u16`, kind `u16` = 1, job-key hash `u64`, world size `u32`, rank `u32`, round `u32`, ids wanted `u32` |
+/// | reply (rank 0 → rank), 16 bytes | magic `NRSB`, version `u16`, kind `u16` = 2, status `u16`, reserved `u16`, detail `u32`; when status is 0, detail is the number of ids *k* and the *k* 128-byte ids follow |
 /// | ack (rank → rank 0), 24 bytes | magic `NRSB`, version `u16`, kind `u16` = 3, rank `u32`, reserved `u32`, id fingerprint `u64` |
 ///
 /// Status codes: 0 ok, 1 bad magic, 2 unsupported version (detail: rank 0's version), 3
@@ -78,9 +79,22 @@ pub type TcpRendezvous = Rendezvous<TcpTransport>;
 /// out of range (detail: world size), 7 rank already taken (detail 1: another connection is
 /// still fetching it, retry; 2: it has acked), 8 timed out (retry), 9 busy (retry), 10 early
 /// (rank 0 still serves an earlier round, retry; detail: rank 0's round), 11 late (rank 0
-/// already serves a later round). The round counts the exchanges this process made under the
+/// already serves a later round), 13 id count mismatch (detail: how many ids rank 0 hands
+/// out). The round counts the exchanges this process made under the
 /// job key before, from 0, on every rank alike. Later versions keep the first 16 bytes of a reply as they are, so a peer of any version can read
 /// why it was turned away.
+///
+/// **Several ids** (for [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable), see
+/// [`IdCount`](super::IdCount)) came later within version 1, compatibly: the request's last
+/// field, reserved and zero before, says how many ids the rank wants (0: one, as every earlier
+/// rank sends; `0xffff_ffff`: whatever rank 0 hands out; else exactly that many), and an ok
+/// reply's detail, zero before, says how many follow (0 from an earlier rank 0 means one). A
+/// rank 0 refuses a request for another count with status 13, which an earlier rank reports as
+/// an unknown status (a [`BootstrapError::Protocol`] error) and a current one as
+/// [`BootstrapError::IdCountMismatch`]; a current rank that gets another count from an earlier
+/// rank 0 fails with `IdCountMismatch` before acknowledging, and rank 0 then times out naming
+/// it. The ack's fingerprint covers all ids (FNV-1a over their bytes in order; for one id,
+/// [`UniqueId::fingerprint`]). Nothing changes on the wire while one id is exchanged.
 ///
 /// Rank 0 serves connections concurrently, each under its own deadline, so a peer that sends
 /// garbage, stops half-way or never speaks gets its error code and is closed without holding
@@ -104,8 +118,8 @@ pub type TcpRendezvous = Rendezvous<TcpTransport>;
 ///
 /// | message | bytes |
 /// | --- | --- |
-/// | hello (rank → rank 0), 112 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 4 in clear; then Noise message 1: ephemeral key (32), encrypted request (56: magic, version 2, kind 1, BLAKE2s-256 digest of `"nccl-rs rendezvous v2 job key\0"` ‖ job key (32), world size `u32`, rank `u32`, round `u32`, reserved `u32`), tag (16) |
-/// | sealed reply (rank 0 → rank) | a clear 16-byte version 1-layout header with version 2, kind 5, status 0 and detail = the length of what follows (64 or 192); then Noise message 2: ephemeral key (32), encrypted reply (a 16-byte reply header of version 2, kind 2, with the status codes of version 1; then the 128-byte id when the status is 0), tag (16) |
+/// | hello (rank → rank 0), 112 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 4 in clear; then Noise message 1: ephemeral key (32), encrypted request (56: magic, version 2, kind 1, BLAKE2s-256 digest of `"nccl-rs rendezvous v2 job key\0"` ‖ job key (32), world size `u32`, rank `u32`, round `u32`, ids wanted `u32` as in version 1), tag (16) |
+/// | sealed reply (rank 0 → rank) | a clear 16-byte version 1-layout header with version 2, kind 5, status 0 and detail = the length of what follows (64, or 64 + 128 *k*); then Noise message 2: ephemeral key (32), encrypted reply (a 16-byte reply header of version 2, kind 2, with the status codes of version 1 and, when ok, detail *k*; then the *k* 128-byte ids when the status is 0), tag (16) |
 /// | ack (rank → rank 0), 48 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 3 in clear; then a Noise transport message: the 24-byte ack of version 1 (with version 2) encrypted, tag (16) |
 ///
 /// A peer turned away before its hello decrypted gets a clear 16-byte header of version 2 as
@@ -162,16 +176,17 @@ impl Transport for TcpTransport {}
 impl sealed::Halves for TcpTransport {
     fn host<E: From<BootstrapError>>(
         rendezvous: &TcpRendezvous,
-        make_id: impl FnOnce() -> Result<UniqueId, E>,
-    ) -> Result<UniqueId, E> {
+        count: usize,
+        make_ids: impl FnOnce(usize) -> Result<Vec<UniqueId>, E>,
+    ) -> Result<Vec<UniqueId>, E> {
         let server = rendezvous.bind()?;
-        let id = make_id()?;
-        server.serve(id)?;
-        Ok(id)
+        let ids = make_ids(count)?;
+        server.serve_ids(ids.clone())?;
+        Ok(ids)
     }
 
-    fn fetch(rendezvous: &TcpRendezvous) -> Result<UniqueId> {
-        client::fetch(rendezvous)
+    fn fetch(rendezvous: &TcpRendezvous, wanted: IdCount) -> Result<Vec<UniqueId>> {
+        client::fetch(rendezvous, wanted)
     }
 }
 

@@ -1,8 +1,8 @@
-//! One serve of the id on rank 0: what its accept loop and connection threads share
+//! One serve of the ids on rank 0: what its accept loop and connection threads share
 //! ([`Serve`]: the ranks' slots, the peers turned away, the open connections), and what both
 //! protocol versions' conversations are made of: the refusal and its reply, the checks of a
-//! request's place (world size, round, rank), the claim of a rank, and reading a message's
-//! first bytes.
+//! request's place (world size, round, rank) and of the ids it wants, the claim of a rank, and
+//! reading a message's first bytes.
 
 use std::fmt;
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -17,6 +17,7 @@ use super::wire::{
     version_of, Status, DUPLICATE_DONE, DUPLICATE_IN_FLIGHT, KEYED_VERSION, MAGIC, PREFIX_LEN,
     VERSION,
 };
+use crate::bootstrap::ids::ANY_IDS;
 use crate::bootstrap::util::{io_error, lock};
 use crate::bootstrap::BootstrapError;
 use crate::UniqueId;
@@ -65,7 +66,8 @@ pub(super) struct Serve {
     state: Mutex<ServeState>,
     /// Which exchange under this job key this is, counted per process from 0.
     round: u32,
-    pub(super) id: UniqueId,
+    /// What this serve hands out: one id, or several for `ncclCommInitRankScalable`.
+    pub(super) ids: Vec<UniqueId>,
     world_size: usize,
     pub(super) job_hash: u64,
     /// Set when the ranks share a key: then only version 2 is spoken.
@@ -77,7 +79,7 @@ pub(super) struct Serve {
 impl Serve {
     /// The state of one serve; `round` is taken from the job's history as serving starts.
     pub(super) fn new(
-        id: UniqueId,
+        ids: Vec<UniqueId>,
         world_size: usize,
         job_hash: u64,
         round: u32,
@@ -97,7 +99,7 @@ impl Serve {
                 finished: false,
             }),
             round,
-            id,
+            ids,
             world_size,
             job_hash,
             keyed,
@@ -241,7 +243,7 @@ impl Refusal {
     /// it; without a way to seal it the peer is closed without a reply.
     pub(super) fn sealed(mut self, handshake: &mut HandshakeState) -> Self {
         if let Some(Reply::Plain(status, detail)) = self.reply {
-            self.reply = keyed::seal_reply(handshake, status, detail, None)
+            self.reply = keyed::seal_reply(handshake, status, detail, &[])
                 .ok()
                 .map(Reply::Sealed);
         }
@@ -265,6 +267,26 @@ pub(super) fn released_on_failure(
     result
         .map(|()| rank)
         .map_err(|refusal| refusal.for_rank(rank))
+}
+
+/// Checks the number of ids a request asks for against what this serve hands out: 0 (a rank
+/// of a version that predates several ids) asks for one, `ANY_IDS` takes any number.
+pub(super) fn check_ids_wanted(serve: &Serve, wanted: u32, rank: usize) -> Result<(), Refusal> {
+    let handed_out = serve.ids.len();
+    let expected = match wanted {
+        ANY_IDS => return Ok(()),
+        0 => 1,
+        n => n as usize,
+    };
+    if expected == handed_out {
+        return Ok(());
+    }
+    let error = BootstrapError::IdCountMismatch {
+        handed_out,
+        expected,
+    };
+    let detail = u32::try_from(handed_out).unwrap_or(u32::MAX);
+    Err(Refusal::new(error, Status::IdCountMismatch, detail).for_rank(rank))
 }
 
 /// Checks the rest of a request whose job matched: world size, round and rank.
@@ -297,7 +319,7 @@ pub(super) fn check_place(
 }
 
 /// A request from another round under the same job key.
-fn round_refusal(serve: &Serve, round: u32, rank: u32) -> Refusal {
+pub(super) fn round_refusal(serve: &Serve, round: u32, rank: u32) -> Refusal {
     let rank = rank as usize;
     if round > serve.round {
         // This rank already finished this exchange and runs the next one under the same key;

@@ -103,6 +103,15 @@ impl TcpServer {
     /// Each connection is handled on its own thread under its own deadline; peers that
     /// misbehave are answered with an error status, closed, and listed in the report.
     pub fn serve(self, id: UniqueId) -> Result<ServeReport> {
+        self.serve_ids(vec![id])
+    }
+
+    /// Like [`serve`](Self::serve), handing out several ids (in this order) for
+    /// [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable): 1 to the world size, at
+    /// most [`MAX_EXCHANGED_IDS`](crate::bootstrap::MAX_EXCHANGED_IDS). A joining rank that
+    /// expects another count is refused with [`BootstrapError::IdCountMismatch`].
+    pub fn serve_ids(self, ids: Vec<UniqueId>) -> Result<ServeReport> {
+        crate::bootstrap::IdCount::Exactly(ids.len()).check(self.world_size)?;
         let started = Instant::now();
         if self.world_size <= 1 {
             return Ok(ServeReport {
@@ -114,7 +123,7 @@ impl TcpServer {
             .set_nonblocking(true)
             .map_err(|e| io_error("making the rendezvous listener non-blocking", e))?;
         let serve = Arc::new(Serve::new(
-            id,
+            ids,
             self.world_size,
             self.job_hash,
             self.history.start_serving(self.job_hash),

@@ -47,6 +47,12 @@ pub(super) fn kind_of(bytes: &[u8]) -> u16 {
     get_u16(bytes, 6)
 }
 
+/// The number of ids a reply's detail announces: 0 from a rank 0 that predates several ids
+/// means one.
+pub(super) fn ids_announced(detail: u32) -> usize {
+    (detail as usize).max(1)
+}
+
 /// Converts a count that travels as `u32`.
 pub(super) fn wire_u32(value: usize, what: &str) -> Result<u32> {
     u32::try_from(value).map_err(|_| {
@@ -98,6 +104,9 @@ statuses! {
     /// Version 2 only: the hello did not decrypt under rank 0's key (the keys differ, or the
     /// message was altered).
     AuthFailed = 12,
+    /// The request asks for another number of ids than rank 0 hands out. Detail: rank 0's
+    /// count.
+    IdCountMismatch = 13,
 }
 
 /// A joining rank's request.
@@ -108,6 +117,9 @@ pub(super) struct Request {
     pub(super) rank: u32,
     /// How many exchanges this rank made under the job key before.
     pub(super) round: u32,
+    /// How many ids the rank expects: 0 (what earlier versions send) means one,
+    /// [`ANY_IDS`](crate::bootstrap::ids::ANY_IDS) whatever rank 0 hands out.
+    pub(super) ids_wanted: u32,
 }
 
 impl Request {
@@ -118,6 +130,7 @@ impl Request {
         put(&mut bytes, 16, &self.world_size.to_be_bytes());
         put(&mut bytes, 20, &self.rank.to_be_bytes());
         put(&mut bytes, 24, &self.round.to_be_bytes());
+        put(&mut bytes, 28, &self.ids_wanted.to_be_bytes());
         bytes
     }
 
@@ -128,6 +141,7 @@ impl Request {
             world_size: get_u32(bytes, 16),
             rank: get_u32(bytes, 20),
             round: get_u32(bytes, 24),
+            ids_wanted: get_u32(bytes, 28),
         }
     }
 }
@@ -221,6 +235,7 @@ mod tests {
             world_size: 4,
             rank: 3,
             round: 2,
+            ids_wanted: 2,
         };
         let bytes = request.encode();
         assert_eq!(bytes[0..4], MAGIC);
@@ -248,9 +263,9 @@ mod tests {
 
     #[test]
     fn status_codes_decode() {
-        for code in 0..=12 {
+        for code in 0..=13 {
             assert_eq!(Status::from_code(code).map(|s| s as u16), Some(code));
         }
-        assert_eq!(Status::from_code(13), None);
+        assert_eq!(Status::from_code(14), None);
     }
 }
