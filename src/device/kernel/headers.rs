@@ -116,7 +116,7 @@ fn pick(
     let usable = |v: Version| v >= DEV_COMM_SINCE && v <= library;
     let exact = found
         .iter()
-        .position(|(_, _, v)| v.as_ref().is_ok_and(|&v| v == library));
+        .position(|(_, _, v)| v.as_ref().is_ok_and(|&v| v == library && usable(v)));
     let compatible = found
         .iter()
         .position(|(_, _, v)| v.as_ref().is_ok_and(|&v| usable(v)));
@@ -301,5 +301,13 @@ mod tests {
         );
         assert!(text.contains("/c [c]: no nccl.h"), "{text}");
         assert!(matches!(err, KernelError::HeadersNotFound { .. }));
+        // The system 2.28.3 with its own headers: the same version, but before versioned
+        // device communicators, so refused too (found on the H100 host's /usr/include).
+        let own = [("system", Ok(v(2, 28, 3)))];
+        let err = pick(v(2, 28, 3), found(&own)).unwrap_err();
+        assert!(
+            err.to_string().contains("NCCL 2.28.3, older than 2.29.2"),
+            "{err}"
+        );
     }
 }
