@@ -1,6 +1,6 @@
 //! Per-collective configuration (`ncclCollConfig_t`, NCCL 2.31): algorithm selection, CTA
-//! limits, CTA policy, a profiler tag and (NCCL 2.32) a launch-completion event, for one call
-//! of `ncclAllReduceConfig` ... `ncclScatterConfig`.
+//! limits, CTA policy, a profiler tag and (NCCL 2.32) a kernel-started event
+//! (`launchCompletionEvent`), for one call of `ncclAllReduceConfig` ... `ncclScatterConfig`.
 //!
 //! Rules (`nccl.h` 2.32.3 and the `ncclCollConfig_t` docs of 2.32):
 //!
@@ -12,8 +12,8 @@
 //! * With an algorithm selection, a selection NCCL cannot honour is an error unless
 //!   [`CollConfig::allow_algorithm_fallback`] is set. All-to-all, gather and scatter have no
 //!   selectable algorithms. Send and receive take no configuration at all.
-//! * The launch-completion event is recorded when the collective's kernel has launched
-//!   (before the launch on CUDA < 12.3). It must be created with timing disabled (cudarc's
+//! * The kernel-started event (NCCL's `launchCompletionEvent`) is recorded when every block
+//!   of the collective's kernel has started (before the kernel is queued on CUDA < 12.3). It must be created with timing disabled (cudarc's
 //!   `CudaContext::new_event(None)` does) on the communicator's device, not be an
 //!   interprocess event, and stay alive as long as any wait on it or any graph that captured
 //!   it: the configuration borrows it. Either every rank passes an event or none does, and a
@@ -45,8 +45,12 @@ use crate::release::Version;
 
 /// First NCCL with `ncclCollConfig_t` and the `nccl*Config` collectives.
 pub const COLL_CONFIG_SINCE: Version = calls::ncclAllReduceConfig.since;
-/// First NCCL with `launchCompletionEvent`.
-pub const LAUNCH_EVENT_SINCE: Version = Version::new(2, 32, 0);
+/// First NCCL with `launchCompletionEvent` ([`CollConfig::kernel_started_event`]).
+pub const KERNEL_STARTED_EVENT_SINCE: Version = Version::new(2, 32, 0);
+
+/// The former name of [`KERNEL_STARTED_EVENT_SINCE`].
+#[deprecated(note = "renamed KERNEL_STARTED_EVENT_SINCE (\"launch\" is left to job launchers)")]
+pub const LAUNCH_EVENT_SINCE: Version = KERNEL_STARTED_EVENT_SINCE;
 
 /// `sizeof(ncclCollConfig_v23100)`: the 2.32 struct without `launchCompletionEvent`.
 const SIZE_2_31: usize = offset_of!(ncclCollConfig_t, launchCompletionEvent);
@@ -82,7 +86,7 @@ macro_rules! coll_fields {
             allow_fallback: bool,
             $( $name: Option<$ty>, )*
             profiler_tag: u64,
-            launch_completion_event: Option<&'e CudaEvent>,
+            kernel_started_event: Option<&'e CudaEvent>,
         }
 
         impl std::fmt::Debug for CollConfig<'_> {
@@ -92,10 +96,7 @@ macro_rules! coll_fields {
                     .field("allow_fallback", &self.allow_fallback)
                     $( .field(stringify!($name), &self.$name) )*
                     .field("profiler_tag", &self.profiler_tag)
-                    .field(
-                        "launch_completion_event",
-                        &self.launch_completion_event.is_some(),
-                    )
+                    .field("kernel_started_event", &self.kernel_started_event.is_some())
                     .finish()
             }
         }
@@ -184,16 +185,29 @@ impl<'e> CollConfig<'e> {
         self
     }
 
-    /// `launchCompletionEvent` (NCCL 2.32): recorded when the collective has launched; see
-    /// the [module docs](self) for its rules.
-    pub fn launch_completion_event(mut self, event: &'e CudaEvent) -> Self {
-        self.launch_completion_event = Some(event);
+    /// `launchCompletionEvent` (NCCL 2.32): recorded when the collective's kernel has
+    /// started; see the [module docs](self) for its rules.
+    #[doc(alias = "launchCompletionEvent")]
+    pub fn kernel_started_event(mut self, event: &'e CudaEvent) -> Self {
+        self.kernel_started_event = Some(event);
         self
     }
 
-    /// The launch-completion event, if one is set (a group may carry one per communicator).
+    /// The kernel-started event, if one is set (a group may carry one per communicator).
+    pub fn started_event(&self) -> Option<&'e CudaEvent> {
+        self.kernel_started_event
+    }
+
+    /// The former name of [`CollConfig::kernel_started_event`].
+    #[deprecated(note = "renamed kernel_started_event (\"launch\" is left to job launchers)")]
+    pub fn launch_completion_event(self, event: &'e CudaEvent) -> Self {
+        self.kernel_started_event(event)
+    }
+
+    /// The former name of [`CollConfig::started_event`].
+    #[deprecated(note = "renamed started_event (\"launch\" is left to job launchers)")]
     pub fn launch_event(&self) -> Option<&'e CudaEvent> {
-        self.launch_completion_event
+        self.started_event()
     }
 
     /// Whether NCCL may run a call with this configuration on `comm` on copy engines: the
@@ -216,11 +230,11 @@ impl<'e> CollConfig<'e> {
     /// library's version and the event against the communicator's device. A configuration
     /// with nothing set still needs NCCL 2.31: the `nccl*Config` collectives are that new.
     pub fn to_raw(&self, comm: &Comm) -> Result<RawCollConfig<'_>> {
-        if let Some(event) = self.launch_completion_event {
+        if let Some(event) = self.kernel_started_event {
             let ctx = event.context();
             if ctx.cu_ctx() != comm.context().cu_ctx() {
                 return Err(Error::invalid(format!(
-                    "the launch-completion event belongs to device {} (context {:p}), not to \
+                    "the kernel-started event (launchCompletionEvent) belongs to device {} (context {:p}), not to \
                      the communicator's context on device {}",
                     ctx.ordinal(),
                     ctx.cu_ctx(),
@@ -271,10 +285,10 @@ impl<'e> CollConfig<'e> {
 
     /// The raw struct for NCCL `version`.
     fn build(&self, version: Version) -> Result<RawCollConfig<'_>> {
-        gate(self.launch_completion_event.is_some(), version)?;
+        gate(self.kernel_started_event.is_some(), version)?;
         self.validate()?;
         let mut config = nccl_sys::nccl_coll_config_initializer();
-        if version < LAUNCH_EVENT_SINCE {
+        if version < KERNEL_STARTED_EVENT_SINCE {
             // What a program built against the 2.31 header passes.
             config.size = SIZE_2_31;
             config.version = version.code();
@@ -289,7 +303,7 @@ impl<'e> CollConfig<'e> {
         if let Some(Ok(selection)) = &self.algorithm {
             config.algSelection = selection.as_ptr();
         }
-        if let Some(event) = self.launch_completion_event {
+        if let Some(event) = self.kernel_started_event {
             config.launchCompletionEvent = event.cu_event() as nccl_sys::cudaEvent_t;
         }
         Ok(RawCollConfig {
@@ -320,7 +334,7 @@ fn effective_copy_engine(
     }
 }
 
-/// Fails unless NCCL `version` has per-collective configuration, and the launch-completion
+/// Fails unless NCCL `version` has per-collective configuration, and the kernel-started
 /// event if one is set.
 fn gate(has_event: bool, version: Version) -> Result<()> {
     if version < COLL_CONFIG_SINCE {
@@ -330,10 +344,10 @@ fn gate(has_event: bool, version: Version) -> Result<()> {
             found: version,
         });
     }
-    if has_event && version < LAUNCH_EVENT_SINCE {
+    if has_event && version < KERNEL_STARTED_EVENT_SINCE {
         return Err(Error::Unsupported {
             api: "launchCompletionEvent",
-            needs: LAUNCH_EVENT_SINCE,
+            needs: KERNEL_STARTED_EVENT_SINCE,
             found: version,
         });
     }
@@ -430,12 +444,15 @@ mod tests {
     }
 
     #[test]
-    fn launch_events_need_2_32() {
+    fn kernel_started_events_need_2_32() {
         assert!(gate(true, V2_32).is_ok());
         assert!(gate(false, V2_31).is_ok());
         match gate(true, V2_31) {
             Err(Error::Unsupported { api, needs, .. }) => {
-                assert_eq!((api, needs), ("launchCompletionEvent", LAUNCH_EVENT_SINCE));
+                assert_eq!(
+                    (api, needs),
+                    ("launchCompletionEvent", KERNEL_STARTED_EVENT_SINCE)
+                );
             }
             other => panic!("{other:?}"),
         }

@@ -1,6 +1,7 @@
 //! Group calls (`ncclGroupStart` / `ncclGroupEnd`).
 //!
-//! A [`Group`] fuses the operations enqueued through it into one NCCL launch when it ends.
+//! A [`Group`] fuses the operations enqueued through it into one NCCL kernel launch when it
+//! ends.
 //! Groups are how one thread drives several GPUs (every rank's operation must be issued
 //! before any of them can complete), how point-to-point sends and receives that depend on each
 //! other progress together, and how many small operations are aggregated.
@@ -16,7 +17,7 @@
 //! Operations with a [`CollConfig`] may be grouped, with NCCL's rules
 //! (`ncclCollConfig_t` docs, NCCL 2.32):
 //!
-//! * At most one launch-completion event per communicator per group: a second one on the
+//! * At most one kernel-started event per communicator per group: a second one on the
 //!   same communicator is refused with [`Error::InvalidArgument`]. The event is recorded when
 //!   the group's fused launch happens, so wait on it only after [`Group::finish`] returned;
 //!   the group keeps it borrowed until then.
@@ -97,31 +98,30 @@ pub struct Group<'g> {
     guards: InlineList<SyncOnDrop<'g>, 8>,
     /// What NCCL allows once per group among the operations' configurations.
     configs: GroupConfigs,
-    /// How the group ends: launched, or simulated ([`Group::simulate`]).
+    /// How the group ends: run, or simulated ([`Group::simulate`]).
     ending: Ending,
 }
 
 /// How a group ends.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Ending {
-    /// `ncclGroupEnd`: everything in it is launched.
-    Launch,
-    /// `ncclGroupSimulateEnd`: planned, not launched; NCCL's estimate (microseconds) once
-    /// ended.
+    /// `ncclGroupEnd`: everything in it runs.
+    Run,
+    /// `ncclGroupSimulateEnd`: planned, not run; NCCL's estimate (microseconds) once ended.
     Simulate { estimate: Option<f32> },
 }
 
 /// The per-group rules of [`CollConfig`]s: which communicators already carry a
-/// launch-completion event, and the first explicit `cgaClusterSize`. Empty (and without an
+/// kernel-started event, and the first explicit `cgaClusterSize`. Empty (and without an
 /// allocation) in groups without configurations.
 #[derive(Debug, Default)]
 struct GroupConfigs {
-    /// Communicators (by their shared state's address) with a launch-completion event.
+    /// Communicators (by their shared state's address) with a kernel-started event.
     events: Vec<usize>,
     cga_cluster_size: Option<u32>,
 }
 
-/// What the group rules look at in one configuration: whether it has a launch-completion
+/// What the group rules look at in one configuration: whether it has a kernel-started
 /// event, and its `cgaClusterSize`.
 #[derive(Debug, Clone, Copy)]
 struct ConfigKey {
@@ -132,7 +132,7 @@ struct ConfigKey {
 impl From<&CollConfig<'_>> for ConfigKey {
     fn from(config: &CollConfig<'_>) -> Self {
         ConfigKey {
-            event: config.launch_event().is_some(),
+            event: config.started_event().is_some(),
             cga_cluster_size: config.cga(),
         }
     }
@@ -146,8 +146,8 @@ impl GroupConfigs {
     fn check(&self, comm_id: usize, rank: usize, config: ConfigKey) -> Result<()> {
         if config.event && self.events.contains(&comm_id) {
             return Err(Error::invalid(format!(
-                "the group already holds a launch-completion event for rank {rank}'s \
-                 communicator; NCCL allows one per communicator per group"
+                "the group already holds a kernel-started event (launchCompletionEvent) for \
+                 rank {rank}'s communicator; NCCL allows one per communicator per group"
             )));
         }
         if let (Some(first), Some(this)) = (self.cga_cluster_size, config.cga_cluster_size) {
@@ -193,7 +193,7 @@ impl<'g> Group<'g> {
             membership: Membership::enter([]),
             guards: InlineList::new(),
             configs: GroupConfigs::default(),
-            ending: Ending::Launch,
+            ending: Ending::Run,
         })
     }
 
@@ -319,12 +319,12 @@ impl<'g> Group<'g> {
             return Ok(());
         }
         let ended = match &mut self.ending {
-            // Nothing is launched, so nothing is left in progress (only blocking members).
+            // Nothing runs, so nothing is left in progress (only blocking members).
             Ending::Simulate { estimate } => self.raw.simulate_end().map(|time| {
                 *estimate = Some(time);
                 false
             }),
-            Ending::Launch => self.raw.end(),
+            Ending::Run => self.raw.end(),
         };
         // An abort deferred while the group was open runs in `leave`: the fused operation
         // was cut short, which is this group's failure.
@@ -399,8 +399,8 @@ impl<'g> Simulation<'g> {
     /// [`Error::InvalidArgument`], the simulation going on as it was: point-to-point
     /// operations (and all-to-all, gather, scatter), nonblocking communicators and one-rank
     /// communicators, which NCCL would run or leave queued (see the
-    /// [module docs](self#simulated-groups)), and a [`CollConfig`] with a launch-completion
-    /// event (nothing launches to record it); otherwise validated as [`Group::enqueue_on`].
+    /// [module docs](self#simulated-groups)), and a [`CollConfig`] with a kernel-started
+    /// event (no kernel starts to record it); otherwise validated as [`Group::enqueue_on`].
     pub fn enqueue_on<T: NcclType>(
         &mut self,
         comm: &'g Comm,
@@ -410,11 +410,11 @@ impl<'g> Simulation<'g> {
         check_simulable(call.kind, comm.is_blocking(), comm.size())?;
         if call
             .config()
-            .is_some_and(|config| config.launch_event().is_some())
+            .is_some_and(|config| config.started_event().is_some())
         {
             return Err(Error::invalid(
-                "a simulated collective launches nothing, so its launch-completion event would \
-                 never be recorded; simulate it without one",
+                "a simulated collective starts no kernel, so its kernel-started event \
+                 (launchCompletionEvent) would never be recorded; simulate it without one",
             ));
         }
         self.group.enqueue_on(comm, stream, call)
@@ -518,7 +518,7 @@ mod tests {
     }
 
     #[test]
-    fn one_launch_event_per_communicator() {
+    fn one_kernel_started_event_per_communicator() {
         let mut configs = GroupConfigs::default();
         let (a, b) = (0x1000, 0x2000);
         assert!(configs.check(a, 0, key(true, None)).is_ok());

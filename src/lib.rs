@@ -45,7 +45,7 @@
 //! | element types | [`dtype`] | [`NcclType`], [`DataType`] |
 //! | reductions | [`op`] | [`ReduceOp`], [`PreMulSum`] |
 //! | collectives | [`collectives`] (`operation`, `rules`, `dispatch`) | [`Operation`], [`Comm::all_reduce`], ... |
-//! | variable-count collectives | [`collectives::vector`] (`layout`, `operation`, `rules`, `dispatch`, `checked`) | [`VOperation`], [`Layout`], [`Comm::all_to_all_v`], [`Comm::exchange_counts`] |
+//! | variable-count collectives | [`collectives::vector`] (`layout`, `operation`, `rules`, `plan`, `dispatch`, `checked`) | [`VOperation`], [`Layout`], [`Comm::all_to_all_v`], [`Comm::exchange_counts`] |
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups, simulated groups | [`group`] | [`Group`], [`Group::simulate`] |
 //! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |
@@ -78,7 +78,9 @@
 //!   on a stream, watching the communicator's asynchronous error meanwhile.
 //! * **placement**: where a process sits in the job: rank, size, local rank
 //!   ([`bootstrap::Placement`], read from the launcher's variables). Handing an operation to
-//!   NCCL is **dispatch**; "launch" is left to launchers (`mpirun`, `srun`, `torchrun`).
+//!   NCCL is **dispatch**; "launch" is left to launchers (`mpirun`, `srun`, `torchrun`) and
+//!   to CUDA's kernel launches (an event NCCL records when a collective's kernel has started
+//!   is the **kernel-started event**, NCCL's `launchCompletionEvent`).
 
 //! # Safety guarantees
 //!

@@ -18,15 +18,8 @@
 //! group.finish()
 //! # }
 //! ```
-
-use cudarc::driver::{DevicePtr, DevicePtrMut};
-
-use crate::collectives::{enqueue_methods, Operation};
-use crate::comm::Comm;
-use crate::dtype::NcclType;
-
-enqueue_methods! {
-    Operation => enqueue;
-    send(buf: &'a impl DevicePtr<T>, peer: usize);
-    recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize);
-}
+//!
+//! [`Operation::send`](crate::Operation::send) and [`Operation::recv`](crate::Operation::recv)
+//! describe them, and [`Comm::send`](crate::Comm::send) and [`Comm::recv`](crate::Comm::recv)
+//! enqueue them alone; both are written, with the collectives, from the table in
+//! `collectives/operation.rs`.

@@ -1,4 +1,4 @@
-//! Per-collective configuration (`Operation::with_config`, NCCL 2.31; launch-completion
+//! Per-collective configuration (`Operation::with_config`, NCCL 2.31; kernel-started
 //! event 2.32) on real GPUs: every visible GPU is a rank (at least 2), each driven by its own
 //! thread; every collective runs with configurations (algorithm selection, CTA limits, CTA
 //! policy, profiler tag) on random data and is checked against a host reference. Older
@@ -20,7 +20,7 @@ use nccl::config::CtaPolicy;
 use nccl::{CollConfig, Comm, CommConfig, Error, Group, Operation, ReduceOp, Version};
 
 const V2_31: Version = nccl::coll_config::COLL_CONFIG_SINCE;
-const V2_32: Version = nccl::coll_config::LAUNCH_EVENT_SINCE;
+const V2_32: Version = nccl::coll_config::KERNEL_STARTED_EVENT_SINCE;
 
 fn version() -> Version {
     nccl::version().expect("NCCL loads")
@@ -373,9 +373,9 @@ fn configs_are_refused_on_send_and_receive() {
 
 #[test]
 #[ignore = "needs CUDA GPUs"]
-fn launch_completion_event_is_recorded_and_waited() {
+fn kernel_started_event_is_recorded_and_waited() {
     let Some(_deadline) = gpu_test(
-        "launch_completion_event_is_recorded_and_waited",
+        "kernel_started_event_is_recorded_and_waited",
         Duration::from_secs(120),
     ) else {
         return;
@@ -390,7 +390,7 @@ fn launch_completion_event_is_recorded_and_waited() {
         let inputs: Vec<Vec<f32>> = (0..n).map(|q| data(9, q, c)).collect();
         let send = stream.clone_htod(&inputs[r]).unwrap();
         let mut recv = stream.alloc_zeros::<f32>(c).unwrap();
-        let config = CollConfig::new().launch_completion_event(&event);
+        let config = CollConfig::new().kernel_started_event(&event);
         let result = comm
             .enqueue(Operation::all_reduce(&send, &mut recv, ReduceOp::Sum).with_config(&config));
         if v < V2_32 {
@@ -401,7 +401,7 @@ fn launch_completion_event_is_recorded_and_waited() {
             return;
         }
         result.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        // The event marks the launch: another stream waits on it, and the host on it.
+        // The event marks the kernel's start: another stream waits on it, and the host on it.
         let other = ctx.new_stream().unwrap();
         other.wait(&event).unwrap();
         event.synchronize().unwrap();
@@ -411,7 +411,7 @@ fn launch_completion_event_is_recorded_and_waited() {
 
         // In a group: one event per communicator; a second is refused and the group goes on.
         let second = ctx.new_event(None).unwrap();
-        let with_second = CollConfig::new().launch_completion_event(&second);
+        let with_second = CollConfig::new().kernel_started_event(&second);
         let mut again = stream.alloc_zeros::<f32>(c).unwrap();
         let mut more = stream.alloc_zeros::<f32>(c).unwrap();
         let mut group = Group::start().unwrap();
@@ -438,7 +438,7 @@ fn launch_completion_event_is_recorded_and_waited() {
             "rank {r}: grouped"
         );
         if r == 0 {
-            println!("NCCL {v}: launch-completion events recorded and waited on {n} ranks");
+            println!("NCCL {v}: kernel-started events recorded and waited on {n} ranks");
         }
     });
 }

@@ -975,7 +975,7 @@ fn properties_and_version_gates_follow_the_library() {
         }
         let event = comm.context().new_event(None).unwrap();
         match nccl::CollConfig::new()
-            .launch_completion_event(&event)
+            .kernel_started_event(&event)
             .to_raw(&comm)
         {
             Ok(raw) => assert!(v >= V2_32 && !raw.get().launchCompletionEvent.is_null()),

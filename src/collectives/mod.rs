@@ -3,7 +3,8 @@
 //!
 //! One room per layer: [`Operation`] and its constructors describe a call
 //! (`operation.rs`), `rules.rs` holds NCCL's count and buffer rules, `dispatch.rs` validates
-//! and calls NCCL, and the `Comm` methods below are written once, from a table.
+//! and calls NCCL, and each constructor and its `Comm` method are written once, from one
+//! table row (`constructors!`).
 //!
 //! An operation is first described as a [`Operation`]: which kind, which buffers, which
 //! root, peer or reduction. [`Comm::enqueue`], [`Comm::enqueue_on`] and
@@ -17,7 +18,8 @@
 //!
 //! # Buffers and streams
 //!
-//! Buffers are any cudarc [`DevicePtr`] (read) or [`DevicePtrMut`] (written): `CudaSlice`,
+//! Buffers are any cudarc [`DevicePtr`](cudarc::driver::DevicePtr) (read) or
+//! [`DevicePtrMut`](cudarc::driver::DevicePtrMut) (written): `CudaSlice`,
 //! `CudaView`, `CudaViewMut`. cudarc's event tracking is honoured: the stream waits for
 //! earlier writes (and, for written buffers, reads) of each buffer, and the buffer's events
 //! are recorded after NCCL enqueued its work (inside a group, after the group ends).
@@ -37,7 +39,7 @@ mod operation;
 mod rules;
 pub mod vector;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::CudaStream;
 
 pub(crate) use dispatch::dispatch;
 pub(crate) use operation::Kind;
@@ -48,7 +50,6 @@ pub use vector::{Construction, Layout, VOperation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::Result;
-use crate::op::Reduction;
 use crate::thread_group;
 
 impl Comm {
@@ -69,8 +70,9 @@ impl Comm {
         self.enqueue_inline_on(stream, call)
     }
 
-    /// [`Comm::enqueue`], always inlined: the `Comm` methods below build their operation
-    /// right here, so its kind is a constant and [`dispatch`] folds to that kind's checks.
+    /// [`Comm::enqueue`], always inlined: the `Comm` methods written by `constructors!`
+    /// build their operation right here, so its kind is a constant and [`dispatch`] folds
+    /// to that kind's checks.
     #[inline(always)]
     fn enqueue_inline<T: NcclType>(&self, call: Operation<'_, T>) -> Result<()> {
         self.enqueue_inline_on(self.stream(), call)
@@ -87,11 +89,27 @@ impl Comm {
     }
 }
 
-/// Writes, for each constructor of `$call` ([`Operation`] or [`VOperation`]) named, the
-/// `Comm` method that hands it to `$enqueue` on the communicator's stream: one table instead
-/// of a hand-written copy of every signature.
-macro_rules! enqueue_methods {
-    ($call:ident => $enqueue:ident; $($name:ident($($arg:ident: $ty:ty),*);)*) => {
+/// Writes, from one row per constructor of `$call` ([`Operation`] or [`VOperation`]), the
+/// constructor (`Self::new` with the row's arguments) and the `Comm` method that hands what
+/// it builds to `$enqueue` on the communicator's stream: each signature written once.
+macro_rules! constructors {
+    (
+        $call:ident => $enqueue:ident, #[$inline:meta];
+        $(
+            $(#[$doc:meta])*
+            $name:ident($($arg:ident: $ty:ty),*) = ($($new:expr),* $(,)?);
+        )*
+    ) => {
+        impl<'a, T: NcclType> $call<'a, T> {
+            $(
+                $(#[$doc])*
+                #[$inline]
+                pub fn $name($($arg: $ty),*) -> Self {
+                    Self::new($($new),*)
+                }
+            )*
+        }
+
         impl Comm {
             $(
                 #[doc = concat!(
@@ -107,23 +125,4 @@ macro_rules! enqueue_methods {
         }
     };
 }
-pub(crate) use enqueue_methods;
-
-enqueue_methods! {
-    Operation => enqueue_inline;
-    all_reduce(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
-    all_reduce_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
-    broadcast(send: Option<&'a dyn DevicePtr<T>>, recv: &'a mut impl DevicePtrMut<T>, root: usize);
-    broadcast_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize);
-    reduce(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, op: impl Into<Reduction<'a, T>>, root: usize);
-    reduce_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>, root: usize);
-    all_gather(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>);
-    all_gather_in_place(buf: &'a mut impl DevicePtrMut<T>);
-    reduce_scatter(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
-    reduce_scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
-    all_to_all(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>);
-    gather(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, root: usize);
-    gather_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize);
-    scatter(send: Option<&'a dyn DevicePtr<T>>, recv: &'a mut impl DevicePtrMut<T>, root: usize);
-    scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize);
-}
+pub(crate) use constructors;

@@ -2,14 +2,14 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use crate::calls::{self, Call};
+use super::constructors;
 use crate::coll_config::CollConfig;
-use crate::comm::ContextId;
+use crate::comm::{Comm, ContextId};
 use crate::dtype::NcclType;
 use crate::op::Reduction;
 
 /// What an operation does, apart from its buffers and reduction: the key to NCCL's count
-/// rules and to the function called.
+/// rules and to the functions called (one row each in `dispatch.rs`'s table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     AllReduce,
@@ -25,43 +25,13 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    /// The NCCL function the operation calls (its row in [`calls`]).
-    #[inline]
-    pub(crate) fn call(self) -> &'static Call {
-        match self {
-            Kind::AllReduce => &calls::ncclAllReduce,
-            Kind::Broadcast { .. } => &calls::ncclBroadcast,
-            Kind::Reduce { .. } => &calls::ncclReduce,
-            Kind::AllGather => &calls::ncclAllGather,
-            Kind::ReduceScatter => &calls::ncclReduceScatter,
-            Kind::AllToAll => &calls::ncclAlltoAll,
-            Kind::Gather { .. } => &calls::ncclGather,
-            Kind::Scatter { .. } => &calls::ncclScatter,
-            Kind::Send { .. } => &calls::ncclSend,
-            Kind::Recv { .. } => &calls::ncclRecv,
-        }
-    }
+    // `call()` and `config_call()`, the NCCL functions of each kind, are written by the
+    // table of entry points in `dispatch.rs`, beside the calls themselves.
 
     /// The C name of the function the operation calls.
     #[inline]
     pub(crate) fn name(self) -> &'static str {
         self.call().name
-    }
-
-    /// The `*Config` variant NCCL 2.31 has for the collective; none for send and receive,
-    /// which take no configuration.
-    pub(crate) fn config_call(self) -> Option<&'static Call> {
-        Some(match self {
-            Kind::AllReduce => &calls::ncclAllReduceConfig,
-            Kind::Broadcast { .. } => &calls::ncclBroadcastConfig,
-            Kind::Reduce { .. } => &calls::ncclReduceConfig,
-            Kind::AllGather => &calls::ncclAllGatherConfig,
-            Kind::ReduceScatter => &calls::ncclReduceScatterConfig,
-            Kind::AllToAll => &calls::ncclAlltoAllConfig,
-            Kind::Gather { .. } => &calls::ncclGatherConfig,
-            Kind::Scatter { .. } => &calls::ncclScatterConfig,
-            Kind::Send { .. } | Kind::Recv { .. } => return None,
-        })
     }
 }
 
@@ -69,7 +39,7 @@ impl Kind {
 /// be enqueued; see the [module docs](super).
 ///
 /// The lifetime `'a` covers the buffers (and a [`PreMulSum`](crate::PreMulSum) operator, and
-/// a [`CollConfig`] with its launch-completion event): they stay borrowed until the operation
+/// a [`CollConfig`] with its kernel-started event): they stay borrowed until the operation
 /// is enqueued, or until the group that holds it ends.
 ///
 /// A collective may carry a per-collective configuration ([`Operation::with_config`], NCCL
@@ -142,8 +112,6 @@ impl<T: NcclType> std::fmt::Debug for Operation<'_, T> {
     }
 }
 
-// The constructors are always inlined: where an operation is built next to its enqueue (the
-// `Comm` methods), its kind is then a constant and the dispatch folds to that kind's checks.
 impl<'a, T: NcclType> Operation<'a, T> {
     #[inline(always)]
     fn new(
@@ -164,7 +132,7 @@ impl<'a, T: NcclType> Operation<'a, T> {
     }
 
     /// Runs the collective with a per-collective configuration (`ncclAllReduceConfig` ...
-    /// `ncclScatterConfig`, NCCL 2.31; a launch-completion event needs 2.32): algorithm
+    /// `ncclScatterConfig`, NCCL 2.31; a kernel-started event needs 2.32): algorithm
     /// selection, CTA limits and policy, profiler tag. See [`CollConfig`] for NCCL's rules.
     ///
     /// The configuration (and its event) stays borrowed until the operation is enqueued, or
@@ -181,131 +149,65 @@ impl<'a, T: NcclType> Operation<'a, T> {
     pub fn config(&self) -> Option<&'a CollConfig<'a>> {
         self.config
     }
+}
+
+// The constructors, one row each, and their `Comm` methods (point-to-point included). They
+// are always inlined: where an operation is built next to its enqueue (the `Comm` methods),
+// its kind is then a constant and the dispatch folds to that kind's checks.
+constructors! {
+    Operation => enqueue_inline, #[inline(always)];
 
     /// All-reduce: every rank ends with the reduction of all ranks' `send` in `recv`
     /// (same length on every rank).
-    #[inline(always)]
-    pub fn all_reduce(
-        send: &'a impl DevicePtr<T>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        op: impl Into<Reduction<'a, T>>,
-    ) -> Self {
-        Self::new(
-            Kind::AllReduce,
-            Some(op.into()),
-            Some(send),
-            Some(recv),
-            false,
-        )
-    }
+    all_reduce(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>)
+        = (Kind::AllReduce, Some(op.into()), Some(send), Some(recv), false);
 
     /// All-reduce in place: `buf` is input and output.
-    #[inline(always)]
-    pub fn all_reduce_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        op: impl Into<Reduction<'a, T>>,
-    ) -> Self {
-        Self::new(Kind::AllReduce, Some(op.into()), None, Some(buf), true)
-    }
+    all_reduce_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>)
+        = (Kind::AllReduce, Some(op.into()), None, Some(buf), true);
 
     /// Broadcast: `recv` on every rank receives the root's `send`. `send` is required on the
     /// root (same length as `recv`) and ignored elsewhere.
-    #[inline(always)]
-    pub fn broadcast(
-        send: Option<&'a dyn DevicePtr<T>>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        root: usize,
-    ) -> Self {
-        Self::new(Kind::Broadcast { root }, None, send, Some(recv), false)
-    }
+    broadcast(send: Option<&'a dyn DevicePtr<T>>, recv: &'a mut impl DevicePtrMut<T>, root: usize)
+        = (Kind::Broadcast { root }, None, send, Some(recv), false);
 
     /// Broadcast in place: the root's `buf` is copied into `buf` on every other rank.
-    #[inline(always)]
-    pub fn broadcast_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
-        Self::new(Kind::Broadcast { root }, None, None, Some(buf), true)
-    }
+    broadcast_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize)
+        = (Kind::Broadcast { root }, None, None, Some(buf), true);
 
     /// Reduce: the root's `recv` receives the reduction of every rank's `send`. `recv` is
     /// required on the root (same length as `send`) and ignored elsewhere.
-    #[inline(always)]
-    pub fn reduce(
-        send: &'a impl DevicePtr<T>,
-        recv: Option<&'a mut dyn DevicePtrMut<T>>,
-        op: impl Into<Reduction<'a, T>>,
-        root: usize,
-    ) -> Self {
-        Self::new(
-            Kind::Reduce { root },
-            Some(op.into()),
-            Some(send),
-            recv,
-            false,
-        )
-    }
+    reduce(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, op: impl Into<Reduction<'a, T>>, root: usize)
+        = (Kind::Reduce { root }, Some(op.into()), Some(send), recv, false);
 
     /// Reduce in place: `buf` is every rank's input and, on the root, the output.
-    #[inline(always)]
-    pub fn reduce_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        op: impl Into<Reduction<'a, T>>,
-        root: usize,
-    ) -> Self {
-        Self::new(
-            Kind::Reduce { root },
-            Some(op.into()),
-            None,
-            Some(buf),
-            true,
-        )
-    }
+    reduce_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>, root: usize)
+        = (Kind::Reduce { root }, Some(op.into()), None, Some(buf), true);
 
     /// All-gather: `recv` (`size * send.len()` elements) receives rank `i`'s `send` at
     /// offset `i * send.len()`.
-    #[inline(always)]
-    pub fn all_gather(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>) -> Self {
-        Self::new(Kind::AllGather, None, Some(send), Some(recv), false)
-    }
+    all_gather(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>)
+        = (Kind::AllGather, None, Some(send), Some(recv), false);
 
     /// All-gather in place: `buf` holds `size * count` elements and this rank's contribution
     /// at `rank * count`.
-    #[inline(always)]
-    pub fn all_gather_in_place(buf: &'a mut impl DevicePtrMut<T>) -> Self {
-        Self::new(Kind::AllGather, None, None, Some(buf), true)
-    }
+    all_gather_in_place(buf: &'a mut impl DevicePtrMut<T>)
+        = (Kind::AllGather, None, None, Some(buf), true);
 
     /// Reduce-scatter: `send` holds `size * recv.len()` elements; rank `i`'s `recv` receives
     /// block `i` of the reduction.
-    #[inline(always)]
-    pub fn reduce_scatter(
-        send: &'a impl DevicePtr<T>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        op: impl Into<Reduction<'a, T>>,
-    ) -> Self {
-        Self::new(
-            Kind::ReduceScatter,
-            Some(op.into()),
-            Some(send),
-            Some(recv),
-            false,
-        )
-    }
+    reduce_scatter(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>)
+        = (Kind::ReduceScatter, Some(op.into()), Some(send), Some(recv), false);
 
     /// Reduce-scatter in place: `buf` holds the `size * count` inputs; this rank's block of
     /// the result is written at `rank * count`.
-    #[inline(always)]
-    pub fn reduce_scatter_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        op: impl Into<Reduction<'a, T>>,
-    ) -> Self {
-        Self::new(Kind::ReduceScatter, Some(op.into()), None, Some(buf), true)
-    }
+    reduce_scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>)
+        = (Kind::ReduceScatter, Some(op.into()), None, Some(buf), true);
 
     /// All-to-all (NCCL 2.28): `send` and `recv` hold `size * count` elements; block `j` of
     /// `send` goes to rank `j`, and block `i` of `recv` comes from rank `i`.
-    #[inline(always)]
-    pub fn all_to_all(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>) -> Self {
-        Self::new(Kind::AllToAll, None, Some(send), Some(recv), false)
-    }
+    all_to_all(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>)
+        = (Kind::AllToAll, None, Some(send), Some(recv), false);
 
     /// Gather (NCCL 2.28): the root's `recv` (`size * send.len()` elements) receives rank
     /// `i`'s `send` at `i * send.len()`. `recv` is required on the root; elsewhere NCCL
@@ -318,57 +220,37 @@ impl<'a, T: NcclType> Operation<'a, T> {
     /// rank passes a `recv` of `size * send.len()` elements, like the root's (a missing or
     /// shorter one is refused, not left to hang or write past the window), at the root's
     /// window offset (the caller's rule: only this rank's side is visible here).
-    #[inline(always)]
-    pub fn gather(
-        send: &'a impl DevicePtr<T>,
-        recv: Option<&'a mut dyn DevicePtrMut<T>>,
-        root: usize,
-    ) -> Self {
-        Self::new(Kind::Gather { root }, None, Some(send), recv, false)
-    }
+    gather(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, root: usize)
+        = (Kind::Gather { root }, None, Some(send), recv, false);
 
     /// Gather in place: on the root `buf` holds `size * count` elements with the root's own
     /// part at `root * count`; on other ranks `buf` is the `count` elements they send.
     /// Refused on every rank where the call may use copy engines (see [`Operation::gather`]):
     /// NCCL's copy-engine gather writes each block at its rank's offset in the root's
     /// window, past a single block; use the out-of-place form there.
-    #[inline(always)]
-    pub fn gather_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
-        Self::new(Kind::Gather { root }, None, None, Some(buf), true)
-    }
+    gather_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize)
+        = (Kind::Gather { root }, None, None, Some(buf), true);
 
     /// Scatter (NCCL 2.28): block `i` of the root's `send` (`size * recv.len()` elements)
     /// goes to rank `i`'s `recv`. `send` is required on the root, ignored elsewhere (there
     /// `recv` is handed to NCCL in its place, so that on a copy-engine communicator every
     /// rank's choice of path follows its receive buffer).
-    #[inline(always)]
-    pub fn scatter(
-        send: Option<&'a dyn DevicePtr<T>>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        root: usize,
-    ) -> Self {
-        Self::new(Kind::Scatter { root }, None, send, Some(recv), false)
-    }
+    scatter(send: Option<&'a dyn DevicePtr<T>>, recv: &'a mut impl DevicePtrMut<T>, root: usize)
+        = (Kind::Scatter { root }, None, send, Some(recv), false);
 
     /// Scatter in place: on the root `buf` holds all `size * count` elements and keeps its
     /// own block at `root * count`; on other ranks `buf` receives `count` elements. Refused
     /// where the call may use copy engines (see [`Operation::gather`]): NCCL's copy-engine
     /// in-place scatter misplaces the blocks there (see the error).
-    #[inline(always)]
-    pub fn scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize) -> Self {
-        Self::new(Kind::Scatter { root }, None, None, Some(buf), true)
-    }
+    scatter_in_place(buf: &'a mut impl DevicePtrMut<T>, root: usize)
+        = (Kind::Scatter { root }, None, None, Some(buf), true);
 
     /// Point-to-point send of `buf` to rank `peer`, which must post a matching receive of
     /// the same length and type (NCCL 2.7). See [`crate::p2p`].
-    #[inline(always)]
-    pub fn send(buf: &'a impl DevicePtr<T>, peer: usize) -> Self {
-        Self::new(Kind::Send { peer }, None, Some(buf), None, false)
-    }
+    send(buf: &'a impl DevicePtr<T>, peer: usize)
+        = (Kind::Send { peer }, None, Some(buf), None, false);
 
     /// Point-to-point receive into `buf` from rank `peer` (NCCL 2.7). See [`crate::p2p`].
-    #[inline(always)]
-    pub fn recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize) -> Self {
-        Self::new(Kind::Recv { peer }, None, None, Some(buf), false)
-    }
+    recv(buf: &'a mut impl DevicePtrMut<T>, peer: usize)
+        = (Kind::Recv { peer }, None, None, Some(buf), false);
 }

@@ -219,7 +219,8 @@ pub(crate) fn check_config_kind(kind: Kind) -> std::result::Result<&'static Call
 ///
 /// `copy_engine` is the decision for this call: the per-call CTA policy where NCCL lets it
 /// win (see `CollConfig::copy_engine`), else the communicator's.
-// Inlined (see `dispatch`): with a known kind, only that kind's rules remain.
+// Inlined (see `dispatch`), like every step below: with a known kind, only that kind's
+// rules remain.
 #[inline(always)]
 pub(crate) fn check_plan(
     kind: Kind,
@@ -230,156 +231,259 @@ pub(crate) fn check_plan(
     in_place: bool,
     copy_engine: bool,
 ) -> std::result::Result<Plan, Broken> {
-    let need = |len: Option<usize>, what: &'static str| len.ok_or(Broken::Missing(what));
-    let check_rank = |value: usize, what: &'static str| {
-        if value < size {
+    let view = View {
+        rank,
+        size,
+        send_len,
+        recv_len,
+    };
+    match (kind, in_place) {
+        (Kind::AllReduce, false) => view.all_reduce(),
+        (Kind::Broadcast { root }, false) => view.broadcast(root),
+        (Kind::Reduce { root }, false) => view.reduce(root),
+        // In place, these three read and write the one buffer whole.
+        (Kind::AllReduce, true) => view.whole_in_place(),
+        (Kind::Broadcast { root } | Kind::Reduce { root }, true) => {
+            view.check_rank(root, "root")?;
+            view.whole_in_place()
+        }
+        (Kind::AllGather, false) => view.all_gather(),
+        (Kind::AllGather, true) => view.all_gather_in_place(),
+        (Kind::ReduceScatter, false) => view.reduce_scatter(),
+        (Kind::ReduceScatter, true) => view.reduce_scatter_in_place(),
+        (Kind::AllToAll, false) => view.all_to_all(),
+        (Kind::AllToAll, true) => Err(Broken::InPlaceAllToAll),
+        (Kind::Gather { root }, false) => view.gather(root, copy_engine),
+        (Kind::Gather { .. }, true) if copy_engine => Err(Broken::CopyEngineInPlaceGather),
+        (Kind::Gather { root }, true) => {
+            view.rooted_in_place(root, |count| (Ptr::Recv(root * count), Ptr::Recv(0)))
+        }
+        (Kind::Scatter { root }, false) => view.scatter(root),
+        (Kind::Scatter { .. }, true) if copy_engine => Err(Broken::CopyEngineInPlaceScatter),
+        (Kind::Scatter { root }, true) => {
+            view.rooted_in_place(root, |count| (Ptr::Recv(0), Ptr::Recv(root * count)))
+        }
+        (Kind::Send { peer }, _) => {
+            view.check_rank(peer, "peer")?;
+            plan(view.need(send_len, "send")?, Ptr::Send(0), Ptr::Null)
+        }
+        (Kind::Recv { peer }, _) => {
+            view.check_rank(peer, "peer")?;
+            plan(view.need(recv_len, "receive")?, Ptr::Null, Ptr::Recv(0))
+        }
+    }
+}
+
+/// One rank's view of an operation, what [`check_plan`]'s steps read.
+#[derive(Clone, Copy)]
+struct View {
+    rank: usize,
+    size: usize,
+    send_len: Option<usize>,
+    recv_len: Option<usize>,
+}
+
+type Checked<T> = std::result::Result<T, Broken>;
+
+#[inline(always)]
+fn plan(count: usize, send: Ptr, recv: Ptr) -> Checked<Plan> {
+    Ok(Plan { count, send, recv })
+}
+
+/// The small checks the rules are made of.
+impl View {
+    #[inline(always)]
+    fn need(&self, len: Option<usize>, what: &'static str) -> Checked<usize> {
+        len.ok_or(Broken::Missing(what))
+    }
+
+    /// Both buffers of an out-of-place operation.
+    #[inline(always)]
+    fn both(&self) -> Checked<(usize, usize)> {
+        Ok((
+            self.need(self.send_len, "send")?,
+            self.need(self.recv_len, "receive")?,
+        ))
+    }
+
+    /// A root or peer is a rank of the communicator.
+    #[inline(always)]
+    fn check_rank(&self, value: usize, what: &'static str) -> Checked<()> {
+        if value < self.size {
             Ok(())
         } else {
             Err(Broken::OutOfRange { what, value })
         }
-    };
-    let same = |rule, send: usize, recv: usize| {
+    }
+
+    #[inline(always)]
+    fn same(&self, rule: LengthRule, send: usize, recv: usize) -> Checked<()> {
         if send == recv {
             Ok(())
         } else {
             Err(Broken::Mismatch { rule, send, recv })
         }
-    };
-    // `whole` must be exactly `size` times `part`.
-    let holds_all = |rule, whole: usize, part: usize, send: usize, recv: usize| {
-        if part.checked_mul(size) == Some(whole) {
+    }
+
+    /// `whole` is exactly `size` times `part`.
+    #[inline(always)]
+    fn holds_all(
+        &self,
+        rule: LengthRule,
+        whole: usize,
+        part: usize,
+        lens: (usize, usize),
+    ) -> Checked<()> {
+        if part.checked_mul(self.size) == Some(whole) {
             Ok(())
         } else {
+            let (send, recv) = lens;
             Err(Broken::Mismatch { rule, send, recv })
         }
-    };
-    let divisible = |len: usize, what: &'static str| {
-        if len.is_multiple_of(size) {
-            Ok(len / size)
+    }
+
+    /// `len` splits evenly among the ranks: the count per rank.
+    #[inline(always)]
+    fn divisible(&self, len: usize, what: &'static str) -> Checked<usize> {
+        if len.is_multiple_of(self.size) {
+            Ok(len / self.size)
         } else {
             Err(Broken::NotMultiple { what, len })
         }
-    };
-    let plan = |count, send, recv| Ok(Plan { count, send, recv });
+    }
+}
 
-    match (kind, in_place) {
-        (Kind::AllReduce, false) => {
-            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            same(LengthRule::Equal, s, r)?;
-            plan(r, Ptr::Send(0), Ptr::Recv(0))
+/// The rules, one collective each.
+impl View {
+    #[inline(always)]
+    fn all_reduce(&self) -> Checked<Plan> {
+        let (s, r) = self.both()?;
+        self.same(LengthRule::Equal, s, r)?;
+        plan(r, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    /// The single buffer, read and written whole.
+    #[inline(always)]
+    fn whole_in_place(&self) -> Checked<Plan> {
+        plan(
+            self.need(self.recv_len, "in-place")?,
+            Ptr::Recv(0),
+            Ptr::Recv(0),
+        )
+    }
+
+    #[inline(always)]
+    fn broadcast(&self, root: usize) -> Checked<Plan> {
+        self.check_rank(root, "root")?;
+        let r = self.need(self.recv_len, "receive")?;
+        if self.rank != root {
+            // NCCL ignores the send buffer off the root; pass the receive buffer.
+            return plan(r, Ptr::Recv(0), Ptr::Recv(0));
         }
-        (Kind::AllReduce, true) => plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0)),
-        (Kind::Broadcast { root }, false) => {
-            check_rank(root, "root")?;
-            let r = need(recv_len, "receive")?;
-            if rank != root {
-                // NCCL ignores the send buffer off the root; pass the receive buffer.
-                return plan(r, Ptr::Recv(0), Ptr::Recv(0));
-            }
-            let s = need(send_len, "send (root)")?;
-            same(LengthRule::RootSendsWhatItReceives, s, r)?;
-            plan(r, Ptr::Send(0), Ptr::Recv(0))
+        let s = self.need(self.send_len, "send (root)")?;
+        self.same(LengthRule::RootSendsWhatItReceives, s, r)?;
+        plan(r, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    #[inline(always)]
+    fn reduce(&self, root: usize) -> Checked<Plan> {
+        self.check_rank(root, "root")?;
+        let s = self.need(self.send_len, "send")?;
+        if self.rank != root {
+            return plan(s, Ptr::Send(0), Ptr::Null);
         }
-        (Kind::Broadcast { root }, true) => {
-            check_rank(root, "root")?;
-            plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0))
+        let r = self.need(self.recv_len, "receive (root)")?;
+        self.same(LengthRule::RootReceivesWhatItSends, s, r)?;
+        plan(s, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    #[inline(always)]
+    fn all_gather(&self) -> Checked<Plan> {
+        let (s, r) = self.both()?;
+        self.holds_all(LengthRule::RecvHoldsAll, r, s, (s, r))?;
+        plan(s, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    /// This rank's block sits at `rank * count` of the whole.
+    #[inline(always)]
+    fn all_gather_in_place(&self) -> Checked<Plan> {
+        let count = self.divisible(self.need(self.recv_len, "in-place")?, "in-place")?;
+        plan(count, Ptr::Recv(self.rank * count), Ptr::Recv(0))
+    }
+
+    #[inline(always)]
+    fn reduce_scatter(&self) -> Checked<Plan> {
+        let (s, r) = self.both()?;
+        self.holds_all(LengthRule::SendHoldsAll, s, r, (s, r))?;
+        plan(r, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    /// This rank's block of the result lands at `rank * count` of the whole.
+    #[inline(always)]
+    fn reduce_scatter_in_place(&self) -> Checked<Plan> {
+        let count = self.divisible(self.need(self.recv_len, "in-place")?, "in-place")?;
+        plan(count, Ptr::Recv(0), Ptr::Recv(self.rank * count))
+    }
+
+    #[inline(always)]
+    fn all_to_all(&self) -> Checked<Plan> {
+        let (s, r) = self.both()?;
+        self.same(LengthRule::Equal, s, r)?;
+        let count = self.divisible(s, "send")?;
+        plan(count, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    /// Off the root, what a copy-engine gather needs (see [`check_plan`]).
+    #[inline(always)]
+    fn gather(&self, root: usize, copy_engine: bool) -> Checked<Plan> {
+        self.check_rank(root, "root")?;
+        let s = self.need(self.send_len, "send")?;
+        if self.rank != root {
+            return match self.recv_len {
+                // What `ncclCeGather` writes (`recv + rank x count` in the root's window)
+                // lies inside a buffer as long as the root's.
+                Some(r) if copy_engine && s.checked_mul(self.size).is_none_or(|all| r < all) => {
+                    Err(Broken::CopyEngineGatherShortReceive { send: s, recv: r })
+                }
+                Some(_) => plan(s, Ptr::Send(0), Ptr::Recv(0)),
+                None if copy_engine => Err(Broken::CopyEngineGatherWithoutReceive),
+                None => plan(s, Ptr::Send(0), Ptr::Null),
+            };
         }
-        (Kind::Reduce { root }, false) => {
-            check_rank(root, "root")?;
-            let s = need(send_len, "send")?;
-            if rank != root {
-                return plan(s, Ptr::Send(0), Ptr::Null);
-            }
-            let r = need(recv_len, "receive (root)")?;
-            same(LengthRule::RootReceivesWhatItSends, s, r)?;
-            plan(s, Ptr::Send(0), Ptr::Recv(0))
+        let r = self.need(self.recv_len, "receive (root)")?;
+        self.holds_all(LengthRule::RootRecvHoldsAll, r, s, (s, r))?;
+        plan(s, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    /// Off the root, the receive buffer stands in for the send buffer (see [`check_plan`]).
+    #[inline(always)]
+    fn scatter(&self, root: usize) -> Checked<Plan> {
+        self.check_rank(root, "root")?;
+        let r = self.need(self.recv_len, "receive")?;
+        if self.rank != root {
+            return plan(r, Ptr::Recv(0), Ptr::Recv(0));
         }
-        (Kind::Reduce { root }, true) => {
-            check_rank(root, "root")?;
-            plan(need(recv_len, "in-place")?, Ptr::Recv(0), Ptr::Recv(0))
+        let s = self.need(self.send_len, "send (root)")?;
+        self.holds_all(LengthRule::RootSendHoldsAll, s, r, (s, r))?;
+        plan(r, Ptr::Send(0), Ptr::Recv(0))
+    }
+
+    /// An in-place gather or scatter: off the root the single buffer is the rank's block;
+    /// on the root it holds every block, and `pointers` places the root's own.
+    #[inline(always)]
+    fn rooted_in_place(
+        &self,
+        root: usize,
+        pointers: impl FnOnce(usize) -> (Ptr, Ptr),
+    ) -> Checked<Plan> {
+        self.check_rank(root, "root")?;
+        let len = self.need(self.recv_len, "in-place")?;
+        if self.rank != root {
+            return plan(len, Ptr::Recv(0), Ptr::Recv(0));
         }
-        (Kind::AllGather, false) => {
-            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            holds_all(LengthRule::RecvHoldsAll, r, s, s, r)?;
-            plan(s, Ptr::Send(0), Ptr::Recv(0))
-        }
-        (Kind::AllGather, true) => {
-            let count = divisible(need(recv_len, "in-place")?, "in-place")?;
-            plan(count, Ptr::Recv(rank * count), Ptr::Recv(0))
-        }
-        (Kind::ReduceScatter, false) => {
-            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            holds_all(LengthRule::SendHoldsAll, s, r, s, r)?;
-            plan(r, Ptr::Send(0), Ptr::Recv(0))
-        }
-        (Kind::ReduceScatter, true) => {
-            let count = divisible(need(recv_len, "in-place")?, "in-place")?;
-            plan(count, Ptr::Recv(0), Ptr::Recv(rank * count))
-        }
-        (Kind::AllToAll, false) => {
-            let (s, r) = (need(send_len, "send")?, need(recv_len, "receive")?);
-            same(LengthRule::Equal, s, r)?;
-            let count = divisible(s, "send")?;
-            plan(count, Ptr::Send(0), Ptr::Recv(0))
-        }
-        (Kind::AllToAll, true) => Err(Broken::InPlaceAllToAll),
-        (Kind::Gather { root }, false) => {
-            check_rank(root, "root")?;
-            let s = need(send_len, "send")?;
-            if rank != root {
-                return match recv_len {
-                    // What `ncclCeGather` writes (`recv + rank x count` in the root's window)
-                    // lies inside a buffer as long as the root's.
-                    Some(r) if copy_engine && s.checked_mul(size).is_none_or(|all| r < all) => {
-                        Err(Broken::CopyEngineGatherShortReceive { send: s, recv: r })
-                    }
-                    Some(_) => plan(s, Ptr::Send(0), Ptr::Recv(0)),
-                    None if copy_engine => Err(Broken::CopyEngineGatherWithoutReceive),
-                    None => plan(s, Ptr::Send(0), Ptr::Null),
-                };
-            }
-            let r = need(recv_len, "receive (root)")?;
-            holds_all(LengthRule::RootRecvHoldsAll, r, s, s, r)?;
-            plan(s, Ptr::Send(0), Ptr::Recv(0))
-        }
-        (Kind::Gather { .. }, true) if copy_engine => Err(Broken::CopyEngineInPlaceGather),
-        (Kind::Gather { root }, true) => {
-            check_rank(root, "root")?;
-            let len = need(recv_len, "in-place")?;
-            if rank != root {
-                return plan(len, Ptr::Recv(0), Ptr::Recv(0));
-            }
-            let count = divisible(len, "root's in-place")?;
-            plan(count, Ptr::Recv(root * count), Ptr::Recv(0))
-        }
-        (Kind::Scatter { root }, false) => {
-            check_rank(root, "root")?;
-            let r = need(recv_len, "receive")?;
-            if rank != root {
-                return plan(r, Ptr::Recv(0), Ptr::Recv(0));
-            }
-            let s = need(send_len, "send (root)")?;
-            holds_all(LengthRule::RootSendHoldsAll, s, r, s, r)?;
-            plan(r, Ptr::Send(0), Ptr::Recv(0))
-        }
-        (Kind::Scatter { .. }, true) if copy_engine => Err(Broken::CopyEngineInPlaceScatter),
-        (Kind::Scatter { root }, true) => {
-            check_rank(root, "root")?;
-            let len = need(recv_len, "in-place")?;
-            if rank != root {
-                return plan(len, Ptr::Recv(0), Ptr::Recv(0));
-            }
-            let count = divisible(len, "root's in-place")?;
-            plan(count, Ptr::Recv(0), Ptr::Recv(root * count))
-        }
-        (Kind::Send { peer }, _) => {
-            check_rank(peer, "peer")?;
-            plan(need(send_len, "send")?, Ptr::Send(0), Ptr::Null)
-        }
-        (Kind::Recv { peer }, _) => {
-            check_rank(peer, "peer")?;
-            plan(need(recv_len, "receive")?, Ptr::Null, Ptr::Recv(0))
-        }
+        let count = self.divisible(len, "root's in-place")?;
+        let (send, recv) = pointers(count);
+        plan(count, send, recv)
     }
 }
 

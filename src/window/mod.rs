@@ -496,26 +496,22 @@ mod tests {
 
     #[test]
     fn flags_follow_the_header() {
-        assert_eq!(
-            WindowFlags::DEFAULT.bits(),
-            nccl_sys::NCCL_WIN_DEFAULT as u32
-        );
-        assert_eq!(
-            WindowFlags::COLL_SYMMETRIC.bits(),
-            nccl_sys::NCCL_WIN_COLL_SYMMETRIC as u32
-        );
-        assert_eq!(
-            WindowFlags::STRICT_ORDERING.bits(),
-            nccl_sys::NCCL_WIN_STRICT_ORDERING as u32
-        );
-        assert_eq!(
-            WindowFlags::GIN_ONLY.bits(),
-            nccl_sys::NCCL_WIN_GIN_ONLY as u32
-        );
-        assert_eq!(
-            WindowFlags::CFT_COUNTED.bits(),
-            nccl_sys::NCCL_WIN_CFT_COUNTED as u32
-        );
+        let header = [
+            (WindowFlags::DEFAULT, nccl_sys::NCCL_WIN_DEFAULT),
+            (
+                WindowFlags::COLL_SYMMETRIC,
+                nccl_sys::NCCL_WIN_COLL_SYMMETRIC,
+            ),
+            (
+                WindowFlags::STRICT_ORDERING,
+                nccl_sys::NCCL_WIN_STRICT_ORDERING,
+            ),
+            (WindowFlags::GIN_ONLY, nccl_sys::NCCL_WIN_GIN_ONLY),
+            (WindowFlags::CFT_COUNTED, nccl_sys::NCCL_WIN_CFT_COUNTED),
+        ];
+        for (flag, bits) in header {
+            assert_eq!(flag.bits(), bits as u32, "{flag:?}");
+        }
         assert_eq!(REQUIRED_ALIGNMENT, 4096);
         let both = WindowFlags::COLL_SYMMETRIC | WindowFlags::STRICT_ORDERING;
         assert!(both.contains(WindowFlags::COLL_SYMMETRIC));

@@ -67,13 +67,15 @@ struct State {
     hooks: Vec<Hook>,
 }
 
+/// What the supervisor thread and the job's handle share: the ranks' failures, the hooks
+/// still to run, and whether the job is over; `changed` wakes whoever waits on it.
 #[derive(Default)]
-struct Shared {
+struct Record {
     state: Mutex<State>,
     changed: Condvar,
 }
 
-impl Shared {
+impl Record {
     fn lock(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
@@ -119,10 +121,10 @@ fn run_hooks(hooks: Vec<Hook>, error: &BootstrapError) {
     }
 }
 
-impl std::fmt::Debug for Shared {
+impl std::fmt::Debug for Record {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = self.lock();
-        f.debug_struct("Shared")
+        f.debug_struct("Record")
             .field("failed", &state.failed)
             .field("all_exited", &state.all_exited)
             .finish_non_exhaustive()
@@ -132,7 +134,7 @@ impl std::fmt::Debug for Shared {
 /// Watches the spawned ranks from a background thread.
 #[derive(Debug)]
 pub(super) struct Supervisor {
-    shared: Arc<Shared>,
+    record: Arc<Record>,
     thread: Option<JoinHandle<()>>,
     count: usize,
 }
@@ -140,9 +142,9 @@ pub(super) struct Supervisor {
 impl Supervisor {
     /// Starts watching `children`; if no thread can be started, stops them and fails.
     pub(super) fn start(children: Vec<(usize, Child)>) -> Result<Self> {
-        let shared = Arc::new(Shared::default());
+        let record = Arc::new(Record::default());
         let count = children.len();
-        let watcher = Arc::clone(&shared);
+        let watcher = Arc::clone(&record);
         // The children move into the thread only once it runs; keep them here until then.
         let handoff = Arc::new(Mutex::new(Some(children)));
         let taken = Arc::clone(&handoff);
@@ -154,7 +156,7 @@ impl Supervisor {
             });
         match spawned {
             Ok(thread) => Ok(Supervisor {
-                shared,
+                record,
                 thread: Some(thread),
                 count,
             }),
@@ -176,36 +178,36 @@ impl Supervisor {
 
     /// The failure of the ranks so far, if any.
     pub(super) fn failure(&self) -> Option<BootstrapError> {
-        self.shared.failure()
+        self.record.failure()
     }
 
     /// Runs `hook` at the first failure (at once if there was one).
     pub(super) fn on_failure(&self, hook: Hook) {
-        self.shared.add_hook(hook);
+        self.record.add_hook(hook);
     }
 
     /// Ends a wait as soon as a rank has failed, with that failure.
     pub(super) fn interrupt(&self) -> Interrupt {
-        let shared = Arc::clone(&self.shared);
-        Interrupt::new(move || shared.failure())
+        let record = Arc::clone(&self.record);
+        Interrupt::new(move || record.failure())
     }
 
     /// Waits until every rank has exited; fails if one failed.
     pub(super) fn wait(mut self) -> Result<()> {
         {
-            let mut state = self.shared.lock();
+            let mut state = self.record.lock();
             while !state.all_exited {
-                state = wait_for(&self.shared.changed, state, None);
+                state = wait_for(&self.record.changed, state, None);
             }
         }
         self.join();
-        self.shared.failure().map_or(Ok(()), Err)
+        self.record.failure().map_or(Ok(()), Err)
     }
 
     /// Stops and reaps every rank.
     pub(super) fn stop(mut self) {
-        self.shared.lock().stop_requested = true;
-        self.shared.changed.notify_all();
+        self.record.lock().stop_requested = true;
+        self.record.changed.notify_all();
         self.join();
     }
 
@@ -269,28 +271,28 @@ fn reap_exited(children: &mut Vec<(usize, Child)>) -> Vec<ChildExit> {
 
 /// The watching thread: reaps children as they exit; at the first failure, records it, runs
 /// the hooks and stops the others; at rank 0's request, stops them all.
-fn supervise(shared: &Shared, mut children: Vec<(usize, Child)>) {
+fn supervise(record: &Record, mut children: Vec<(usize, Child)>) {
     while !children.is_empty() {
         let failed = reap_exited(&mut children);
         let failing = !failed.is_empty();
-        shared.record_failures(failed);
+        record.record_failures(failed);
         if failing {
-            shared.record_failures(stop_all(&mut children));
+            record.record_failures(stop_all(&mut children));
         }
-        if shared.lock().stop_requested {
+        if record.lock().stop_requested {
             stop_all(&mut children);
         }
         if children.is_empty() {
             break;
         }
         // Sleep until the next look, waking early when rank 0 drops the job.
-        let state = shared.lock();
+        let state = record.lock();
         if !state.stop_requested {
-            drop(wait_for(&shared.changed, state, Some(SUPERVISION_PERIOD)));
+            drop(wait_for(&record.changed, state, Some(SUPERVISION_PERIOD)));
         }
     }
-    shared.lock().all_exited = true;
-    shared.changed.notify_all();
+    record.lock().all_exited = true;
+    record.changed.notify_all();
 }
 
 #[cfg(test)]
@@ -339,31 +341,31 @@ mod tests {
     #[test]
     fn failures_run_hooks_once_and_late_hooks_at_once() {
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let shared = Shared::default();
+        let record = Record::default();
         let calls = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&calls);
-        shared.add_hook(Box::new(move |error| {
+        record.add_hook(Box::new(move |error| {
             assert!(error.to_string().contains("local rank 2"), "{error}");
             counter.fetch_add(1, Ordering::SeqCst);
         }));
-        shared.add_hook(Box::new(|_| panic!("a panicking hook is contained")));
-        assert!(shared.failure().is_none());
+        record.add_hook(Box::new(|_| panic!("a panicking hook is contained")));
+        assert!(record.failure().is_none());
         let status = Command::new("sh")
             .args(["-c", "exit 7"])
             .status()
             .expect("sh");
-        shared.record_failures(vec![ChildExit {
+        record.record_failures(vec![ChildExit {
             rank: 2,
             pid: 1,
             status,
         }]);
-        shared.record_failures(vec![ChildExit {
+        record.record_failures(vec![ChildExit {
             rank: 1,
             pid: 2,
             status,
         }]);
         assert_eq!(calls.load(Ordering::SeqCst), 1);
-        let error = shared.failure().expect("failure recorded");
+        let error = record.failure().expect("failure recorded");
         assert!(
             matches!(
                 &error,
@@ -377,7 +379,7 @@ mod tests {
             "{error}"
         );
         let counter = Arc::clone(&calls);
-        shared.add_hook(Box::new(move |_| {
+        record.add_hook(Box::new(move |_| {
             counter.fetch_add(1, Ordering::SeqCst);
         }));
         assert_eq!(calls.load(Ordering::SeqCst), 2);

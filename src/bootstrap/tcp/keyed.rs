@@ -1,32 +1,23 @@
 //! Protocol version 2, the encrypted rendezvous (described on
 //! [`TcpTransport`](crate::bootstrap::TcpTransport)): the Noise handshake both sides build, the
-//! three messages, and rank 0's side of one connection. The joining rank's side is in
-//! [`client`](super::client), beside version 1's.
+//! three messages. Rank 0's side of one connection is in [`conversation`](super::conversation)
+//! and the joining rank's in [`client`](super::client), each beside version 1's.
 //!
-//! `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`: two ephemeral keys and the pre-shared key, no
+//! `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`: two ephemeral keys and the pre-serve key, no
 //! static keys (the ranks have no identities beyond knowing the key). The PSK is mixed in
 //! before the first message, so the hello is already encrypted and authenticated under it, and
 //! the ephemeral Diffie-Hellman gives the reply forward secrecy: a key leaked later does not
 //! open recorded sessions.
 
-use std::net::TcpStream;
-use std::time::Instant;
-
 use snow::{HandshakeState, TransportState};
 
-use super::conversation::{
-    ack_short, check_ids_wanted, check_place, read_part, read_prefix, Refusal, Shared,
-};
 use super::key::{RendezvousKey, DIGEST_LEN};
-use super::socket::{read_full, write_full};
 use super::wire::{
-    ids_announced, put_prefix, version_of, wire_u32, Ack, ReplyHeader, Status, ACK_LEN,
-    KEYED_VERSION, KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC,
-    PREFIX_LEN, REPLY_HEADER_LEN,
+    ids_announced, put_prefix, version_of, Ack, ReplyHeader, Status, ACK_LEN, KEYED_VERSION,
+    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN,
 };
 use crate::bootstrap::bytes::{get_u16, get_u32, put};
-use crate::bootstrap::ids::{self, MAX_EXCHANGED_IDS};
-use crate::bootstrap::util::io_error;
+use crate::bootstrap::ids::MAX_EXCHANGED_IDS;
 use crate::bootstrap::{BootstrapError, Result};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -40,7 +31,7 @@ const DH_LEN: usize = 32;
 /// The Poly1305 tag that authenticates every encrypted payload.
 const TAG_LEN: usize = 16;
 /// The clear prefix of the hello and the ack: magic, version 2, kind.
-const CLEAR_PREFIX_LEN: usize = 8;
+pub(super) const CLEAR_PREFIX_LEN: usize = 8;
 
 /// The encrypted request: prefix, job-key digest, world size, rank, round, reserved.
 pub(super) const REQUEST_PAYLOAD_LEN: usize = CLEAR_PREFIX_LEN + DIGEST_LEN + 16;
@@ -102,7 +93,7 @@ impl KeyedRequest {
 
     /// `None` unless `bytes` is a version 2 request (it decrypted, so only a peer with the key
     /// and another layout gets here).
-    fn decode(bytes: &[u8]) -> Option<Self> {
+    pub(super) fn decode(bytes: &[u8]) -> Option<Self> {
         let valid = bytes.len() == REQUEST_PAYLOAD_LEN
             && bytes[0..4] == MAGIC
             && version_of(bytes) == KEYED_VERSION
@@ -128,7 +119,7 @@ pub(super) fn initiator(key: &RendezvousKey) -> Result<HandshakeState> {
 }
 
 /// The handshake of rank 0's side of one connection (the responder).
-fn responder(key: &RendezvousKey) -> Result<HandshakeState> {
+pub(super) fn responder(key: &RendezvousKey) -> Result<HandshakeState> {
     builder(key, |builder| builder.build_responder())
 }
 
@@ -147,7 +138,7 @@ fn builder(
 }
 
 /// A Noise failure outside of authentication (a packaging or programming error).
-fn noise_error(what: &str, error: snow::Error) -> BootstrapError {
+pub(super) fn noise_error(what: &str, error: snow::Error) -> BootstrapError {
     BootstrapError::Protocol(format!("{what}: {error}"))
 }
 
@@ -227,81 +218,6 @@ pub(super) fn ack_frame(transport: &mut TransportState, ack: &Ack) -> Result<[u8
     Ok(bytes)
 }
 
-// Rank 0's side.
-
-/// Reads and decrypts the hello, in stages like version 1's request so that garbage, another
-/// version or a peer without the key is answered at once.
-pub(super) fn read_hello(
-    shared: &Shared,
-    keyed: &Keyed,
-    stream: &TcpStream,
-    deadline: Instant,
-) -> Result<(KeyedRequest, HandshakeState), Refusal> {
-    let mut bytes = [0u8; HELLO_LEN];
-    let read = |bytes: &mut [u8; HELLO_LEN], range| {
-        read_part(
-            stream,
-            bytes,
-            range,
-            deadline,
-            shared.connection_timeout,
-            "hello",
-        )
-    };
-    read_prefix(
-        stream,
-        &mut bytes,
-        deadline,
-        shared.connection_timeout,
-        "hello",
-        KEYED_VERSION,
-    )?;
-    read(&mut bytes, PREFIX_LEN..HELLO_LEN)?;
-    let kind = get_u16(&bytes, 6);
-    if kind != KIND_HELLO {
-        return Err(Refusal::new(
-            BootstrapError::Protocol(format!("expected a hello, got message kind {kind}")),
-            Status::Malformed,
-            0,
-        ));
-    }
-    let mut handshake = responder(&keyed.key).map_err(Refusal::silent)?;
-    let mut payload = [0u8; REQUEST_PAYLOAD_LEN];
-    let opened = handshake.read_message(&bytes[CLEAR_PREFIX_LEN..], &mut payload);
-    if opened.is_err() {
-        let error = BootstrapError::Authentication {
-            detail: "the peer's hello did not decrypt under rank 0's key: its rendezvous key \
-                     differs, or the message was altered"
-                .to_owned(),
-        };
-        return Err(Refusal::new(error, Status::AuthFailed, 0));
-    }
-    let Some(request) = KeyedRequest::decode(&payload) else {
-        let error = BootstrapError::Protocol(
-            "the peer's hello decrypted but holds no version 2 request".to_owned(),
-        );
-        return Err(Refusal::new(error, Status::Malformed, 0).sealed(&mut handshake));
-    };
-    Ok((request, handshake))
-}
-
-/// Checks a decrypted request: the exact job key first, then what version 1 checks.
-pub(super) fn check(
-    shared: &Shared,
-    keyed: &Keyed,
-    request: &KeyedRequest,
-) -> Result<usize, Refusal> {
-    if request.job_digest != keyed.job_digest {
-        let error = BootstrapError::WrongJob {
-            detail: "the peer's job key differs from rank 0's (their digests differ)".to_owned(),
-        };
-        return Err(Refusal::new(error, Status::WrongJob, 0).for_rank(request.rank as usize));
-    }
-    let rank = check_place(shared, request.world_size, request.rank, request.round)?;
-    check_ids_wanted(shared, request.ids_wanted, rank)?;
-    Ok(rank)
-}
-
 /// Encrypts a reply (`ids` when the status is ok, none otherwise) as the handshake's second
 /// message, behind the clear header that announces it.
 pub(super) fn seal_reply(
@@ -330,49 +246,6 @@ pub(super) fn seal_reply(
         ReplyHeader::encode_as(KEYED_VERSION, KIND_SEALED_REPLY, Status::Ok, announced).to_vec();
     bytes.extend_from_slice(&message);
     Ok(bytes)
-}
-
-/// Sends the id sealed to the rank that claimed `rank` and waits for its encrypted ack.
-pub(super) fn deliver(
-    shared: &Shared,
-    stream: &TcpStream,
-    deadline: Instant,
-    rank: usize,
-    mut handshake: HandshakeState,
-) -> Result<(), Refusal> {
-    let count = wire_u32(shared.ids.len(), "id count").map_err(Refusal::silent)?;
-    let reply =
-        seal_reply(&mut handshake, Status::Ok, count, &shared.ids).map_err(Refusal::silent)?;
-    write_full(stream, &reply, deadline)
-        .map_err(|e| Refusal::silent(io_error("sending the sealed unique id", e)))?;
-    let mut transport = handshake
-        .into_transport_mode()
-        .map_err(|e| Refusal::silent(noise_error("finishing the handshake", e)))?;
-    let mut frame = [0u8; ACK_FRAME_LEN];
-    read_full(stream, &mut frame, deadline)
-        .map_err(|short| Refusal::silent(ack_short(short, shared, rank, ACK_FRAME_LEN)))?;
-    let prefix_ok = frame[0..4] == MAGIC
-        && version_of(&frame) == KEYED_VERSION
-        && get_u16(&frame, 6) == KIND_ACK;
-    let mut ack = [0u8; ACK_LEN];
-    let opened = transport.read_message(&frame[CLEAR_PREFIX_LEN..], &mut ack);
-    if !prefix_ok || opened.is_err() {
-        return Err(Refusal::silent(BootstrapError::Authentication {
-            detail: "the acknowledgement did not decrypt under this session's keys: it was \
-                     replayed from another session, forged or altered"
-                .to_owned(),
-        }));
-    }
-    let expected = Ack {
-        rank: u32::try_from(rank).unwrap_or(u32::MAX),
-        fingerprint: ids::fingerprint(&shared.ids),
-    };
-    if Ack::decode_as(&ack, KEYED_VERSION) != Some(expected) {
-        return Err(Refusal::silent(BootstrapError::Protocol(
-            "invalid acknowledgement (wrong kind, rank or id fingerprint)".to_owned(),
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,9 +1,10 @@
 //! TCP rendezvous: rank 0 serves the unique id, every other rank fetches it.
 //!
 //! Rooms: [`wire`] (the messages), [`client`] (a joining rank), [`server`] (rank 0's listener
-//! and accept loop), [`conversation`] (one connection on rank 0), [`socket`] (deadline-bound
-//! reads and writes), [`key`] (the [`RendezvousKey`]) and [`keyed`] (protocol version 2's
-//! Noise handshake and rank 0's side of it).
+//! and accept loop), [`conversation`] (one connection on rank 0, either version), [`serve`]
+//! (what one serve's connections share, and the steps both versions make), [`socket`]
+//! (deadline-bound reads and writes), [`key`] (the [`RendezvousKey`]) and [`keyed`] (protocol
+//! version 2's Noise handshake and messages).
 
 mod client;
 mod conversation;
@@ -11,6 +12,7 @@ mod key;
 mod keyed;
 #[cfg(test)]
 mod keyed_tests;
+mod serve;
 mod server;
 mod socket;
 #[cfg(test)]
@@ -21,8 +23,8 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use conversation::RejectedPeer;
 pub use key::{RendezvousKey, MIN_KEY_BYTES};
+pub use serve::RejectedPeer;
 pub use server::{ServeReport, TcpServer};
 
 use super::bytes::job_key_hash;

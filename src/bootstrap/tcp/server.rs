@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::conversation::{handle_connection, RejectedPeer, Shared};
+use super::conversation::handle_connection;
 use super::keyed::Keyed;
+use super::serve::{RejectedPeer, Serve};
 use super::wire::{ReplyHeader, Status, KIND_REPLY};
 use crate::bootstrap::history::History;
 use crate::bootstrap::util::{deadline_after, io_error, time_left, Interrupt};
@@ -121,7 +122,7 @@ impl TcpServer {
         self.listener
             .set_nonblocking(true)
             .map_err(|e| io_error("making the rendezvous listener non-blocking", e))?;
-        let shared = Arc::new(Shared::new(
+        let serve = Arc::new(Serve::new(
             ids,
             self.world_size,
             self.job_hash,
@@ -130,8 +131,8 @@ impl TcpServer {
             deadline_after(started, self.timeout),
             self.connection_timeout,
         ));
-        let ending = self.accept_until_done(&shared);
-        let (rejected, missing) = shared.finish();
+        let ending = self.accept_until_done(&serve);
+        let (rejected, missing) = serve.finish();
         match ending {
             Ending::AllServed => Ok(ServeReport {
                 elapsed: started.elapsed(),
@@ -142,26 +143,26 @@ impl TcpServer {
         }
     }
 
-    fn accept_until_done(&self, shared: &Arc<Shared>) -> Ending {
+    fn accept_until_done(&self, serve: &Arc<Serve>) -> Ending {
         // Enough handlers for every rank to connect at once, bounded against connection floods.
         let max_active = self.world_size.saturating_mul(2).clamp(16, 512);
         let mut next_connection = 0u64;
         let mut idle_pause = Duration::from_millis(1);
         loop {
-            if shared.all_served() {
+            if serve.all_served() {
                 return Ending::AllServed;
             }
             if let Some(error) = self.interrupt.as_ref().and_then(Interrupt::reason) {
                 return Ending::Interrupted(error);
             }
-            if time_left(shared.serve_deadline).is_none() {
+            if time_left(serve.serve_deadline).is_none() {
                 return Ending::TimedOut;
             }
             match self.listener.accept() {
                 Ok((stream, peer)) => {
                     idle_pause = Duration::from_millis(1);
                     next_connection += 1;
-                    admit(shared, stream, peer, next_connection, max_active);
+                    admit(serve, stream, peer, next_connection, max_active);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     thread::sleep(idle_pause);
@@ -206,7 +207,7 @@ impl TcpServer {
 /// Hands an accepted connection to a handler thread, or turns it away when too many are in
 /// flight.
 fn admit(
-    shared: &Arc<Shared>,
+    serve: &Arc<Serve>,
     stream: TcpStream,
     peer: SocketAddr,
     connection: u64,
@@ -216,22 +217,22 @@ fn admit(
     if stream.set_nonblocking(false).is_err() {
         return;
     }
-    if !shared.register(connection, &stream, max_active) {
+    if !serve.register(connection, &stream, max_active) {
         // Answer without lingering: this runs on the accept loop, which must keep going.
         // If the reply is lost, the peer sees a reset and retries all the same.
         if stream.set_nonblocking(true).is_ok() {
-            let busy = ReplyHeader::encode_as(shared.version(), KIND_REPLY, Status::Busy, 0);
+            let busy = ReplyHeader::encode_as(serve.version(), KIND_REPLY, Status::Busy, 0);
             let _ = (&stream).write(&busy);
         }
         return;
     }
-    let worker = Arc::clone(shared);
+    let worker = Arc::clone(serve);
     let spawned = thread::Builder::new()
         .name(format!("nccl-rs-rendezvous-{connection}"))
         .spawn(move || handle_connection(&worker, stream, peer, connection));
     if spawned.is_err() {
         // The stream went down with the closure; undo the bookkeeping.
-        shared.unregister(connection);
+        serve.unregister(connection);
     }
 }
 

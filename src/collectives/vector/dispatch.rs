@@ -8,12 +8,14 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 
 use super::operation::VOperation;
-use super::rules::{built, plan, Buf, Seg, Step};
+use super::plan::plan;
+use super::rules::{built, Buf, Seg, Step};
 use crate::calls;
 use crate::collectives::{dispatch, Operation};
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
+use crate::op::Reduction;
 
 /// A segment of a buffer whose pointer was already taken: what one step hands to
 /// [`dispatch`]. Its guard does nothing, because the whole buffer's guard is held by the
@@ -74,80 +76,92 @@ pub(crate) fn dispatch_v<'b, 'a: 'b, T: NcclType>(
     } = validate(comm, stream, &call)?;
 
     // Validation is over.
-    let send_base = match (send_used, call.send) {
-        (true, Some(buf)) => {
-            let (ptr, guard) = buf.device_ptr(stream);
+    let send = match (send_used, call.send) {
+        (true, Some(buf)) => Some(buf.device_ptr(stream)),
+        _ => None,
+    };
+    let recv = match (recv_used, call.recv) {
+        (true, Some(buf)) => Some(buf.device_ptr_mut(stream)),
+        _ => None,
+    };
+    let bases = Bases::<T> {
+        send: send.map_or(0, |(ptr, guard)| {
             keep(guard);
             ptr
-        }
-        _ => 0,
-    };
-    let recv_base = match (recv_used, call.recv) {
-        (true, Some(buf)) => {
-            let (ptr, guard) = buf.device_ptr_mut(stream);
+        }),
+        recv: recv.map_or(0, |(ptr, guard)| {
             keep(guard);
             ptr
-        }
-        _ => 0,
-    };
-    let elem = std::mem::size_of::<T>() as u64;
-    let piece = |seg: Seg| Piece::<T> {
-        ptr: match seg.buf {
-            Buf::Send => send_base,
-            Buf::Recv => recv_base,
-        } + seg.offset as u64 * elem,
-        len: seg.count,
+        }),
         stream: comm.stream(),
         _type: PhantomData,
     };
-    let op = call.op;
     for step in steps {
-        // The same pointer as source and destination is how NCCL works in place.
-        let call = match step {
-            Step::Send { peer, from } => dispatch(
-                comm,
-                stream,
-                Operation::send(&piece(from), peer),
-                true,
-                drop,
-            ),
-            Step::Recv { peer, into } => dispatch(
-                comm,
-                stream,
-                Operation::recv(&mut piece(into), peer),
-                true,
-                drop,
-            ),
-            Step::Broadcast { root, send, recv } => {
-                let send = send.map(piece);
-                let send = send.as_ref().map(|p| p as &dyn DevicePtr<T>);
-                let mut recv = piece(recv);
-                dispatch(
-                    comm,
-                    stream,
-                    Operation::broadcast(send, &mut recv, root),
-                    true,
-                    drop,
-                )
-            }
-            Step::Reduce { root, send, recv } => {
-                let mut recv = recv.map(piece);
-                let recv = recv.as_mut().map(|p| p as &mut dyn DevicePtrMut<T>);
-                // Reduce steps are only planned for reduce-scatter, which has a reduction.
-                let op = op.ok_or_else(|| Error::invalid("a reduce without a reduction"))?;
-                let send = piece(send);
-                dispatch(
-                    comm,
-                    stream,
-                    Operation::reduce(&send, recv, op, root),
-                    true,
-                    drop,
-                )
-            }
-        };
-        call?;
+        dispatch_step(comm, stream, &bases, step, call.op)?;
     }
     Ok(())
+}
+
+/// Where the used buffers start: what each step's [`Piece`]s are cut from.
+struct Bases<'s, T> {
+    send: CUdeviceptr,
+    recv: CUdeviceptr,
+    /// The communicator's stream (see [`Piece::stream`]).
+    stream: &'s Arc<CudaStream>,
+    _type: PhantomData<T>,
+}
+
+impl<'s, T> Bases<'s, T> {
+    fn piece(&self, seg: Seg) -> Piece<'s, T> {
+        let base = match seg.buf {
+            Buf::Send => self.send,
+            Buf::Recv => self.recv,
+        };
+        Piece {
+            ptr: base + seg.offset as u64 * std::mem::size_of::<T>() as u64,
+            len: seg.count,
+            stream: self.stream,
+            _type: PhantomData,
+        }
+    }
+}
+
+/// Hands one planned step to [`dispatch`] as an ordinary [`Operation`] inside the group.
+/// The same pointer as source and destination is how NCCL works in place.
+fn dispatch_step<T: NcclType>(
+    comm: &Comm,
+    stream: &CudaStream,
+    bases: &Bases<'_, T>,
+    step: Step,
+    op: Option<Reduction<'_, T>>,
+) -> Result<()> {
+    let piece = |seg| bases.piece(seg);
+    match step {
+        Step::Send { peer, from } => {
+            let from = piece(from);
+            dispatch(comm, stream, Operation::send(&from, peer), true, drop)
+        }
+        Step::Recv { peer, into } => {
+            let mut into = piece(into);
+            dispatch(comm, stream, Operation::recv(&mut into, peer), true, drop)
+        }
+        Step::Broadcast { root, send, recv } => {
+            let send = send.map(piece);
+            let send = send.as_ref().map(|p| p as &dyn DevicePtr<T>);
+            let mut recv = piece(recv);
+            let call = Operation::broadcast(send, &mut recv, root);
+            dispatch(comm, stream, call, true, drop)
+        }
+        Step::Reduce { root, send, recv } => {
+            let mut recv = recv.map(piece);
+            let recv = recv.as_mut().map(|p| p as &mut dyn DevicePtrMut<T>);
+            // Reduce steps are only planned for reduce-scatter, which has a reduction.
+            let op = op.ok_or_else(|| Error::invalid("a reduce without a reduction"))?;
+            let send = piece(send);
+            let call = Operation::reduce(&send, recv, op, root);
+            dispatch(comm, stream, call, true, drop)
+        }
+    }
 }
 
 /// A v-collective that passed every local check: its steps, and which buffers they use.

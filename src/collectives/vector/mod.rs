@@ -6,14 +6,14 @@
 //! NCCL has no variable-count collectives; they are built, as every framework builds them,
 //! from NCCL calls in one group. The rooms: `layout.rs` ([`Layout`]: where each rank's
 //! segment lies), `operation.rs` ([`VOperation`] and its constructors), `rules.rs` (the
-//! checks and the expansion into NCCL calls, pure functions), `dispatch.rs` (the path to
-//! NCCL) and `checked.rs` (what crosses ranks: the checked mode and
-//! [`Comm::exchange_counts`]).
+//! checks) and `plan.rs` (the expansion into NCCL calls), both pure functions, `dispatch.rs`
+//! (the path to NCCL) and `checked.rs` (what crosses ranks: the checked mode and
+//! [`Comm::exchange_counts`](crate::Comm::exchange_counts)).
 //!
 //! # Using them
 //!
-//! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`], ...,
-//! or [`Comm::enqueue_v_on`] for another stream of its context); in a [`Group`](crate::Group)
+//! Alone, a `Comm` method runs one on the communicator's stream ([`Comm::all_to_all_v`](crate::Comm::all_to_all_v), ...,
+//! or [`Comm::enqueue_v_on`](crate::Comm::enqueue_v_on) for another stream of its context); in a [`Group`](crate::Group)
 //! (several GPUs driven from one thread, or fused with other operations),
 //! [`Group::enqueue_v`](crate::Group::enqueue_v) takes the same [`VOperation`]. Blocking and
 //! nonblocking communicators both work. Counts and displacements are in elements;
@@ -88,30 +88,11 @@ mod checked;
 mod dispatch;
 mod layout;
 mod operation;
+mod plan;
 mod rules;
-
-use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 pub(crate) use checked::verify;
 pub(crate) use dispatch::dispatch_v;
 pub use layout::Layout;
 pub use operation::{VOperation, DEFAULT_CHECK_TIMEOUT};
 pub use rules::Construction;
-
-use super::enqueue_methods;
-use crate::comm::Comm;
-use crate::dtype::NcclType;
-use crate::op::Reduction;
-
-enqueue_methods! {
-    VOperation => enqueue_v;
-    all_to_all_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>);
-    all_gather_v(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>);
-    all_gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>);
-    reduce_scatter_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>);
-    reduce_scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>, op: impl Into<Reduction<'a, T>>);
-    gather_v(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, recv_layout: Option<Layout>, root: usize);
-    gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize);
-    scatter_v(send: Option<&'a dyn DevicePtr<T>>, send_layout: Option<Layout>, recv: &'a mut impl DevicePtrMut<T>, root: usize);
-    scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize);
-}

@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
+use super::super::constructors;
 use super::layout::Layout;
 use super::rules::{Args, Construction, VKind};
+use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::op::Reduction;
 
@@ -71,163 +73,6 @@ impl<'a, T: NcclType> VOperation<'a, T> {
         }
     }
 
-    /// All-to-all with variable counts: segment `j` of `send` (per `send_layout`) goes to
-    /// rank `j`, and segment `i` of `recv` (per `recv_layout`) comes from rank `i`.
-    ///
-    /// Rank `i`'s send count for `j` must equal rank `j`'s receive count for `i`; when each
-    /// rank knows only what it sends, [`Comm::exchange_counts`](crate::Comm::exchange_counts)
-    /// gives the receive layout. There is no in-place form.
-    pub fn all_to_all_v(
-        send: &'a impl DevicePtr<T>,
-        send_layout: impl Into<Layout>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        recv_layout: impl Into<Layout>,
-    ) -> Self {
-        Self::new(
-            VKind::AllToAll,
-            None,
-            (Some(send), Some(send_layout.into())),
-            (Some(recv), Some(recv_layout.into())),
-            false,
-        )
-    }
-
-    /// All-gather with variable counts: every rank's `send` (rank `i`'s has
-    /// `recv_layout.counts()[i]` elements) lands in segment `i` of every rank's `recv`.
-    pub fn all_gather_v(
-        send: &'a impl DevicePtr<T>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        recv_layout: impl Into<Layout>,
-    ) -> Self {
-        Self::new(
-            VKind::AllGather,
-            None,
-            (Some(send), None),
-            (Some(recv), Some(recv_layout.into())),
-            false,
-        )
-    }
-
-    /// All-gather with variable counts, in place: this rank's contribution already sits in
-    /// its own segment of `buf`, and the other segments are filled in.
-    pub fn all_gather_v_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        layout: impl Into<Layout>,
-    ) -> Self {
-        Self::new(
-            VKind::AllGather,
-            None,
-            (None, None),
-            (Some(buf), Some(layout.into())),
-            true,
-        )
-    }
-
-    /// Reduce-scatter with variable counts: segment `i` of every rank's `send` (same layout
-    /// counts on every rank) is reduced into rank `i`'s `recv`, which has
-    /// `send_layout.counts()[i]` elements. Any reduction, [`PreMulSum`](crate::PreMulSum)
-    /// included.
-    pub fn reduce_scatter_v(
-        send: &'a impl DevicePtr<T>,
-        send_layout: impl Into<Layout>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        op: impl Into<Reduction<'a, T>>,
-    ) -> Self {
-        Self::new(
-            VKind::ReduceScatter,
-            Some(op.into()),
-            (Some(send), Some(send_layout.into())),
-            (Some(recv), None),
-            false,
-        )
-    }
-
-    /// Reduce-scatter with variable counts, in place: `buf` holds every segment's input, and
-    /// this rank's segment receives its result (the other segments keep their inputs).
-    pub fn reduce_scatter_v_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        layout: impl Into<Layout>,
-        op: impl Into<Reduction<'a, T>>,
-    ) -> Self {
-        Self::new(
-            VKind::ReduceScatter,
-            Some(op.into()),
-            (None, Some(layout.into())),
-            (Some(buf), None),
-            true,
-        )
-    }
-
-    /// Gather with variable counts: rank `i`'s whole `send` lands in segment `i` of the
-    /// root's `recv`. `recv` and `recv_layout` are required on the root and ignored
-    /// elsewhere.
-    pub fn gather_v(
-        send: &'a impl DevicePtr<T>,
-        recv: Option<&'a mut dyn DevicePtrMut<T>>,
-        recv_layout: Option<Layout>,
-        root: usize,
-    ) -> Self {
-        Self::new(
-            VKind::Gather { root },
-            None,
-            (Some(send), None),
-            (recv, recv_layout),
-            false,
-        )
-    }
-
-    /// Gather with variable counts, in place: on the root `buf` holds every segment (its own
-    /// contribution already in its own one) and `layout` is required; elsewhere `buf` is
-    /// what the rank sends and `layout` is ignored.
-    pub fn gather_v_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        layout: Option<Layout>,
-        root: usize,
-    ) -> Self {
-        Self::new(
-            VKind::Gather { root },
-            None,
-            (None, None),
-            (Some(buf), layout),
-            true,
-        )
-    }
-
-    /// Scatter with variable counts: segment `i` of the root's `send` goes to rank `i`'s
-    /// whole `recv`. `send` and `send_layout` are required on the root and ignored
-    /// elsewhere.
-    pub fn scatter_v(
-        send: Option<&'a dyn DevicePtr<T>>,
-        send_layout: Option<Layout>,
-        recv: &'a mut impl DevicePtrMut<T>,
-        root: usize,
-    ) -> Self {
-        Self::new(
-            VKind::Scatter { root },
-            None,
-            (send, send_layout),
-            (Some(recv), None),
-            false,
-        )
-    }
-
-    /// Scatter with variable counts, in place: on the root `buf` holds every segment and
-    /// keeps its own, and `layout` is required; elsewhere `buf` receives the rank's segment
-    /// and `layout` is ignored.
-    pub fn scatter_v_in_place(
-        buf: &'a mut impl DevicePtrMut<T>,
-        layout: Option<Layout>,
-        root: usize,
-    ) -> Self {
-        Self::new(
-            VKind::Scatter { root },
-            None,
-            (None, layout),
-            (Some(buf), None),
-            true,
-        )
-    }
-
     /// Builds the operation from these NCCL calls (see [`Construction`]); every rank must
     /// choose the same.
     pub fn construction(mut self, construction: Construction) -> Self {
@@ -271,4 +116,64 @@ impl<'a, T: NcclType> VOperation<'a, T> {
             in_place: self.in_place,
         }
     }
+}
+
+// The constructors, one row each, and their `Comm` methods.
+constructors! {
+    VOperation => enqueue_v, #[inline];
+
+    /// All-to-all with variable counts: segment `j` of `send` (per `send_layout`) goes to
+    /// rank `j`, and segment `i` of `recv` (per `recv_layout`) comes from rank `i`.
+    ///
+    /// Rank `i`'s send count for `j` must equal rank `j`'s receive count for `i`; when each
+    /// rank knows only what it sends, [`Comm::exchange_counts`](crate::Comm::exchange_counts)
+    /// gives the receive layout. There is no in-place form.
+    all_to_all_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>)
+        = (VKind::AllToAll, None, (Some(send), Some(send_layout.into())), (Some(recv), Some(recv_layout.into())), false);
+
+    /// All-gather with variable counts: every rank's `send` (rank `i`'s has
+    /// `recv_layout.counts()[i]` elements) lands in segment `i` of every rank's `recv`.
+    all_gather_v(send: &'a impl DevicePtr<T>, recv: &'a mut impl DevicePtrMut<T>, recv_layout: impl Into<Layout>)
+        = (VKind::AllGather, None, (Some(send), None), (Some(recv), Some(recv_layout.into())), false);
+
+    /// All-gather with variable counts, in place: this rank's contribution already sits in
+    /// its own segment of `buf`, and the other segments are filled in.
+    all_gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>)
+        = (VKind::AllGather, None, (None, None), (Some(buf), Some(layout.into())), true);
+
+    /// Reduce-scatter with variable counts: segment `i` of every rank's `send` (same layout
+    /// counts on every rank) is reduced into rank `i`'s `recv`, which has
+    /// `send_layout.counts()[i]` elements. Any reduction, [`PreMulSum`](crate::PreMulSum)
+    /// included.
+    reduce_scatter_v(send: &'a impl DevicePtr<T>, send_layout: impl Into<Layout>, recv: &'a mut impl DevicePtrMut<T>, op: impl Into<Reduction<'a, T>>)
+        = (VKind::ReduceScatter, Some(op.into()), (Some(send), Some(send_layout.into())), (Some(recv), None), false);
+
+    /// Reduce-scatter with variable counts, in place: `buf` holds every segment's input, and
+    /// this rank's segment receives its result (the other segments keep their inputs).
+    reduce_scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: impl Into<Layout>, op: impl Into<Reduction<'a, T>>)
+        = (VKind::ReduceScatter, Some(op.into()), (None, Some(layout.into())), (Some(buf), None), true);
+
+    /// Gather with variable counts: rank `i`'s whole `send` lands in segment `i` of the
+    /// root's `recv`. `recv` and `recv_layout` are required on the root and ignored
+    /// elsewhere.
+    gather_v(send: &'a impl DevicePtr<T>, recv: Option<&'a mut dyn DevicePtrMut<T>>, recv_layout: Option<Layout>, root: usize)
+        = (VKind::Gather { root }, None, (Some(send), None), (recv, recv_layout), false);
+
+    /// Gather with variable counts, in place: on the root `buf` holds every segment (its own
+    /// contribution already in its own one) and `layout` is required; elsewhere `buf` is
+    /// what the rank sends and `layout` is ignored.
+    gather_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize)
+        = (VKind::Gather { root }, None, (None, None), (Some(buf), layout), true);
+
+    /// Scatter with variable counts: segment `i` of the root's `send` goes to rank `i`'s
+    /// whole `recv`. `send` and `send_layout` are required on the root and ignored
+    /// elsewhere.
+    scatter_v(send: Option<&'a dyn DevicePtr<T>>, send_layout: Option<Layout>, recv: &'a mut impl DevicePtrMut<T>, root: usize)
+        = (VKind::Scatter { root }, None, (send, send_layout), (Some(recv), None), false);
+
+    /// Scatter with variable counts, in place: on the root `buf` holds every segment and
+    /// keeps its own, and `layout` is required; elsewhere `buf` receives the rank's segment
+    /// and `layout` is ignored.
+    scatter_v_in_place(buf: &'a mut impl DevicePtrMut<T>, layout: Option<Layout>, root: usize)
+        = (VKind::Scatter { root }, None, (None, layout), (Some(buf), None), true);
 }

@@ -11,6 +11,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::*;
+use crate::collectives::vector::plan::plan;
 
 fn args<'l>(
     rank: usize,
