@@ -7,6 +7,7 @@
 use std::fmt;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use snow::HandshakeState;
@@ -18,7 +19,7 @@ use super::wire::{
     VERSION,
 };
 use crate::bootstrap::ids::ANY_IDS;
-use crate::bootstrap::util::{io_error, lock};
+use crate::bootstrap::util::{io_error, lock, time_left};
 use crate::bootstrap::BootstrapError;
 use crate::UniqueId;
 
@@ -123,6 +124,18 @@ impl Serve {
     /// Whether every rank but 0 has acked.
     pub(super) fn all_served(&self) -> bool {
         self.lock().done == self.world_size - 1
+    }
+
+    /// Waits until no connection holds a rank between reply and ack. Each such conversation
+    /// ends by its own deadline (at once when its peer is gone), with the ack counted or the
+    /// rank released.
+    pub(super) fn see_out_claims(&self) {
+        let mut pause = Duration::from_millis(1);
+        while self.lock().slots.contains(&Slot::Claimed) && time_left(self.serve_deadline).is_some()
+        {
+            thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(16));
+        }
     }
 
     /// Takes a connection in, unless `max_active` are in flight already.
