@@ -434,14 +434,7 @@ impl Client<'_> {
         let len = count * UNIQUE_ID_BYTES;
         let mut bytes = vec![0u8; len];
         match read_full(stream, &mut bytes, deadline) {
-            Ok(()) => Ok(bytes
-                .chunks_exact(UNIQUE_ID_BYTES)
-                .map(|chunk| {
-                    let mut id = [0u8; UNIQUE_ID_BYTES];
-                    id.copy_from_slice(chunk);
-                    UniqueId::from_bytes(id)
-                })
-                .collect()),
+            Ok(()) => Ok(ids::decode_ids(&bytes)),
             Err(Short::Eof { got }) | Err(Short::TimedOut { got }) => {
                 Err(self.protocol(format!("truncated unique ids: {got} of {len} bytes")))
             }

@@ -17,7 +17,7 @@ use super::wire::{
     KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN,
 };
 use crate::bootstrap::bytes::{get_u16, get_u32, put};
-use crate::bootstrap::ids::MAX_EXCHANGED_IDS;
+use crate::bootstrap::ids::{decode_ids, MAX_EXCHANGED_IDS};
 use crate::bootstrap::{BootstrapError, Result};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -193,15 +193,7 @@ pub(super) fn open_reply(
             header.version, header.kind, header.detail
         )));
     }
-    let ids = payload[REPLY_HEADER_LEN..len]
-        .chunks_exact(UNIQUE_ID_BYTES)
-        .map(|chunk| {
-            let mut id = [0u8; UNIQUE_ID_BYTES];
-            id.copy_from_slice(chunk);
-            UniqueId::from_bytes(id)
-        })
-        .collect();
-    Ok((header, ids))
+    Ok((header, decode_ids(&payload[REPLY_HEADER_LEN..len])))
 }
 
 /// The ack a joining rank sends once it holds the id: only a rank that completed this very
