@@ -71,6 +71,21 @@ fn raw_exchange(addr: SocketAddr, bytes: &[u8], close_write: bool) -> Option<u16
     Some(get_u16(&header, 8))
 }
 
+/// Takes the id as `rank` over raw bytes, stopping before the ack.
+fn take_id(addr: SocketAddr, job: &str, world: u32, rank: u32) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .write_all(&request(job, world, rank, VERSION))
+        .expect("write");
+    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    stream.read_exact(&mut reply).expect("reply");
+    assert_eq!(get_u16(&reply, 8), Status::Ok as u16);
+    stream
+}
+
 fn request(job: &str, world: u32, rank: u32, version: u16) -> Vec<u8> {
     let mut bytes = Vec::new();
     bytes.extend_from_slice(&MAGIC);
@@ -214,16 +229,7 @@ fn bad_ack_releases_the_rank_for_a_retry() {
     let serving = thread::spawn(move || server.serve(id));
 
     // Take the id but acknowledge with a wrong fingerprint.
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .write_all(&request("bad-ack", 2, 1, VERSION))
-        .expect("write");
-    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
-    stream
-        .set_read_timeout(Some(Duration::from_secs(3)))
-        .expect("timeout");
-    stream.read_exact(&mut reply).expect("reply");
-    assert_eq!(get_u16(&reply, 8), Status::Ok as u16);
+    let mut stream = take_id(addr, "bad-ack", 2, 1);
     let mut ack = [0u8; ACK_LEN];
     ack[0..4].copy_from_slice(&MAGIC);
     ack[4..6].copy_from_slice(&VERSION.to_be_bytes());
@@ -323,21 +329,6 @@ fn raise_and_wait(raised: &AtomicBool, seen: &AtomicBool) {
         assert!(Instant::now() < deadline, "the accept loop never asked");
         thread::sleep(Duration::from_millis(1));
     }
-}
-
-/// Takes the id as `rank` over raw bytes, stopping before the ack.
-fn take_id(addr: SocketAddr, job: &str, world: u32, rank: u32) -> TcpStream {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .write_all(&request(job, world, rank, VERSION))
-        .expect("write");
-    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
-    stream
-        .set_read_timeout(Some(Duration::from_secs(3)))
-        .expect("timeout");
-    stream.read_exact(&mut reply).expect("reply");
-    assert_eq!(get_u16(&reply, 8), Status::Ok as u16);
-    stream
 }
 
 /// The interleaving a loaded machine makes: the last rank acknowledges and dies, and the
