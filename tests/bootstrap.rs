@@ -352,13 +352,28 @@ fn play(role: &str) -> Result<i32, String> {
             let job = spawn_local(3).map_err(|e| e.to_string())?;
             job.exchange_id_with(|| Ok(sample_id(2)))
                 .map_err(|e| e.to_string())?;
+            // Rank 0 tells rank 2 with this file when the exchange is over for every rank:
+            // rank 2 has its own id before rank 1 may have, and dying then would make the
+            // supervisor stop rank 1 mid-exchange, failing rank 0's exchange (rightly).
+            let exchanged = PathBuf::from(
+                std::env::var_os(EXCHANGED_FILE).ok_or(format!("{EXCHANGED_FILE} is not set"))?,
+            );
             match job.placement().rank {
-                0 => rank0_notices_the_failure(job),
+                0 => rank0_notices_the_failure(job, &exchanged),
                 1 => {
                     thread::sleep(Duration::from_secs(60));
                     Err("rank 1 was not stopped after rank 2 died".to_owned())
                 }
-                _ => Ok(7),
+                _ => {
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    while !exchanged.exists() {
+                        if Instant::now() > deadline {
+                            return Err("rank 0 did not finish the exchange within 20 s".into());
+                        }
+                        thread::sleep(Duration::from_millis(10));
+                    }
+                    Ok(7)
+                }
             }
         }
         // Rank 0 drops the job while the others run: they are stopped and reaped at once.
@@ -396,9 +411,17 @@ fn play(role: &str) -> Result<i32, String> {
     }
 }
 
-/// Rank 0 of "spawn-fail-while-working": waits (at most 20 s) for the failure of rank 2 to
-/// show through a hook and `failure`, then checks what `wait` says.
-fn rank0_notices_the_failure(job: nccl::bootstrap::LocalJob) -> Result<i32, String> {
+/// The variable naming the file with which rank 0 of "spawn-fail-while-working" tells rank 2
+/// that every rank has the id.
+const EXCHANGED_FILE: &str = "NCCL_RS_TEST_EXCHANGED_FILE";
+
+/// Rank 0 of "spawn-fail-while-working": adds a hook, lets rank 2 fail (writes `exchanged`),
+/// waits (at most 20 s) for the failure to show through the hook and `failure`, then checks
+/// what `wait` says.
+fn rank0_notices_the_failure(
+    job: nccl::bootstrap::LocalJob,
+    exchanged: &Path,
+) -> Result<i32, String> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let hooked = Arc::new(AtomicBool::new(false));
@@ -407,6 +430,7 @@ fn rank0_notices_the_failure(job: nccl::bootstrap::LocalJob) -> Result<i32, Stri
         eprintln!("hook: {error}");
         flag.store(true, Ordering::SeqCst);
     });
+    std::fs::write(exchanged, b"").map_err(|e| format!("writing {exchanged:?}: {e}"))?;
     let deadline = Instant::now() + Duration::from_secs(20);
     let failure = loop {
         if let Some(failure) = job.failure() {
@@ -1777,9 +1801,11 @@ fn spawn_local_failure_while_busy_stops_the_job() {
 
 #[test]
 fn spawn_local_failure_while_working_is_reported_not_fatal() {
+    let dir = ScratchDir::new("fail-while-working");
     let started = Instant::now();
     let done = finish(
         role_command("spawn-fail-while-working")
+            .env(EXCHANGED_FILE, dir.path().join("exchanged"))
             .spawn()
             .expect("spawn"),
         Duration::from_secs(40),

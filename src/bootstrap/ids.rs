@@ -1,9 +1,11 @@
 //! How many unique ids an exchange hands out: one for `ncclCommInitRank`, or several for
 //! `ncclCommInitRankScalable` (NCCL 2.23), chosen by size or asked for; which ranks NCCL's
-//! guide has create them; and the one fingerprint of a list of ids that acks carry.
+//! guide has create them; and how a list of ids is read from a message and fingerprinted
+//! for the acks.
 
 use super::env::{lookup, vars, Vars};
 use super::{BootstrapError, Result};
+use crate::id::UNIQUE_ID_BYTES;
 use crate::release::Version;
 use crate::UniqueId;
 
@@ -174,10 +176,22 @@ pub(crate) fn fingerprint(ids: &[UniqueId]) -> u64 {
         })
 }
 
+/// The ids laid one after the other in `bytes`, in order, as messages carry them (the caller
+/// has checked that `bytes` holds a whole number of ids).
+pub(crate) fn decode_ids(bytes: &[u8]) -> Vec<UniqueId> {
+    bytes
+        .chunks_exact(UNIQUE_ID_BYTES)
+        .map(|chunk| {
+            let mut id = [0u8; UNIQUE_ID_BYTES];
+            id.copy_from_slice(chunk);
+            UniqueId::from_bytes(id)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::id::UNIQUE_ID_BYTES;
 
     #[test]
     fn roots_follow_nccl_s_rule() {
@@ -240,22 +254,5 @@ mod tests {
         let b = UniqueId::from_bytes([2; UNIQUE_ID_BYTES]);
         assert_eq!(fingerprint(&[a]), a.fingerprint());
         assert_ne!(fingerprint(&[a, b]), fingerprint(&[b, a]));
-    }
-
-    #[test]
-    fn joining_ranks_accept_what_they_expect() {
-        assert!(IdCount::Auto.accepts(5).is_ok());
-        assert!(IdCount::Exactly(2).accepts(2).is_ok());
-        let err = IdCount::Exactly(2).accepts(1).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                BootstrapError::IdCountMismatch {
-                    handed_out: 1,
-                    expected: 2
-                }
-            ),
-            "{err}"
-        );
     }
 }

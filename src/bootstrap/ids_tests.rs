@@ -16,6 +16,25 @@ use crate::UniqueId;
 
 const KEY_HEX: &str = "8a1f0c2e9a8d7c6b5a4f3e2d1c0b0a09f8e7d6c5b4a392817161514131211177";
 
+/// What an [`BootstrapError::IdCountMismatch`] says: (handed out, expected).
+fn mismatched_counts(error: &BootstrapError) -> Option<(usize, usize)> {
+    match *error {
+        BootstrapError::IdCountMismatch {
+            handed_out,
+            expected,
+        } => Some((handed_out, expected)),
+        _ => None,
+    }
+}
+
+#[test]
+fn joining_ranks_accept_what_they_expect() {
+    assert!(IdCount::Auto.accepts(5).is_ok());
+    assert!(IdCount::Exactly(2).accepts(2).is_ok());
+    let err = IdCount::Exactly(2).accepts(1).unwrap_err();
+    assert_eq!(mismatched_counts(&err), Some((1, 2)), "{err}");
+}
+
 fn sample_ids(count: usize, seed: u8) -> Vec<UniqueId> {
     (0..count)
         .map(|n| {
@@ -146,14 +165,9 @@ fn a_rank_expecting_another_count_gets_a_typed_error_over_tcp() {
         let (hosted, fetched) = run(host, joiners, ids.clone());
         let mut fetched = fetched.into_iter();
         let err = fetched.next().unwrap().unwrap_err();
-        assert!(
-            matches!(
-                err,
-                BootstrapError::IdCountMismatch {
-                    handed_out: 2,
-                    expected: 3
-                }
-            ),
+        assert_eq!(
+            mismatched_counts(&err),
+            Some((2, 3)),
             "keyed {keyed}: {err}"
         );
         assert_eq!(fetched.next().unwrap().expect("rank 2"), ids);
@@ -173,16 +187,7 @@ fn a_rank_expecting_another_count_gets_a_typed_error_from_a_file() {
     let host = file(&dir, 0, 2).with_timeout(Duration::from_millis(800));
     let (hosted, fetched) = run(host, joiners, sample_ids(2, 3));
     let err = fetched.into_iter().next().unwrap().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            BootstrapError::IdCountMismatch {
-                handed_out: 2,
-                expected: 1
-            }
-        ),
-        "{err}"
-    );
+    assert_eq!(mismatched_counts(&err), Some((2, 1)), "{err}");
     assert!(matches!(hosted, Err(BootstrapError::Timeout { .. })));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -196,16 +201,7 @@ fn single_id_calls_refuse_a_rank_0_with_several() {
     let fetching = thread::spawn(move || joiner.fetch());
     let hosted = host.exchange_ids(Some(sample_ids(2, 9)));
     let err = fetching.join().unwrap().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            BootstrapError::IdCountMismatch {
-                handed_out: 2,
-                expected: 1
-            }
-        ),
-        "{err}"
-    );
+    assert_eq!(mismatched_counts(&err), Some((2, 1)), "{err}");
     assert!(hosted.is_err());
 }
 
@@ -266,16 +262,7 @@ fn a_rank_0_of_an_earlier_version_is_caught_before_the_ack() {
     });
     let joiner = tcp(&addr, 1, 2, "older", false).with_id_count(IdCount::Exactly(2));
     let err = joiner.fetch_ids().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            BootstrapError::IdCountMismatch {
-                handed_out: 1,
-                expected: 2
-            }
-        ),
-        "{err}"
-    );
+    assert_eq!(mismatched_counts(&err), Some((1, 2)), "{err}");
     assert_eq!(old_rank0.join().unwrap(), 0, "nothing acknowledged");
     // On auto the same rank 0 is fine: one id.
 }

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use crate::bootstrap::bytes::{fnv1a, get_u16, get_u32, get_u64, put};
-use crate::bootstrap::ids::MAX_EXCHANGED_IDS;
+use crate::bootstrap::ids::{decode_ids, MAX_EXCHANGED_IDS};
 use crate::bootstrap::{BootstrapError, Result};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -78,14 +78,7 @@ impl IdRecord {
     /// Validates and decodes an id file of either version; `path` is for messages only.
     pub(super) fn decode(bytes: &[u8], path: &Path) -> Result<Self> {
         let (ids_at, count) = check_frame(bytes, path)?;
-        let ids = bytes[ids_at..ids_at + count * UNIQUE_ID_BYTES]
-            .chunks_exact(UNIQUE_ID_BYTES)
-            .map(|chunk| {
-                let mut id = [0u8; UNIQUE_ID_BYTES];
-                id.copy_from_slice(chunk);
-                UniqueId::from_bytes(id)
-            })
-            .collect();
+        let ids = decode_ids(&bytes[ids_at..ids_at + count * UNIQUE_ID_BYTES]);
         Ok(IdRecord {
             job_hash: get_u64(bytes, 8),
             world_size: get_u32(bytes, 16),
@@ -164,17 +157,22 @@ pub(super) fn encode_ack(
 mod tests {
     use super::*;
 
-    #[test]
-    fn record_round_trip_and_corruption() {
-        let record = IdRecord {
+    /// A record of `ids` with arbitrary other fields.
+    fn record_of(ids: Vec<UniqueId>) -> IdRecord {
+        IdRecord {
             job_hash: 7,
             world_size: 4,
             nonce: 99,
             pid: 1,
             start_ticks: 2,
             pid_namespace: 3,
-            ids: vec![UniqueId::from_bytes([5; UNIQUE_ID_BYTES])],
-        };
+            ids,
+        }
+    }
+
+    #[test]
+    fn record_round_trip_and_corruption() {
+        let record = record_of(vec![UniqueId::from_bytes([5; UNIQUE_ID_BYTES])]);
         let path = Path::new("x.id");
         let bytes = record.encode();
         assert_eq!(bytes.len(), ID_FILE_LEN);
@@ -203,15 +201,7 @@ mod tests {
         let ids: Vec<UniqueId> = (1..=3)
             .map(|b| UniqueId::from_bytes([b; UNIQUE_ID_BYTES]))
             .collect();
-        let record = IdRecord {
-            job_hash: 7,
-            world_size: 4,
-            nonce: 99,
-            pid: 1,
-            start_ticks: 2,
-            pid_namespace: 3,
-            ids,
-        };
+        let record = record_of(ids);
         let path = Path::new("x.id");
         let bytes = record.encode();
         assert_eq!(get_u16(&bytes, 4), 2);

@@ -357,7 +357,9 @@ impl LocalJob {
     /// Exchanges the unique id among the job's ranks; rank 0 creates it by calling `make_id`.
     ///
     /// On the spawning process this fails with [`BootstrapError::ChildFailed`] as soon as a
-    /// spawned rank fails, instead of waiting for it.
+    /// spawned rank fails, instead of waiting for it; an exchange that every rank completed
+    /// before the failure (the failed rank included) still succeeds, and
+    /// [`LocalJob::failure`] and [`LocalJob::wait`] report the failure.
     pub fn exchange_id_with(
         &self,
         make_id: impl FnOnce() -> crate::Result<UniqueId>,

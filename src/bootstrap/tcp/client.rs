@@ -11,8 +11,8 @@ use super::key::{job_digest, RendezvousKey};
 use super::keyed::{self, KeyedRequest};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
-    ids_announced, wire_u32, Ack, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT, KEYED_VERSION,
-    KIND_REPLY, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
+    ids_announced, wire_u32, Ack, Place, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT,
+    KEYED_VERSION, KIND_REPLY, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
 };
 use super::TcpRendezvous;
 use crate::bootstrap::bytes::job_key_hash;
@@ -35,22 +35,19 @@ pub(super) fn fetch(rendezvous: &TcpRendezvous, wanted: IdCount) -> Result<Vec<U
     let job_hash = job_key_hash(rendezvous.job_key());
     let rank = rendezvous.rank();
     let round = rendezvous.history.round(job_hash, rank);
-    let request = Request {
-        job_hash,
+    let place = Place {
         world_size: wire_u32(rendezvous.world_size(), "world size")?,
         rank: wire_u32(rank, "rank")?,
         round,
         ids_wanted: wanted.wire(),
     };
+    let request = Request { job_hash, place };
     let keyed = match &rendezvous.transport.secret {
         Some(key) => Some(KeyedClient {
             key,
             request: KeyedRequest {
                 job_digest: job_digest(rendezvous.job_key())?,
-                world_size: request.world_size,
-                rank: request.rank,
-                round,
-                ids_wanted: request.ids_wanted,
+                place,
             },
         }),
         None => None,
@@ -138,7 +135,7 @@ impl Client<'_> {
         let count = self.count_of(header.detail)?;
         let ids = self.read_ids(&stream, count, reply_deadline)?;
         let ack = Ack {
-            rank: self.request.rank,
+            rank: self.request.place.rank,
             fingerprint: ids::fingerprint(&ids),
         };
         // Without the ack rank 0 does not count this rank and frees the slot, so trying again
@@ -204,7 +201,7 @@ impl Client<'_> {
             )))
         })?;
         let ack = Ack {
-            rank: self.request.rank,
+            rank: self.request.place.rank,
             fingerprint: ids::fingerprint(&ids),
         };
         let frame = keyed::ack_frame(&mut transport, &ack).map_err(Attempt::Fatal)?;
@@ -365,7 +362,7 @@ impl Client<'_> {
 
     /// Why a refusal is worth another try, or `None` when it is final.
     fn retry_reason(&self, status: Status, detail: u32) -> Option<String> {
-        let round = self.request.round;
+        let round = self.request.place.round;
         Some(match status {
             Status::Busy => "rank 0 was busy".to_owned(),
             Status::TimedOut => "rank 0 timed the connection out".to_owned(),
@@ -373,7 +370,7 @@ impl Client<'_> {
             // process's own earlier attempt, whose failure rank 0 has not noticed yet.
             Status::DuplicateRank if detail == DUPLICATE_IN_FLIGHT => format!(
                 "rank {} is being fetched by another connection",
-                self.request.rank
+                self.request.place.rank
             ),
             Status::Early => format!(
                 "rank 0 still serves exchange {detail} under this job key, this rank is on \
@@ -416,7 +413,7 @@ impl Client<'_> {
             Status::Late => BootstrapError::Protocol(format!(
                 "this rank is on exchange {} under this job key, but rank 0 is already on \
                  exchange {detail}: a previous exchange of this rank failed or was skipped",
-                self.request.round
+                self.request.place.round
             )),
             _ => BootstrapError::Protocol(format!(
                 "rank 0 at {addr} rejected the request as malformed (status {})",
@@ -434,14 +431,7 @@ impl Client<'_> {
         let len = count * UNIQUE_ID_BYTES;
         let mut bytes = vec![0u8; len];
         match read_full(stream, &mut bytes, deadline) {
-            Ok(()) => Ok(bytes
-                .chunks_exact(UNIQUE_ID_BYTES)
-                .map(|chunk| {
-                    let mut id = [0u8; UNIQUE_ID_BYTES];
-                    id.copy_from_slice(chunk);
-                    UniqueId::from_bytes(id)
-                })
-                .collect()),
+            Ok(()) => Ok(ids::decode_ids(&bytes)),
             Err(Short::Eof { got }) | Err(Short::TimedOut { got }) => {
                 Err(self.protocol(format!("truncated unique ids: {got} of {len} bytes")))
             }

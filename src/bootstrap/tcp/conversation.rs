@@ -15,8 +15,8 @@ use super::keyed::{
     HELLO_LEN, REQUEST_PAYLOAD_LEN,
 };
 use super::serve::{
-    ack_short, check_ids_wanted, check_place, claim, read_part, read_prefix, released_on_failure,
-    request_rank, Refusal, Reply, Serve,
+    ack_short, check_place, claim, read_part, read_prefix, released_on_failure, request_rank,
+    Refusal, Reply, Serve,
 };
 use super::socket::{read_full, write_full};
 use super::wire::{
@@ -108,19 +108,16 @@ fn read_request(serve: &Serve, stream: &TcpStream, deadline: Instant) -> Result<
     Ok(Request::decode(&bytes))
 }
 
-/// Checks a request against this serve: job, world size, round and rank.
+/// Checks a request against this serve: its job hash, then its place.
 fn check_request(serve: &Serve, request: &Request) -> Result<usize, Refusal> {
     if request.job_hash != serve.job_hash {
         let detail = format!(
             "the peer's job key hash {:016x} differs from rank 0's {:016x}",
             request.job_hash, serve.job_hash
         );
-        let refusal = Refusal::new(BootstrapError::WrongJob { detail }, Status::WrongJob, 0);
-        return Err(refusal.for_rank(request.rank as usize));
+        return Err(Refusal::wrong_job(detail, request.place));
     }
-    let rank = check_place(serve, request.world_size, request.rank, request.round)?;
-    check_ids_wanted(serve, request.ids_wanted, rank)?;
-    Ok(rank)
+    check_place(serve, request.place)
 }
 
 /// Sends the id to the rank that claimed `rank` and waits for its ack.
@@ -213,21 +210,17 @@ fn read_hello(
     Ok((request, handshake))
 }
 
-/// Checks a decrypted request: the exact job key first, then what version 1 checks.
+/// Checks a decrypted request: the exact job key first, then its place as version 1 does.
 fn check_keyed_request(
     serve: &Serve,
     keyed: &Keyed,
     request: &KeyedRequest,
 ) -> Result<usize, Refusal> {
     if request.job_digest != keyed.job_digest {
-        let error = BootstrapError::WrongJob {
-            detail: "the peer's job key differs from rank 0's (their digests differ)".to_owned(),
-        };
-        return Err(Refusal::new(error, Status::WrongJob, 0).for_rank(request.rank as usize));
+        let detail = "the peer's job key differs from rank 0's (their digests differ)";
+        return Err(Refusal::wrong_job(detail.to_owned(), request.place));
     }
-    let rank = check_place(serve, request.world_size, request.rank, request.round)?;
-    check_ids_wanted(serve, request.ids_wanted, rank)?;
-    Ok(rank)
+    check_place(serve, request.place)
 }
 
 /// Sends the id sealed to the rank that claimed `rank` and waits for its encrypted ack.

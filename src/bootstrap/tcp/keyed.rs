@@ -13,11 +13,12 @@ use snow::{HandshakeState, TransportState};
 
 use super::key::{RendezvousKey, DIGEST_LEN};
 use super::wire::{
-    ids_announced, put_prefix, version_of, Ack, ReplyHeader, Status, ACK_LEN, KEYED_VERSION,
-    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN,
+    ids_announced, put_prefix, version_of, Ack, Place, ReplyHeader, Status, ACK_LEN, KEYED_VERSION,
+    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, PLACE_LEN,
+    REPLY_HEADER_LEN,
 };
-use crate::bootstrap::bytes::{get_u16, get_u32, put};
-use crate::bootstrap::ids::MAX_EXCHANGED_IDS;
+use crate::bootstrap::bytes::{get_u16, put};
+use crate::bootstrap::ids::{decode_ids, MAX_EXCHANGED_IDS};
 use crate::bootstrap::{BootstrapError, Result};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -33,8 +34,10 @@ const TAG_LEN: usize = 16;
 /// The clear prefix of the hello and the ack: magic, version 2, kind.
 pub(super) const CLEAR_PREFIX_LEN: usize = 8;
 
-/// The encrypted request: prefix, job-key digest, world size, rank, round, reserved.
-pub(super) const REQUEST_PAYLOAD_LEN: usize = CLEAR_PREFIX_LEN + DIGEST_LEN + 16;
+/// Where the place stands in the encrypted request, after the prefix and the job-key digest.
+const PLACE_AT: usize = CLEAR_PREFIX_LEN + DIGEST_LEN;
+/// The encrypted request: prefix, job-key digest, place.
+pub(super) const REQUEST_PAYLOAD_LEN: usize = PLACE_AT + PLACE_LEN;
 /// The hello on the wire: clear prefix, ephemeral key, encrypted request, tag.
 pub(super) const HELLO_LEN: usize = CLEAR_PREFIX_LEN + DH_LEN + REQUEST_PAYLOAD_LEN + TAG_LEN;
 /// The Noise message of a sealed refusal (reply header only); a sealed reply with ids adds
@@ -67,27 +70,19 @@ pub(super) struct Keyed {
 }
 
 /// A joining rank's request as version 2 encrypts it: the exact job key (as a digest) where
-/// version 1 sends a 64-bit hash.
+/// version 1 sends a 64-bit hash, and the same place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct KeyedRequest {
     pub(super) job_digest: [u8; DIGEST_LEN],
-    pub(super) world_size: u32,
-    pub(super) rank: u32,
-    pub(super) round: u32,
-    /// As in version 1's request: 0 means one id, `ANY_IDS` whatever rank 0 hands out.
-    pub(super) ids_wanted: u32,
+    pub(super) place: Place,
 }
 
 impl KeyedRequest {
     fn encode(&self) -> [u8; REQUEST_PAYLOAD_LEN] {
         let mut bytes = [0u8; REQUEST_PAYLOAD_LEN];
         put_prefix(&mut bytes, KEYED_VERSION, KIND_REQUEST);
-        put(&mut bytes, 8, &self.job_digest);
-        let at = CLEAR_PREFIX_LEN + DIGEST_LEN;
-        put(&mut bytes, at, &self.world_size.to_be_bytes());
-        put(&mut bytes, at + 4, &self.rank.to_be_bytes());
-        put(&mut bytes, at + 8, &self.round.to_be_bytes());
-        put(&mut bytes, at + 12, &self.ids_wanted.to_be_bytes());
+        put(&mut bytes, CLEAR_PREFIX_LEN, &self.job_digest);
+        self.place.put(&mut bytes, PLACE_AT);
         bytes
     }
 
@@ -98,16 +93,12 @@ impl KeyedRequest {
             && bytes[0..4] == MAGIC
             && version_of(bytes) == KEYED_VERSION
             && get_u16(bytes, 6) == KIND_REQUEST;
-        let at = CLEAR_PREFIX_LEN + DIGEST_LEN;
         valid.then(|| {
             let mut job_digest = [0u8; DIGEST_LEN];
-            job_digest.copy_from_slice(&bytes[8..at]);
+            job_digest.copy_from_slice(&bytes[CLEAR_PREFIX_LEN..PLACE_AT]);
             KeyedRequest {
                 job_digest,
-                world_size: get_u32(bytes, at),
-                rank: get_u32(bytes, at + 4),
-                round: get_u32(bytes, at + 8),
-                ids_wanted: get_u32(bytes, at + 12),
+                place: Place::get(bytes, PLACE_AT),
             }
         })
     }
@@ -193,15 +184,7 @@ pub(super) fn open_reply(
             header.version, header.kind, header.detail
         )));
     }
-    let ids = payload[REPLY_HEADER_LEN..len]
-        .chunks_exact(UNIQUE_ID_BYTES)
-        .map(|chunk| {
-            let mut id = [0u8; UNIQUE_ID_BYTES];
-            id.copy_from_slice(chunk);
-            UniqueId::from_bytes(id)
-        })
-        .collect();
-    Ok((header, ids))
+    Ok((header, decode_ids(&payload[REPLY_HEADER_LEN..len])))
 }
 
 /// The ack a joining rank sends once it holds the id: only a rank that completed this very
@@ -256,10 +239,12 @@ mod tests {
     fn request_round_trips_and_sizes_add_up() {
         let request = KeyedRequest {
             job_digest: [7; DIGEST_LEN],
-            world_size: 4,
-            rank: 3,
-            round: 2,
-            ids_wanted: 0,
+            place: Place {
+                world_size: 4,
+                rank: 3,
+                round: 2,
+                ids_wanted: 0,
+            },
         };
         assert_eq!(KeyedRequest::decode(&request.encode()), Some(request));
         assert_eq!(KeyedRequest::decode(&request.encode()[1..]), None);

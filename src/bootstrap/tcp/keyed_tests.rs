@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::key::{job_digest, RendezvousKey};
 use super::keyed::{self, KeyedRequest, ACK_FRAME_LEN, HELLO_LEN};
 use super::wire::{
-    Ack, ReplyHeader, Status, KEYED_VERSION, KIND_REPLY, KIND_SEALED_REPLY, MAGIC,
+    Ack, Place, ReplyHeader, Status, KEYED_VERSION, KIND_REPLY, KIND_SEALED_REPLY, MAGIC,
     REPLY_HEADER_LEN, VERSION,
 };
 use super::{ServeReport, TcpRendezvous};
@@ -129,10 +129,12 @@ fn genuine_session(addr: SocketAddr, hex: &str, job: &str, world: u32, rank: u32
     let mut handshake = keyed::initiator(&key).expect("initiator");
     let request = KeyedRequest {
         job_digest: job_digest(job).expect("digest"),
-        world_size: world,
-        rank,
-        round: 0,
-        ids_wanted: 0,
+        place: Place {
+            world_size: world,
+            rank,
+            round: 0,
+            ids_wanted: 0,
+        },
     };
     let hello = keyed::hello(&mut handshake, &request).expect("hello");
     let mut stream = connect(addr);
@@ -213,10 +215,12 @@ fn keyed_wrong_key_is_refused_on_both_sides() {
         let mut other = keyed::initiator(&wrong).expect("initiator");
         let request = KeyedRequest {
             job_digest: [0; 32],
-            world_size: 2,
-            rank: 1,
-            round: 0,
-            ids_wanted: 0,
+            place: Place {
+                world_size: 2,
+                rank: 1,
+                round: 0,
+                ids_wanted: 0,
+            },
         };
         let forged_hello = keyed::hello(&mut other, &request).expect("hello");
         let mut responder_side = snow_responder(&wrong);
@@ -341,10 +345,12 @@ fn keyed_truncated_or_altered_messages_are_refused() {
     let key_a = key(HEX_A);
     let request = KeyedRequest {
         job_digest: job_digest(job).expect("digest"),
-        world_size: 2,
-        rank: 1,
-        round: 0,
-        ids_wanted: 0,
+        place: Place {
+            world_size: 2,
+            rank: 1,
+            round: 0,
+            ids_wanted: 0,
+        },
     };
     let hello = keyed::hello(&mut keyed::initiator(&key_a).expect("init"), &request).expect("hi");
 

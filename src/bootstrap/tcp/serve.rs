@@ -7,6 +7,7 @@
 use std::fmt;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use snow::HandshakeState;
@@ -14,11 +15,11 @@ use snow::HandshakeState;
 use super::keyed::{self, Keyed};
 use super::socket::{read_full, Short};
 use super::wire::{
-    version_of, Status, DUPLICATE_DONE, DUPLICATE_IN_FLIGHT, KEYED_VERSION, MAGIC, PREFIX_LEN,
-    VERSION,
+    version_of, Place, Status, DUPLICATE_DONE, DUPLICATE_IN_FLIGHT, KEYED_VERSION, MAGIC,
+    PREFIX_LEN, VERSION,
 };
 use crate::bootstrap::ids::ANY_IDS;
-use crate::bootstrap::util::{io_error, lock};
+use crate::bootstrap::util::{io_error, lock, time_left};
 use crate::bootstrap::BootstrapError;
 use crate::UniqueId;
 
@@ -123,6 +124,18 @@ impl Serve {
     /// Whether every rank but 0 has acked.
     pub(super) fn all_served(&self) -> bool {
         self.lock().done == self.world_size - 1
+    }
+
+    /// Waits until no connection holds a rank between reply and ack. Each such conversation
+    /// ends by its own deadline (at once when its peer is gone), with the ack counted or the
+    /// rank released.
+    pub(super) fn see_out_claims(&self) {
+        let mut pause = Duration::from_millis(1);
+        while self.lock().slots.contains(&Slot::Claimed) && time_left(self.serve_deadline).is_some()
+        {
+            thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(16));
+        }
     }
 
     /// Takes a connection in, unless `max_active` are in flight already.
@@ -234,6 +247,12 @@ impl Refusal {
         )
     }
 
+    /// A request of another job: its job key differs, as `detail` says.
+    pub(super) fn wrong_job(detail: String, place: Place) -> Self {
+        let error = BootstrapError::WrongJob { detail };
+        Refusal::new(error, Status::WrongJob, 0).for_rank(place.rank as usize)
+    }
+
     pub(super) fn for_rank(mut self, rank: usize) -> Self {
         self.rank = Some(rank);
         self
@@ -271,7 +290,7 @@ pub(super) fn released_on_failure(
 
 /// Checks the number of ids a request asks for against what this serve hands out: 0 (a rank
 /// of a version that predates several ids) asks for one, `ANY_IDS` takes any number.
-pub(super) fn check_ids_wanted(serve: &Serve, wanted: u32, rank: usize) -> Result<(), Refusal> {
+fn check_ids_wanted(serve: &Serve, wanted: u32, rank: usize) -> Result<(), Refusal> {
     let handed_out = serve.ids.len();
     let expected = match wanted {
         ANY_IDS => return Ok(()),
@@ -289,14 +308,16 @@ pub(super) fn check_ids_wanted(serve: &Serve, wanted: u32, rank: usize) -> Resul
     Err(Refusal::new(error, Status::IdCountMismatch, detail).for_rank(rank))
 }
 
-/// Checks the rest of a request whose job matched: world size, round and rank.
-pub(super) fn check_place(
-    serve: &Serve,
-    world_size: u32,
-    rank: u32,
-    round: u32,
-) -> Result<usize, Refusal> {
-    let (rank, claimed_rank) = (rank as usize, rank);
+/// Checks the place of a request whose job matched (world size, round, rank, then the ids it
+/// wants), the same in both versions; returns the rank.
+pub(super) fn check_place(serve: &Serve, place: Place) -> Result<usize, Refusal> {
+    let Place {
+        world_size,
+        rank: claimed_rank,
+        round,
+        ids_wanted,
+    } = place;
+    let rank = claimed_rank as usize;
     let world_detail = u32::try_from(serve.world_size).unwrap_or(u32::MAX);
     let (error, status, detail) = if world_size as usize != serve.world_size {
         let error = BootstrapError::WorldSizeMismatch {
@@ -313,6 +334,7 @@ pub(super) fn check_place(
         };
         (error, Status::RankOutOfRange, world_detail)
     } else {
+        check_ids_wanted(serve, ids_wanted, rank)?;
         return Ok(rank);
     };
     Err(Refusal::new(error, status, detail).for_rank(rank))

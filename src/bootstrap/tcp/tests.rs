@@ -2,15 +2,20 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::wire::Status;
-use super::wire::{ACK_LEN, KIND_ACK, KIND_REQUEST, MAGIC, REPLY_HEADER_LEN, REQUEST_LEN, VERSION};
+use super::wire::{
+    Ack, ACK_LEN, KIND_ACK, KIND_REQUEST, MAGIC, REPLY_HEADER_LEN, REQUEST_LEN, VERSION,
+};
 use super::{TcpRendezvous, TcpServer};
 use crate::bootstrap::bytes::{get_u16, job_key_hash};
 use crate::bootstrap::history::History;
+use crate::bootstrap::ids::fingerprint;
+use crate::bootstrap::util::Interrupt;
 use crate::bootstrap::BootstrapError;
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -64,6 +69,21 @@ fn raw_exchange(addr: SocketAddr, bytes: &[u8], close_write: bool) -> Option<u16
     }
     assert_eq!(header[0..4], MAGIC);
     Some(get_u16(&header, 8))
+}
+
+/// Takes the id as `rank` over raw bytes, stopping before the ack.
+fn take_id(addr: SocketAddr, job: &str, world: u32, rank: u32) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .write_all(&request(job, world, rank, VERSION))
+        .expect("write");
+    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    stream.read_exact(&mut reply).expect("reply");
+    assert_eq!(get_u16(&reply, 8), Status::Ok as u16);
+    stream
 }
 
 fn request(job: &str, world: u32, rank: u32, version: u16) -> Vec<u8> {
@@ -209,16 +229,7 @@ fn bad_ack_releases_the_rank_for_a_retry() {
     let serving = thread::spawn(move || server.serve(id));
 
     // Take the id but acknowledge with a wrong fingerprint.
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .write_all(&request("bad-ack", 2, 1, VERSION))
-        .expect("write");
-    let mut reply = [0u8; REPLY_HEADER_LEN + UNIQUE_ID_BYTES];
-    stream
-        .set_read_timeout(Some(Duration::from_secs(3)))
-        .expect("timeout");
-    stream.read_exact(&mut reply).expect("reply");
-    assert_eq!(get_u16(&reply, 8), Status::Ok as u16);
+    let mut stream = take_id(addr, "bad-ack", 2, 1);
     let mut ack = [0u8; ACK_LEN];
     ack[0..4].copy_from_slice(&MAGIC);
     ack[4..6].copy_from_slice(&VERSION.to_be_bytes());
@@ -292,4 +303,74 @@ fn connection_flood_gets_busy_and_a_good_rank_still_gets_through() {
         .count();
     assert_eq!(timeouts, 16, "{:?}", report.rejected);
     drop(silent);
+}
+
+/// A job failure that the test raises by hand: the returned flags are "raise it" and "rank 0's
+/// accept loop has seen it".
+fn interruptible(server: &mut TcpServer) -> (Arc<AtomicBool>, Arc<AtomicBool>) {
+    let raised = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(AtomicBool::new(false));
+    let (raise, see) = (Arc::clone(&raised), Arc::clone(&seen));
+    server.interrupt = Some(Interrupt::new(move || {
+        if !raise.load(Ordering::SeqCst) {
+            return None;
+        }
+        see.store(true, Ordering::SeqCst);
+        Some(BootstrapError::Config("a rank died".to_owned()))
+    }));
+    (raised, seen)
+}
+
+/// Raises the failure and waits until rank 0's accept loop has seen it.
+fn raise_and_wait(raised: &AtomicBool, seen: &AtomicBool) {
+    raised.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !seen.load(Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "the accept loop never asked");
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The interleaving a loaded machine makes: the last rank acknowledges and dies, and the
+/// supervisor reports its death before rank 0's connection thread has counted the ack. Here
+/// the ack is sent only once the accept loop has seen the failure, which forces that order:
+/// the rank held the id when the failure came, so its conversation is seen out, and the serve
+/// that every rank completed succeeds.
+#[test]
+fn an_interrupt_sees_out_a_rank_between_reply_and_ack() {
+    let mut server = server(2, Duration::from_secs(10), "interrupted-ack");
+    let (raised, seen) = interruptible(&mut server);
+    let addr = server.local_addr();
+    let id = sample_id(21);
+    let serving = thread::spawn(move || server.serve(id));
+    let mut stream = take_id(addr, "interrupted-ack", 2, 1);
+    raise_and_wait(&raised, &seen);
+    let ack = Ack {
+        rank: 1,
+        fingerprint: fingerprint(&[id]),
+    };
+    let _ = stream.write_all(&ack.encode());
+    let report = serving.join().expect("join");
+    assert!(report.is_ok(), "{report:?}");
+}
+
+/// A rank that held the id but died before acknowledging, and a rank that never came: the
+/// serve ends with the interrupt's error as soon as the first one's connection closes, not at
+/// the timeout.
+#[test]
+fn an_interrupt_ends_the_serve_when_a_rank_cannot_come() {
+    let mut server = server(3, Duration::from_secs(30), "interrupted");
+    let (raised, seen) = interruptible(&mut server);
+    let addr = server.local_addr();
+    let started = Instant::now();
+    let serving = thread::spawn(move || server.serve(sample_id(22)));
+    let stream = take_id(addr, "interrupted", 3, 1);
+    raise_and_wait(&raised, &seen);
+    drop(stream);
+    let error = serving.join().expect("join").unwrap_err();
+    assert!(
+        matches!(&error, BootstrapError::Config(text) if text == "a rank died"),
+        "{error}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
 }

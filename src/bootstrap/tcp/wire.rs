@@ -18,7 +18,8 @@ pub(super) const KEYED_VERSION: u16 = 2;
 pub(super) const KIND_HELLO: u16 = 4;
 /// Version 2: rank 0's Noise handshake message carrying the encrypted reply.
 pub(super) const KIND_SEALED_REPLY: u16 = 5;
-pub(super) const REQUEST_LEN: usize = 32;
+/// Prefix, job hash, place.
+pub(super) const REQUEST_LEN: usize = 16 + PLACE_LEN;
 pub(super) const REPLY_HEADER_LEN: usize = 16;
 pub(super) const ACK_LEN: usize = 24;
 /// Where the version ends in every message: the server reads that far first, so that garbage
@@ -109,10 +110,10 @@ statuses! {
     IdCountMismatch = 13,
 }
 
-/// A joining rank's request.
+/// Where a joining rank stands, as the requests of both versions carry it right after the job
+/// (hash or digest), so that rank 0 checks it the same way whichever version brought it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Request {
-    pub(super) job_hash: u64,
+pub(super) struct Place {
     pub(super) world_size: u32,
     pub(super) rank: u32,
     /// How many exchanges this rank made under the job key before.
@@ -122,15 +123,42 @@ pub(super) struct Request {
     pub(super) ids_wanted: u32,
 }
 
+/// The bytes of a [`Place`] on the wire.
+pub(super) const PLACE_LEN: usize = 16;
+
+impl Place {
+    /// Writes the place at `at` in `bytes`.
+    pub(super) fn put(&self, bytes: &mut [u8], at: usize) {
+        put(bytes, at, &self.world_size.to_be_bytes());
+        put(bytes, at + 4, &self.rank.to_be_bytes());
+        put(bytes, at + 8, &self.round.to_be_bytes());
+        put(bytes, at + 12, &self.ids_wanted.to_be_bytes());
+    }
+
+    /// Reads the place at `at` in `bytes`.
+    pub(super) fn get(bytes: &[u8], at: usize) -> Self {
+        Place {
+            world_size: get_u32(bytes, at),
+            rank: get_u32(bytes, at + 4),
+            round: get_u32(bytes, at + 8),
+            ids_wanted: get_u32(bytes, at + 12),
+        }
+    }
+}
+
+/// A joining rank's request: its job, by the job key's 64-bit hash, and its place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Request {
+    pub(super) job_hash: u64,
+    pub(super) place: Place,
+}
+
 impl Request {
     pub(super) fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut bytes = [0u8; REQUEST_LEN];
         put_prefix(&mut bytes, VERSION, KIND_REQUEST);
         put(&mut bytes, 8, &self.job_hash.to_be_bytes());
-        put(&mut bytes, 16, &self.world_size.to_be_bytes());
-        put(&mut bytes, 20, &self.rank.to_be_bytes());
-        put(&mut bytes, 24, &self.round.to_be_bytes());
-        put(&mut bytes, 28, &self.ids_wanted.to_be_bytes());
+        self.place.put(&mut bytes, 16);
         bytes
     }
 
@@ -138,10 +166,7 @@ impl Request {
     pub(super) fn decode(bytes: &[u8; REQUEST_LEN]) -> Self {
         Request {
             job_hash: get_u64(bytes, 8),
-            world_size: get_u32(bytes, 16),
-            rank: get_u32(bytes, 20),
-            round: get_u32(bytes, 24),
-            ids_wanted: get_u32(bytes, 28),
+            place: Place::get(bytes, 16),
         }
     }
 }
@@ -232,10 +257,12 @@ mod tests {
     fn messages_round_trip() {
         let request = Request {
             job_hash: 0x0102_0304_0506_0708,
-            world_size: 4,
-            rank: 3,
-            round: 2,
-            ids_wanted: 2,
+            place: Place {
+                world_size: 4,
+                rank: 3,
+                round: 2,
+                ids_wanted: 2,
+            },
         };
         let bytes = request.encode();
         assert_eq!(bytes[0..4], MAGIC);
