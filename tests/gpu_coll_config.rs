@@ -381,15 +381,24 @@ fn kernel_started_event_is_recorded_and_waited() {
         return;
     };
     let v = version();
-    per_rank(comms(), |comm, _| {
+    per_rank(comms(), |comm, barrier| {
         let stream = comm.stream().clone();
         let (r, n) = (comm.rank(), comm.size());
         let ctx = comm.context().clone();
         let event = ctx.new_event(None).unwrap();
         let c = 1 << 16;
         let inputs: Vec<Vec<f32>> = (0..n).map(|q| data(9, q, c)).collect();
+        // Every buffer, event and stream is made before the first collective: where ranks
+        // share a GPU (one process, a thread each), an allocation can wait for the GPU while
+        // a peer's kernel spins there waiting for this rank, which then never launches.
         let send = stream.clone_htod(&inputs[r]).unwrap();
         let mut recv = stream.alloc_zeros::<f32>(c).unwrap();
+        let mut again = stream.alloc_zeros::<f32>(c).unwrap();
+        let mut more = stream.alloc_zeros::<f32>(c).unwrap();
+        let second = ctx.new_event(None).unwrap();
+        let other = ctx.new_stream().unwrap();
+        stream.synchronize().unwrap();
+        barrier.wait();
         let config = CollConfig::new().kernel_started_event(&event);
         let result = comm
             .enqueue(Operation::all_reduce(&send, &mut recv, ReduceOp::Sum).with_config(&config));
@@ -402,7 +411,6 @@ fn kernel_started_event_is_recorded_and_waited() {
         }
         result.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         // The event marks the kernel's start: another stream waits on it, and the host on it.
-        let other = ctx.new_stream().unwrap();
         other.wait(&event).unwrap();
         event.synchronize().unwrap();
         other.synchronize().unwrap();
@@ -410,10 +418,7 @@ fn kernel_started_event_is_recorded_and_waited() {
         assert_eq!(stream.clone_dtoh(&recv).unwrap(), want, "rank {r}");
 
         // In a group: one event per communicator; a second is refused and the group goes on.
-        let second = ctx.new_event(None).unwrap();
         let with_second = CollConfig::new().kernel_started_event(&second);
-        let mut again = stream.alloc_zeros::<f32>(c).unwrap();
-        let mut more = stream.alloc_zeros::<f32>(c).unwrap();
         let mut group = Group::start().unwrap();
         group
             .enqueue(

@@ -41,6 +41,10 @@ pub enum GpuSharing {
     /// set `NCCL_RUNTIME_CONNECT=0` too: connections NCCL makes lazily, from the thread that
     /// enqueues, can wait for the other rank's kernel, which waits for this rank (seen hanging
     /// on NCCL 2.32.3 when a collective's configuration asked for more CTAs than connected).
+    /// For the same reason, allocate a rank's buffers (and make its events and streams)
+    /// before the collectives that use them: an allocation can wait for the GPU while the
+    /// other rank's kernel spins there waiting for this rank (seen on NCCL 2.32.3 with two
+    /// threads, one allocating after the other had launched a grouped all-reduce).
     SharedGpu,
 }
 

@@ -181,7 +181,9 @@ impl Comm {
     /// on a stream of its own (two ranks' kernels on one stream would wait for each other
     /// forever). Set `NCCL_RUNTIME_CONNECT=0` with it: a connection NCCL makes lazily while
     /// the other rank's kernel already waits on this GPU can hang both (seen on NCCL 2.32.3
-    /// when a collective's configuration asked for more CTAs than were connected).
+    /// when a collective's configuration asked for more CTAs than were connected), and make
+    /// each rank's buffers before the collectives that use them: an allocation can wait for
+    /// the GPU while the other rank's kernel spins there waiting for this rank.
     ///
     /// Operations on these communicators must be issued from one thread inside a
     /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
