@@ -312,28 +312,42 @@ fn child_suspend_resume() {
         free_active >> 20
     );
     assert!(!active.suspended);
-    assert!(
-        active.suspendable > 0,
-        "rank {rank}: NCCL reports nothing to suspend after a collective: {active:?}"
-    );
+    // NCCL 2.29.7 counts these buffers as persistent (measured on one H100: 0 B suspendable,
+    // 16 MiB persistent after a collective over simulated hosts); 2.32.3 counts them as
+    // suspendable. Suspend and resume must work either way; memory must come back where
+    // NCCL says some can.
+    let expects_release = version() >= Version::new(2, 32, 0);
+    if expects_release {
+        assert!(
+            active.suspendable > 0,
+            "rank {rank}: NCCL reports nothing to suspend after a collective: {active:?}"
+        );
+    } else if active.suspendable == 0 {
+        println!(
+            "MEMSTATS rank={rank}: NCCL {} reports nothing suspendable; suspend and resume \
+             are checked, the release of memory is not",
+            version()
+        );
+    }
 
     comm.suspend()
         .unwrap_or_else(|e| panic!("rank {rank}: suspend: {e}"));
     let suspended = comm.mem_stats().expect("mem_stats while suspended");
     assert!(suspended.suspended, "{suspended:?}");
     assert_eq!(suspended.suspendable, active.suspendable);
-    let mut free_suspended = 0;
-    let released = eventually(|| {
-        free_suspended = free_bytes(&comm);
-        free_suspended > free_active
-    });
+    let mut free_suspended = free_bytes(&comm);
+    let released = active.suspendable > 0
+        && eventually(|| {
+            free_suspended = free_bytes(&comm);
+            free_suspended > free_active
+        });
     println!(
         "MEMSTATS rank={rank} suspended: {suspended}; free {} MiB (+{} MiB)",
         free_suspended >> 20,
         (free_suspended.saturating_sub(free_active)) >> 20
     );
     assert!(
-        released,
+        released || active.suspendable == 0,
         "rank {rank}: free GPU memory did not rise after suspend ({free_active} -> \
          {free_suspended} bytes; NCCL says {suspended})"
     );
@@ -382,7 +396,7 @@ fn child_suspend_resume() {
     );
     assert!(!resumed.suspended);
     assert!(
-        free_resumed < free_suspended,
+        free_resumed < free_suspended || active.suspendable == 0,
         "rank {rank}: free GPU memory did not fall after resume ({free_suspended} -> \
          {free_resumed} bytes)"
     );

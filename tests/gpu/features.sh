@@ -24,5 +24,5 @@ step 120 gpu_parity "$(t gpu_parity-test)" --include-ignored --test-threads=1 --
 step 120 gpu_parity_hosts env NCCL_RS_GPU_SHAPE=hosts "$(t gpu_parity-test)" --include-ignored --test-threads=1 --nocapture
 step 60 params_and_simulation "$(t params_and_simulation-test)" --include-ignored --test-threads=1 --nocapture
 step 150 gpu_scalable_init "$(t gpu_scalable_init-test)" --include-ignored --test-threads=1 --nocapture
-step 90 bench_simulate_shared env NCCL_MULTI_RANK_GPU_ENABLE=1 .gpu/run examples/bench --ranks 2 -b 8 -e 64M -f 8 -n 20 -w 5 --simulate
+step 90 bench_simulate env NCCL_RS_GPU_SHARING=hosts .gpu/run examples/bench --ranks 2 -b 8 -e 64M -f 8 -n 20 -w 5 --simulate
 grep -E "^---|PASSED|FAILED|SKIPPED|panicked|test result|LSA team|checked|MEMSTATS|ESTIMATE|ENC_|SCALABLE_OK|FROM_ENV_OK|DONE|simulate:|refused before|toolchain|error" "$log" | cut -c1-300 | head -150
