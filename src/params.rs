@@ -18,7 +18,10 @@
 //!
 //! * The keys NCCL lists are the ones of its new parameter registry that its documentation
 //!   publishes (seven in 2.32.3, e.g. `NCCL_DEBUG`, `NCCL_DEBUG_SUBSYS`, `NCCL_DEBUG_FILE`);
-//!   `NCCL_PARAM_DUMP_ALL=true` in the environment lists the private ones too. Parameters
+//!   `NCCL_PARAM_DUMP_ALL=true` in the environment lists the private ones too. NCCL 2.30.3
+//!   and 2.30.4 publish none (nothing in their source sets `NCCL_PARAM_FLAG_PUBLISHED`;
+//!   2.30.7 does), so [`all`] lists nothing there without that variable (measured on
+//!   2.30.3), while [`get`] reads any registered key on every version. Parameters
 //!   NCCL still reads the older way (`NCCL_PROTO`, `NCCL_ALGO`, ...) are not in the
 //!   registry: [`get`] returns `None` for them, as for any key NCCL does not know.
 //! * Every value has NCCL's own text (`ncclParamGetParameter`), e.g. `INIT,ENV,BOOTSTRAP`.
