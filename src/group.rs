@@ -202,12 +202,11 @@ impl<'g> Group<'g> {
     /// [`Error::Unsupported`] before NCCL 2.22.
     ///
     /// ```no_run
-    /// # fn main() -> nccl::Result<()> {
-    /// # let comm: nccl::Comm = unimplemented!();
+    /// # fn estimate(comm: &nccl::Comm) -> nccl::Result<()> {
     /// # let mut grads = comm.stream().alloc_zeros::<f32>(1 << 20)?;
     /// use nccl::{Group, Operation, ReduceOp};
     /// let mut simulation = Group::simulate()?;
-    /// simulation.enqueue(&comm, Operation::all_reduce_in_place(&mut grads, ReduceOp::Sum))?;
+    /// simulation.enqueue(comm, Operation::all_reduce_in_place(&mut grads, ReduceOp::Sum))?;
     /// let estimate = simulation.estimate()?; // nothing ran; `grads` is as it was
     /// println!("NCCL expects {estimate:?}");
     /// # Ok(())
