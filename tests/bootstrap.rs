@@ -171,6 +171,20 @@ struct Finished {
     stderr: String,
 }
 
+/// Runs `command` to its end (at most `limit`) and fails the test, showing its status and
+/// both outputs, unless it succeeded.
+fn succeed(command: &mut Command, limit: Duration) -> Finished {
+    let done = finish(command.spawn().expect("spawn"), limit);
+    assert!(
+        done.status.success(),
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        done.status,
+        done.stdout,
+        done.stderr
+    );
+    done
+}
+
 /// Waits for `child` at most `limit`, killing it (and failing the test) past that.
 fn finish(mut child: Child, limit: Duration) -> Finished {
     let mut stdout = child.stdout.take().expect("piped stdout");
@@ -1703,18 +1717,9 @@ fn file_world_size_mismatch_fails_fast() {
 
 #[test]
 fn spawn_local_runs_every_rank_and_waits() {
-    let done = finish(
-        role_command("spawn-ok")
-            .env("TEST_WORLD", "3")
-            .spawn()
-            .expect("spawn"),
+    let done = succeed(
+        role_command("spawn-ok").env("TEST_WORLD", "3"),
         Duration::from_secs(30),
-    );
-    assert!(
-        done.status.success(),
-        "stdout:\n{}\nstderr:\n{}",
-        done.stdout,
-        done.stderr
     );
     let fingerprint = format!("id={:016x}", sample_id(42).fingerprint());
     let lines = rank_lines(&done.stdout);
@@ -1735,18 +1740,9 @@ fn spawn_local_runs_every_rank_and_waits() {
 
 #[test]
 fn spawn_local_hands_every_rank_the_same_ids() {
-    let done = finish(
-        role_command("spawn-ids")
-            .env("NCCL_RS_UNIQUE_IDS", "2")
-            .spawn()
-            .expect("spawn"),
+    let done = succeed(
+        role_command("spawn-ids").env("NCCL_RS_UNIQUE_IDS", "2"),
         Duration::from_secs(30),
-    );
-    assert!(
-        done.status.success(),
-        "stdout:\n{}\nstderr:\n{}",
-        done.stdout,
-        done.stderr
     );
     let ids = format!(
         "ids={:016x},{:016x}",
@@ -1766,15 +1762,12 @@ fn spawn_local_hands_every_rank_the_same_ids() {
 
 #[test]
 fn spawn_local_rank_count_can_be_overridden() {
-    let done = finish(
+    let done = succeed(
         role_command("spawn-ok")
             .env("TEST_WORLD", "3")
-            .env("NCCL_RS_LOCAL_RANKS", "2")
-            .spawn()
-            .expect("spawn"),
+            .env("NCCL_RS_LOCAL_RANKS", "2"),
         Duration::from_secs(30),
     );
-    assert!(done.status.success(), "{}", done.stderr);
     let lines = rank_lines(&done.stdout).len();
     assert_eq!(lines, 2, "{}", done.stdout);
 }
@@ -1803,18 +1796,9 @@ fn spawn_local_failure_while_busy_stops_the_job() {
 fn spawn_local_failure_while_working_is_reported_not_fatal() {
     let dir = ScratchDir::new("fail-while-working");
     let started = Instant::now();
-    let done = finish(
-        role_command("spawn-fail-while-working")
-            .env(EXCHANGED_FILE, dir.path().join("exchanged"))
-            .spawn()
-            .expect("spawn"),
+    let done = succeed(
+        role_command("spawn-fail-while-working").env(EXCHANGED_FILE, dir.path().join("exchanged")),
         Duration::from_secs(40),
-    );
-    assert!(
-        done.status.success(),
-        "status {:?}; stderr:\n{}",
-        done.status,
-        done.stderr
     );
     assert!(
         done.stderr.contains("hook: local rank 2"),
@@ -1834,11 +1818,7 @@ fn spawn_local_failure_while_working_is_reported_not_fatal() {
 #[test]
 fn spawn_local_drop_stops_and_reaps_the_ranks() {
     let started = Instant::now();
-    let done = finish(
-        role_command("spawn-drop").spawn().expect("spawn"),
-        Duration::from_secs(30),
-    );
-    assert!(done.status.success(), "{}", done.stderr);
+    let done = succeed(&mut role_command("spawn-drop"), Duration::from_secs(30));
     assert!(done.stdout.contains("dropped in"), "{}", done.stdout);
     assert!(!done.stderr.contains("not stopped"), "{}", done.stderr);
     // `finish` read the output to its end: no spawned rank outlived rank 0 holding it open.

@@ -691,7 +691,6 @@ impl Issuer {
     }
 }
 
-/// Turns a raw call's outcome into a result.
 /// NCCL's estimate for `operation` alone in a simulated group (nothing launched).
 fn estimate<'g, T: Elem>(
     comm: &'g Comm,
@@ -702,6 +701,7 @@ fn estimate<'g, T: Elem>(
     Ok(simulation.estimate()?)
 }
 
+/// Turns a raw call's outcome into a result.
 pub fn raw_check(call: &str, status: Result<ncclResult_t, sys::MissingSymbol>) -> BenchResult<()> {
     match status {
         Ok(ncclResult_t::ncclSuccess) => Ok(()),
