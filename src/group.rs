@@ -40,6 +40,10 @@
 //!   per-peer queues that only a launch empties, so a simulated one would be left behind
 //!   for the next group; they are refused ([`Error::InvalidArgument`]), as are
 //!   v-collectives.
+//! * Broadcasts from one root per communicator, from NCCL 2.29 on: NCCL queues broadcasts
+//!   per root, and those of several roots stay queued for a launch (they become one
+//!   all-gather-v), so the first root of a communicator's broadcasts in a simulation is its
+//!   only one; another is refused ([`Error::InvalidArgument`]).
 //! * Blocking communicators of at least two ranks: NCCL runs a one-rank collective at once,
 //!   as a copy, when it is enqueued, and ends a nonblocking communicator's group on a
 //!   background thread that launches it.
@@ -63,6 +67,7 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::inline_list::InlineList;
 use crate::library;
+use crate::release::Version;
 pub use crate::thread_group::is_open;
 use crate::thread_group::{self, RawGroup};
 
@@ -216,7 +221,10 @@ impl<'g> Group<'g> {
         library::get()?.require_call(&calls::ncclGroupSimulateEnd)?;
         let mut group = Group::start()?;
         group.ending = Ending::Simulate { estimate: None };
-        Ok(Simulation { group })
+        Ok(Simulation {
+            group,
+            broadcast_roots: Vec::new(),
+        })
     }
 
     /// Adds `call` on `comm`'s own stream to the group.
@@ -378,6 +386,8 @@ impl Drop for Group<'_> {
 /// is still only simulated.
 pub struct Simulation<'g> {
     group: Group<'g>,
+    /// The root of each communicator's broadcasts so far (by its shared state's address).
+    broadcast_roots: Vec<(usize, usize)>,
 }
 
 impl std::fmt::Debug for Simulation<'_> {
@@ -407,6 +417,11 @@ impl<'g> Simulation<'g> {
         call: Operation<'g, T>,
     ) -> Result<()> {
         check_simulable(call.kind, comm.is_blocking(), comm.size())?;
+        let comm_id = comm.shared_ptr() as usize;
+        if let Kind::Broadcast { root } = call.kind {
+            let first = first_root(&self.broadcast_roots, comm_id);
+            check_broadcast_root(first, root, comm.library_version())?;
+        }
         if call
             .config()
             .is_some_and(|config| config.started_event().is_some())
@@ -416,7 +431,14 @@ impl<'g> Simulation<'g> {
                  (launchCompletionEvent) would never be recorded; simulate it without one",
             ));
         }
-        self.group.enqueue_on(comm, stream, call)
+        let kind = call.kind;
+        self.group.enqueue_on(comm, stream, call)?;
+        if let Kind::Broadcast { root } = kind {
+            if first_root(&self.broadcast_roots, comm_id).is_none() {
+                self.broadcast_roots.push((comm_id, root));
+            }
+        }
+        Ok(())
     }
 
     /// Ends the simulation (`ncclGroupSimulateEnd`) and returns NCCL's estimate of the
@@ -470,6 +492,44 @@ fn check_simulable(kind: Kind, blocking: bool, size: usize) -> Result<()> {
         "{} cannot be simulated: {why}",
         kind.call().name
     )))
+}
+
+/// The first NCCL whose broadcasts from several roots become one all-gather-v.
+const BROADCASTS_AS_ALL_GATHER_V_SINCE: Version = Version::new(2, 29, 0);
+
+/// The root of the broadcasts already simulated on the communicator `comm_id`, if any.
+fn first_root(roots: &[(usize, usize)], comm_id: usize) -> Option<usize> {
+    roots
+        .iter()
+        .find(|&&(id, _)| id == comm_id)
+        .map(|&(_, root)| root)
+}
+
+/// Whether a broadcast from `root` may join a simulation whose earlier broadcasts on the same
+/// communicator came from `first` (none: it is the first), with NCCL `version` loaded.
+///
+/// From NCCL 2.29 on (`collTaskAppend`, `src/enqueue.cc`), broadcasts wait in per-root queues
+/// of the communicator's planner (`bcastQueue`), which outlive a group: when a group holds
+/// broadcasts from exactly one root, planning moves them into the ordinary collective list
+/// (`ncclPrepareTasks`), which every group starts afresh, so a simulation leaves nothing;
+/// from several roots they stay queued to run as one all-gather-v, which only a launch
+/// empties. A simulation leaves them there: the next real group of that communicator runs
+/// the stale broadcast into the simulation's (by then released) receive buffer, and a
+/// broadcast of that group waits for a later one. Refused whatever `NCCL_ALLGATHERV_ENABLE`
+/// says (NCCL also reads it from its configuration files, which this crate cannot see).
+fn check_broadcast_root(first: Option<usize>, root: usize, version: Version) -> Result<()> {
+    match first {
+        Some(first) if first != root && version >= BROADCASTS_AS_ALL_GATHER_V_SINCE => {
+            Err(Error::invalid(format!(
+                "ncclBroadcast from root {root} cannot be simulated beside the broadcasts from \
+                 root {first} on the same communicator: NCCL {version} queues broadcasts from \
+                 several roots as one all-gather-v that only a launch runs, so a simulated one \
+                 would run, stale, in the communicator's next group; simulate each root's \
+                 broadcasts in a simulation of their own"
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The blocking v-collective: its NCCL calls are issued in a group of their own, which is why
@@ -551,6 +611,28 @@ mod tests {
         // The first explicit size stays the reference.
         configs.record(2, key(false, Some(2)));
         assert_eq!(configs.cga_cluster_size, Some(2));
+    }
+
+    #[test]
+    fn broadcasts_from_a_second_root_are_not_simulated_from_nccl_2_29() {
+        let (v228, v229) = (Version::new(2, 28, 9), Version::new(2, 29, 2));
+        // The first root, and more broadcasts from it, pass everywhere.
+        assert!(check_broadcast_root(None, 1, v229).is_ok());
+        assert!(check_broadcast_root(Some(1), 1, v229).is_ok());
+        // Before 2.29 broadcasts are ordinary collectives: any root.
+        assert!(check_broadcast_root(Some(0), 1, v228).is_ok());
+        let text = check_broadcast_root(Some(0), 1, v229)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("root 1") && text.contains("root 0") && text.contains("2.29.2"),
+            "{text}"
+        );
+        // The roots are kept per communicator.
+        let roots = [(0x10, 0), (0x20, 3)];
+        assert_eq!(first_root(&roots, 0x10), Some(0));
+        assert_eq!(first_root(&roots, 0x20), Some(3));
+        assert_eq!(first_root(&roots, 0x30), None);
     }
 
     #[test]

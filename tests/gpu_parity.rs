@@ -506,6 +506,98 @@ fn child_simulate() {
     println!("DONE rank={rank}");
 }
 
+/// First NCCL that queues broadcasts per root (as one all-gather-v when there are several).
+const BROADCASTS_PER_ROOT_SINCE: Version = Version::new(2, 29, 0);
+
+/// A simulation with broadcasts from two roots (the second refused from NCCL 2.29, where it
+/// would stay queued), then real broadcasts from each root: right on every rank, and nothing
+/// written into the simulation's receive buffers, which stay alive to be watched.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn simulated_broadcasts_leave_nothing_queued() {
+    const TEST: &str = "simulated_broadcasts_leave_nothing_queued";
+    if run_children(TEST, "child_simulated_broadcasts").is_none() {
+        return;
+    }
+    if version() < SIMULATE_SINCE {
+        skip(
+            TEST,
+            &format!("NCCL {} has no ncclGroupSimulateEnd", version()),
+        );
+    }
+}
+
+#[test]
+#[ignore = "child process of simulated_broadcasts_leave_nothing_queued"]
+fn child_simulated_broadcasts() {
+    let Some(comm) = child_comm() else { return };
+    let rank = comm.rank();
+    if version() < SIMULATE_SINCE {
+        println!("DONE rank={rank}");
+        return;
+    }
+    let stream = comm.stream().clone();
+    let len = 1 << 16;
+    let sentinel = vec![7.5f32; len];
+    let sim_send = stream.clone_htod(&data(30, rank, len)).unwrap();
+    let mut sim_recv = [
+        stream.clone_htod(&sentinel).unwrap(),
+        stream.clone_htod(&sentinel).unwrap(),
+    ];
+    {
+        let [recv0, recv1] = &mut sim_recv;
+        let mut simulation = Group::simulate().expect("Group::simulate");
+        let send = |root: usize| (rank == root).then_some(&sim_send as _);
+        simulation
+            .enqueue(&comm, Operation::broadcast(send(0), recv0, 0))
+            .expect("a simulated broadcast from root 0");
+        let second = simulation.enqueue(&comm, Operation::broadcast(send(1), recv1, 1));
+        if version() >= BROADCASTS_PER_ROOT_SINCE {
+            match second {
+                Err(Error::InvalidArgument(text)) => {
+                    assert!(text.contains("root 1") && text.contains("root 0"), "{text}");
+                    println!("rank {rank}: second root refused: {text}");
+                }
+                other => panic!(
+                    "rank {rank}: a second root on NCCL {}: {other:?}",
+                    version()
+                ),
+            }
+        } else {
+            second.expect("a second root before NCCL 2.29");
+        }
+        match simulation.estimate() {
+            Ok(estimate) => println!("ESTIMATE rank={rank} ns={}", estimate.as_nanos()),
+            Err(e) => println!("rank {rank}: no estimate: {e}"),
+        }
+    }
+    comm.synchronize().unwrap();
+    for root in [0usize, 1] {
+        let want = data(31 + root as u64, root, len);
+        let send = stream.clone_htod(&want).unwrap();
+        let mut recv = stream.alloc_zeros::<f32>(len).unwrap();
+        let send = (rank == root).then_some(&send as _);
+        comm.broadcast(send, &mut recv, root)
+            .unwrap_or_else(|e| panic!("rank {rank}: broadcast from {root}: {e}"));
+        comm.synchronize_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("rank {rank}: synchronize: {e}"));
+        assert_eq!(
+            stream.clone_dtoh(&recv).unwrap(),
+            want,
+            "rank {rank}: the broadcast from root {root} after a simulation"
+        );
+        for (i, buf) in sim_recv.iter().enumerate() {
+            assert_eq!(
+                stream.clone_dtoh(buf).unwrap(),
+                sentinel,
+                "rank {rank}: simulated broadcast {i}'s receive buffer was written by a real group"
+            );
+        }
+    }
+    checked_all_reduce(&comm, 32, 4096);
+    println!("DONE rank={rank}");
+}
+
 // ---------------------------------------------------------------------------------------
 // Parameters (no GPU needed, only NCCL)
 // ---------------------------------------------------------------------------------------

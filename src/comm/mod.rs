@@ -237,6 +237,11 @@ impl Comm {
         self.shared.lock().ptr
     }
 
+    /// The version of the NCCL library the communicator runs on.
+    pub(crate) fn library_version(&self) -> crate::release::Version {
+        self.lib.version()
+    }
+
     pub(crate) fn shared_ptr(&self) -> *const Shared {
         Arc::as_ptr(&self.shared)
     }
