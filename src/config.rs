@@ -364,6 +364,15 @@ impl CommConfig {
     /// How long a nonblocking communicator may stay in progress (creation, split, enqueue)
     /// before the call fails with [`Error::Timeout`]. Not an NCCL field. Default 10 minutes
     /// ([`DEFAULT_READY_TIMEOUT`]).
+    ///
+    /// When a rank never joins a creation, each rank that did join fails within about this
+    /// timeout, in one of two ways: [`Error::Timeout`] when its own timer runs out first, or
+    /// an [`Error::Nccl`] with `ncclRemoteError` (sometimes `ncclSystemError`, "Connection
+    /// closed by remote peer") when a peer's timer ran out a moment earlier and that peer
+    /// aborted, closing its connections. Which one a rank sees is a race of milliseconds;
+    /// the first rank to give up always sees the timeout. Both errors are fatal (the
+    /// half-made communicator is aborted), and the remote error's text says what it
+    /// usually means.
     #[must_use]
     pub fn ready_timeout(mut self, timeout: Duration) -> Self {
         self.ready_timeout = timeout;

@@ -216,7 +216,10 @@ pub enum Error {
         version: Version,
     },
 
-    /// Waiting for an operation took longer than allowed.
+    /// Waiting for an operation took longer than allowed. Where several ranks wait for one
+    /// that never comes (a creation a rank never joins), a rank may instead see the remote
+    /// error of a peer that timed out first: see
+    /// [`CommConfig::ready_timeout`](crate::CommConfig::ready_timeout).
     #[error("timed out after {waited:?} waiting for {what}")]
     Timeout {
         /// What was being waited for.

@@ -20,6 +20,11 @@ use crate::library::{self, Library};
 use crate::release::Version;
 use crate::thread_group;
 
+/// What a remote or system error during initialisation usually means, added to NCCL's text.
+const PEER_GAVE_UP: &str = "nccl-rs: during initialisation this usually means that another rank \
+    gave up first (its ready timeout ran out because a rank never joined, or it failed) and \
+    closed its connections; see CommConfig::ready_timeout";
+
 impl Comm {
     /// Joins the communicator named by `id` as `rank` of `size`, on the device of `stream`
     /// (`ncclCommInitRank`). Every rank must call this, each in its own thread or process
@@ -168,6 +173,21 @@ impl Comm {
                     }
                 ),
                 waited,
+            },
+            // A peer that gave up first (its own timeout) closed its connections.
+            Error::Nccl {
+                call,
+                code: code @ (ResultCode::RemoteError | ResultCode::SystemError),
+                description,
+                last_error,
+            } => Error::Nccl {
+                call,
+                code,
+                description,
+                last_error: Some(format!(
+                    "{}{PEER_GAVE_UP}",
+                    last_error.map_or(String::new(), |said| format!("{}; ", said.trim()))
+                )),
             },
             other => crate::encryption::explain(other),
         })
