@@ -63,7 +63,10 @@ fn parent() {
     let children: Vec<_> = (0..ranks)
         .map(|rank| {
             Command::new(&exe)
-                .env(CHILD_ENV, format!("{rank},{ranks},{rounds},{}", rank % gpus))
+                .env(
+                    CHILD_ENV,
+                    format!("{rank},{ranks},{rounds},{}", rank % gpus),
+                )
                 .env(IDS_ENV, ids.join(","))
                 .stdout(Stdio::piped())
                 .spawn()

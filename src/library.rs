@@ -319,8 +319,7 @@ pub fn version() -> Result<Version> {
 /// Unlike cudarc's own calls, which panic when the CUDA driver library is missing, this returns
 /// [`Error::NoGpu`] on a machine without an NVIDIA driver, and also when no device is visible.
 pub fn cuda_device_count() -> Result<usize> {
-    // SAFETY: only tries to dlopen the driver library under its usual names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !shared_library_present(&["libcuda.so.1", "libcuda.so"]) {
         return Err(Error::NoGpu(
             "the CUDA driver library (libcuda.so.1) was not found; is an NVIDIA driver installed?"
                 .into(),
@@ -334,6 +333,17 @@ pub fn cuda_device_count() -> Result<usize> {
         ))),
         Ok(count) => Ok(count),
     }
+}
+
+/// Whether the dynamic loader finds a library under one of `names`. cudarc's own probe
+/// (`is_culib_present`) exists only when cudarc loads its libraries at run time, and another
+/// crate of the build may have chosen to link them instead.
+pub(crate) fn shared_library_present(names: &[&str]) -> bool {
+    names.iter().any(|name| {
+        // SAFETY: opening the CUDA driver (or another CUDA library) runs only its own
+        // initialisers, which expect to be loaded by any process; the handle is closed at once.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
 }
 
 #[cfg(test)]

@@ -136,8 +136,17 @@ pub struct Kernels {
 impl Kernels {
     pub fn compile(ctx: &Arc<CudaContext>) -> Result<Kernels, Error> {
         // cudarc loads NVRTC on first use and panics when it is missing; ask first.
-        // SAFETY: only tries to dlopen libnvrtc under its usual names.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        let names = [
+            "libnvrtc.so",
+            "libnvrtc.so.13",
+            "libnvrtc.so.12",
+            "libnvrtc.so.11.2",
+        ];
+        // SAFETY: opening NVRTC runs only its own initialisers; the handle is closed at once.
+        if !names
+            .iter()
+            .any(|name| unsafe { libloading::Library::new(*name) }.is_ok())
+        {
             return Err(Error::Kernels(
                 "NVRTC (libnvrtc.so) was not found, and this example compiles its kernels at \
                  run time: install the CUDA toolkit's NVRTC (or `pip install nvidia-cuda-nvrtc`) \
