@@ -73,7 +73,11 @@ type Slot = JobSlot<Image>;
 /// communicator's stream, and every kernel launched with it as an argument on any stream
 /// (cudarc's event tracking records those; with tracking off, launch on the communicator's
 /// stream or synchronize first). If that wait times out or NCCL fails, NCCL's resources
-/// and the device copy are leaked rather than freed under a running kernel.
+/// and the device copy are leaked rather than freed under a running kernel. While the
+/// communicator is suspended ([`Comm::suspend`]) NCCL allows no destruction (it
+/// deregisters the barriers' resource window): [`close`](DevComm::close) then gives it back
+/// with [`Error::Suspended`] (close it again once resumed), and a drop leaks it, until
+/// NCCL frees its resources with the communicator.
 ///
 /// Passed to a kernel (`.arg(&dev_comm)` on a cudarc launch), it is the kernel parameter
 /// `const ncclDevComm*`.
