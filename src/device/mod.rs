@@ -57,14 +57,14 @@
 //! let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 2 * n)?;
 //! let mut window = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC)?;
 //! let dev_comm = DevComm::create(&comm, &DevCommRequirements::new().lsa_barriers(1), module.abi())?;
-//! let win = window.device_window(comm.stream());
+//! let mut win = window.device_window()?;
 //! // SAFETY: the kernel's parameters are these three, it stays inside the window, and its
 //! // one CTA uses barrier 0 of the one requested.
 //! unsafe {
 //!     comm.stream()
 //!         .launch_builder(&kernel)
 //!         .arg(&dev_comm)
-//!         .arg(&win)
+//!         .arg(&mut win)
 //!         .arg(&n)
 //!         .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })?;
 //! }
