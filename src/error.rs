@@ -172,6 +172,46 @@ pub enum Error {
         expected: u64,
     },
 
+    /// A call every rank makes together, and agrees on before NCCL is asked (such as
+    /// `ncclDevCommCreate`), was refused on every rank because rank `rank` refused it on its
+    /// own, for `reason`. That rank returns its own, fuller error; every other rank returns
+    /// this one. No rank called NCCL, and nothing changed on any rank.
+    #[error(
+        "{call}: rank {rank} refused it on its own ({reason}; that rank's error says more), \
+         so no rank called NCCL"
+    )]
+    RankRefused {
+        /// The NCCL call refused, e.g. `"ncclDevCommCreate"`.
+        call: &'static str,
+        /// The first rank (in rank order) that refused.
+        rank: usize,
+        /// Why, as far as the agreement carries it.
+        reason: Refusal,
+    },
+
+    /// The ranks of a call every rank makes together, and agrees on before NCCL is asked,
+    /// gave different values for something NCCL needs the same on every rank: rank `rank`
+    /// gave `value` for `field` where rank `first` gave `expected`. Every rank returns this
+    /// same error; no rank called NCCL, and nothing changed on any rank.
+    #[error(
+        "{call}: rank {rank} gives {field} = {value} where rank {first} gives {expected}; \
+         every rank must give the same, so no rank called NCCL"
+    )]
+    RankMismatch {
+        /// The NCCL call refused, e.g. `"ncclDevCommCreate"`.
+        call: &'static str,
+        /// What differs (NCCL's name for it where it has one, e.g. `"lsaBarrierCount"`).
+        field: &'static str,
+        /// The rank whose value the others are compared with (rank 0).
+        first: usize,
+        /// Its value.
+        expected: u64,
+        /// The first rank (in rank order) whose value differs.
+        rank: usize,
+        /// That rank's value.
+        value: u64,
+    },
+
     /// The call is not allowed in the current state (e.g. a collective on a communicator that
     /// was aborted, or a plain call while a [`Group`](crate::Group) is open on this thread).
     #[error("invalid usage: {0}")]
@@ -260,8 +300,20 @@ impl Error {
 
     /// Whether the feature asked for cannot be had here: the library is too old for it
     /// ([`Error::Unsupported`]) or it does not work on this system ([`Error::Unavailable`]).
+    ///
+    /// A peer's refusal for the same kind of reason ([`Error::RankRefused`] with
+    /// [`Refusal::DeviceAbi`], [`Refusal::Unsupported`] or [`Refusal::Unavailable`]) counts
+    /// too, so every rank of a call that one rank cannot make takes the same branch.
     pub fn is_unsupported(&self) -> bool {
-        matches!(self, Error::Unsupported { .. } | Error::Unavailable { .. })
+        matches!(
+            self,
+            Error::Unsupported { .. }
+                | Error::Unavailable { .. }
+                | Error::RankRefused {
+                    reason: Refusal::DeviceAbi | Refusal::Unsupported | Refusal::Unavailable,
+                    ..
+                }
+        )
     }
 
     /// Whether the communicator involved can no longer be used and must be aborted, per
@@ -281,6 +333,76 @@ impl Error {
 
     pub(crate) fn usage(msg: impl Into<String>) -> Self {
         Error::InvalidUsage(msg.into())
+    }
+}
+
+/// Why a rank refused, on its own, a call that every rank makes together, as the other
+/// ranks learn it from the call's agreement ([`Error::RankRefused`]). The refusing rank
+/// returns its own, fuller error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// Its device code was compiled against NCCL headers the loaded library cannot lay a
+    /// device communicator out for: newer than the library, older than 2.29.2, or (GIN)
+    /// another version than the library's.
+    DeviceAbi,
+    /// The loaded library is too old for something it asked for.
+    Unsupported,
+    /// Its communicator lacks something it asked for (device-API support, multicast, GIN).
+    Unavailable,
+    /// Its arguments were invalid.
+    InvalidArgument,
+    /// A query it needed failed (an NCCL or CUDA error), or a refusal this crate's version
+    /// on that rank names differently.
+    Failed,
+}
+
+impl Refusal {
+    /// The refusal's number in an agreement's exchange (0 means none).
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            Refusal::DeviceAbi => 1,
+            Refusal::Unsupported => 2,
+            Refusal::Unavailable => 3,
+            Refusal::InvalidArgument => 4,
+            Refusal::Failed => 5,
+        }
+    }
+
+    /// The refusal numbered `code` (`None` for 0, no refusal).
+    pub(crate) fn from_code(code: u64) -> Option<Refusal> {
+        Some(match code {
+            0 => return None,
+            1 => Refusal::DeviceAbi,
+            2 => Refusal::Unsupported,
+            3 => Refusal::Unavailable,
+            4 => Refusal::InvalidArgument,
+            _ => Refusal::Failed,
+        })
+    }
+
+    /// The refusal a rank's own error stands for.
+    pub(crate) fn of(err: &Error) -> Refusal {
+        match err {
+            Error::Unsupported { .. } | Error::MissingSymbol { .. } => Refusal::Unsupported,
+            Error::Unavailable { .. } => Refusal::Unavailable,
+            Error::InvalidArgument(_) => Refusal::InvalidArgument,
+            _ => Refusal::Failed,
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Refusal::DeviceAbi => {
+                "its device code was compiled against NCCL headers the library cannot serve"
+            }
+            Refusal::Unsupported => "its NCCL library is too old for what it asked",
+            Refusal::Unavailable => "its communicator lacks what it asked for",
+            Refusal::InvalidArgument => "its arguments were invalid",
+            Refusal::Failed => "a query it needed failed",
+        })
     }
 }
 

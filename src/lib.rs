@@ -137,7 +137,7 @@ pub use comm::{Comm, CommStatus, MemStats};
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};
 pub use encryption::{set_encryption, EncryptionKey};
-pub use error::{Error, Result, ResultCode};
+pub use error::{Error, Refusal, Result, ResultCode};
 pub use fault::{
     AbortHandle, AbortOutcome, Recovered, ShrinkMode, Survivor, Watchdog, WatchdogAction,
     WatchdogOptions, WatchdogTrip,

@@ -172,8 +172,8 @@ impl<'c> Ranks<'c> {
         };
         for r in 0..self.comms.len() {
             let stream = self.comms[r].stream();
-            let input = self.inputs[r].device_window(stream);
-            let output = self.outputs[r].device_window(stream);
+            let mut input = self.inputs[r].device_window()?;
+            let mut output = self.outputs[r].device_window()?;
             // SAFETY: the kernel takes (const ncclDevComm*, ncclWindow_t, ncclWindow_t,
             // size_t) and the device communicator was created for its ABI; it reads `count`
             // floats of every LSA peer's input window and writes `count` of this rank's
@@ -184,8 +184,8 @@ impl<'c> Ranks<'c> {
                 stream
                     .launch_builder(&self.kernels[r])
                     .arg(&self.dev_comms[r])
-                    .arg(&input)
-                    .arg(&output)
+                    .arg(&mut input)
+                    .arg(&mut output)
                     .arg(&count)
                     .launch(cfg)?;
             }

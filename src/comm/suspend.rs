@@ -111,7 +111,9 @@ impl Comm {
     ///   [`Comm::abort`] and [`Comm::destroy`]: operations, groups, window and buffer
     ///   registration and deregistration (a window or registration dropped meanwhile leaks
     ///   rather than being freed while NCCL cannot take it back), split, shrink, grow, revoke and
-    ///   finalize all get the error. The check is per rank: each rank's `Comm` knows whether it
+    ///   finalize all get the error; so do creating and destroying a device communicator
+    ///   (`ncclDevCommDestroy` deregisters its resource window), and one dropped meanwhile
+    ///   leaks the same way. The check is per rank: each rank's `Comm` knows whether it
     ///   was suspended; a rank that goes on while its peers are suspended is refused locally,
     ///   and a rank that suspends while its peers do not waits for them at NCCL's barrier.
     /// * A second suspend, and a resume of a communicator that is not suspended, are refused

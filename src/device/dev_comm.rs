@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchArgs, PushKernelArg};
 use nccl_sys::{ncclDevCommRequirements_t, ncclDevComm_t, NCCL_API_MAGIC};
 
-use super::{DevCommRequirements, DeviceAbi, Team};
+use super::{agreement, DevCommRequirements, DeviceAbi, Team};
 use crate::calls;
 use crate::comm::{Backoff, Comm, JobSlot, Lease, Membership};
-use crate::error::{Error, Result, ResultCode};
+use crate::error::{Error, Refusal, Result, ResultCode};
 use crate::library::Library;
 use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
@@ -73,7 +73,11 @@ type Slot = JobSlot<Image>;
 /// communicator's stream, and every kernel launched with it as an argument on any stream
 /// (cudarc's event tracking records those; with tracking off, launch on the communicator's
 /// stream or synchronize first). If that wait times out or NCCL fails, NCCL's resources
-/// and the device copy are leaked rather than freed under a running kernel.
+/// and the device copy are leaked rather than freed under a running kernel. While the
+/// communicator is suspended ([`Comm::suspend`]) NCCL allows no destruction (it
+/// deregisters the barriers' resource window): [`close`](DevComm::close) then gives it back
+/// with [`Error::Suspended`] (close it again once resumed), and a drop leaks it, until
+/// NCCL frees its resources with the communicator.
 ///
 /// Passed to a kernel (`.arg(&dev_comm)` on a cudarc launch), it is the kernel parameter
 /// `const ncclDevComm*`.
@@ -111,12 +115,11 @@ impl std::fmt::Debug for DevComm<'_> {
     }
 }
 
-/// The checks one rank makes before NCCL is asked, and the struct it hands over.
-fn prepare(
-    comm: &Comm,
-    reqs: &DevCommRequirements,
-    abi: DeviceAbi,
-) -> Result<ncclDevCommRequirements_t> {
+/// What must hold before this rank can take part in the agreement at all (see
+/// `agreement.rs`): the library, the same on every rank; no group open on this thread and a
+/// usable (not failed, released or suspended) communicator, without which no exchange can
+/// be enqueued.
+fn precheck(comm: &Comm) -> Result<()> {
     let lib = comm.library();
     lib.require_call(&calls::ncclDevCommCreate)?;
     // Before the properties, which a library older than 2.29 has not either.
@@ -125,18 +128,31 @@ fn prepare(
         super::DEV_COMM_SINCE,
     )?;
     thread_group::ensure_outside("DevComm::create")?;
-    comm.check_failure(CALL)?;
-    let props = comm.properties()?;
-    reqs.check(&props, lib.version(), abi)?;
+    comm.usable(&calls::ncclDevCommCreate).map(drop)
+}
+
+/// The checks this rank makes before NCCL is asked, and the struct it hands over; a refusal
+/// goes through the agreement, so every rank refuses together.
+fn prepare(
+    comm: &Comm,
+    reqs: &DevCommRequirements,
+    abi: DeviceAbi,
+) -> std::result::Result<ncclDevCommRequirements_t, (Refusal, Error)> {
+    let lib = comm.library();
+    let refused = |err: Error| (Refusal::of(&err), err);
+    abi.check(lib.version(), reqs.uses_gin())
+        .map_err(|err| (Refusal::DeviceAbi, err))?;
+    let props = comm.properties().map_err(refused)?;
+    reqs.check(&props, lib.version(), abi).map_err(refused)?;
     if let Some(size) = props.dev_comm_runtime_size {
         if size > DEV_COMM_ROOM {
-            return Err(Error::Unavailable {
+            return Err(refused(Error::Unavailable {
                 api: CALL,
                 reason: format!(
                     "this NCCL's ncclDevComm is {size} bytes, more than the {DEV_COMM_ROOM} \
                      this crate reserves for it"
                 ),
-            });
+            }));
         }
     }
     Ok(reqs.to_raw(abi))
@@ -159,13 +175,28 @@ fn issue(comm: &Comm, reqs: &ncclDevCommRequirements_t, slot: &Slot) -> Result<(
 
 impl<'c> DevComm<'c> {
     /// Creates a device communicator on `comm` for device code of `abi`
-    /// (`ncclDevCommCreate`). Collective: every rank calls it, with the same requirements,
-    /// in the same order as its other collective calls. Refused inside a
+    /// (`ncclDevCommCreate`). Collective: every rank calls it, with the same requirements
+    /// and device ABI, in the same order as its other collective calls. Refused inside a
     /// [`Group`](crate::Group) (NCCL fills it in only when the group ends).
     ///
     /// Checked first, without asking NCCL ([`DevCommRequirements`]): the library (2.29.2+),
     /// the ABI against the library, the communicator's device-API, multicast and GIN support
-    /// ([`Error::Unavailable`] where it lacks them).
+    /// ([`Error::Unavailable`] where it lacks them). Then the ranks agree, in one small
+    /// all-gather on the communicator's stream (waited for, for at most
+    /// [`Comm::ready_timeout`]): a rank whose checks failed returns its own error and every
+    /// other rank [`Error::RankRefused`] naming it; requirements, device ABIs or libraries
+    /// that differ across ranks give every rank [`Error::RankMismatch`] naming the field and
+    /// the ranks. Only then does any rank call NCCL, so none is left waiting in it.
+    ///
+    /// A rank that cannot take part in the agreement (a group open on its thread, or its
+    /// communicator failed, released or suspended) returns its error at once, and its peers
+    /// wait in the agreement until their [`Comm::ready_timeout`], after which their
+    /// communicators are aborted ([`Error::Timeout`]): the exchange stays queued there and
+    /// would pair with a later collective. On a blocking communicator NCCL may also block in
+    /// the all-gather's first connection to the peers, which no timeout bounds; keep those
+    /// calls alike on every rank (or use nonblocking communicators and a
+    /// [`Watchdog`](crate::Watchdog)). A communicator of one rank agrees with nobody and
+    /// exchanges nothing.
     pub fn create(comm: &'c Comm, reqs: &DevCommRequirements, abi: DeviceAbi) -> Result<Self> {
         let mut made = Self::create_in_group(&[comm], reqs, abi)?;
         made.pop()
@@ -174,7 +205,9 @@ impl<'c> DevComm<'c> {
 
     /// Creates a device communicator on every communicator of `comms`, in one NCCL group:
     /// how one thread driving several ranks (from [`Comm::init_all`]) creates them, since
-    /// each creation waits for every rank. On failure none is kept.
+    /// each creation waits for every rank. The ranks agree first as in
+    /// [`create`](DevComm::create), all of them in one exchange; the error returned is the
+    /// first of `comms`' own, else the agreement's. On failure none is kept.
     pub fn create_all(
         comms: &'c [Comm],
         reqs: &DevCommRequirements,
@@ -197,10 +230,9 @@ impl<'c> DevComm<'c> {
                 "NCCL does not allow blocking and nonblocking communicators in one group",
             ));
         }
-        let raws = comms
-            .iter()
-            .map(|comm| prepare(comm, reqs, abi))
-            .collect::<Result<Vec<_>>>()?;
+        comms.iter().try_for_each(|comm| precheck(comm))?;
+        let local = comms.iter().map(|comm| prepare(comm, reqs, abi)).collect();
+        let raws = agreement::agree(comms, reqs, abi, local)?;
         let mut group = RawGroup::start(first.library())?;
         // Aborts from other threads wait until the group has ended (see `crate::fault`).
         let mut membership = Membership::enter(comms.iter().copied());

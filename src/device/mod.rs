@@ -11,6 +11,10 @@
 //!   [`Comm::properties`](crate::Comm::properties) before NCCL is asked.
 //! * `dev_comm.rs`: [`DevComm`], the device communicator (`ncclDevCommCreate`), lent by
 //!   NCCL on a [`Comm`](crate::Comm) and passed to kernels as a pointer to a device copy.
+//! * `agreement.rs`: the ranks' agreement before NCCL is asked (every rank's own verdict,
+//!   requirements and ABI, all-gathered and judged alike on every rank), so a rank refused
+//!   alone, or requirements that differ, give every rank a typed error instead of leaving
+//!   its peers in NCCL's collective creation.
 //! * `team.rs`: [`Team`] and the host-side team queries and rank translation.
 //! * [`kernel`]: the toolchain that turns CUDA C++ into a loaded module: `nvcc` at run time
 //!   with the headers of the loaded NCCL, or a cubin/PTX the user built.
@@ -53,14 +57,14 @@
 //! let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), 2 * n)?;
 //! let mut window = comm.register_window(buffer, WindowFlags::COLL_SYMMETRIC)?;
 //! let dev_comm = DevComm::create(&comm, &DevCommRequirements::new().lsa_barriers(1), module.abi())?;
-//! let win = window.device_window(comm.stream());
+//! let mut win = window.device_window()?;
 //! // SAFETY: the kernel's parameters are these three, it stays inside the window, and its
 //! // one CTA uses barrier 0 of the one requested.
 //! unsafe {
 //!     comm.stream()
 //!         .launch_builder(&kernel)
 //!         .arg(&dev_comm)
-//!         .arg(&win)
+//!         .arg(&mut win)
 //!         .arg(&n)
 //!         .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })?;
 //! }
@@ -79,6 +83,7 @@
 //!   kernels must be compiled against the loaded library's own headers
 //!   ([`DeviceAbi::check`]).
 
+mod agreement;
 mod dev_comm;
 pub mod kernel;
 mod requirements;

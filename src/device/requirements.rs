@@ -19,6 +19,8 @@ pub const GIN_CONNECTION_SINCE: Version = Version::new(2, 29, 7);
 const WORLD_GIN_BARRIERS_SINCE: Version = Version::new(2, 30, 3);
 /// The first header version whose struct layout past `ginVaSignalsRequired` is known here.
 const LAYOUT_2_32_3: Version = Version::new(2, 32, 3);
+/// How many fields of the requirements the ranks compare ([`DevCommRequirements::agreed`]).
+pub(crate) const AGREED_FIELDS: usize = 11;
 
 /// `sizeof(ncclDevCommRequirements_t)` in the headers of `version` (LP64), per the table in
 /// [`nccl_sys::device`]. Between 2.31.0 and 2.32.2 only the 2.30.7 prefix is known to be
@@ -36,7 +38,8 @@ pub(crate) fn struct_size(version: Version) -> usize {
 }
 
 /// What a [`DevComm`](super::DevComm) must provide. Every rank asks for the same (NCCL's
-/// rule; not checked here). Built with the methods below, from nothing requested.
+/// rule, checked by [`DevComm::create`](super::DevComm::create)'s agreement before NCCL is
+/// asked). Built with the methods below, from nothing requested.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DevCommRequirements {
     lsa_barriers: u32,
@@ -249,6 +252,43 @@ impl DevCommRequirements {
             }
             Some(_) => Ok(()),
         }
+    }
+
+    /// Every field handed to NCCL, by its C name, as a number: what the ranks compare before
+    /// creating (see `agreement.rs`). All of them must match across ranks (NCCL
+    /// `src/dev_runtime.cc`, `ncclDevrCommCreateInternal`, 2.30.7): the barrier counts and
+    /// the GIN signals and counters are laid out one after another in every rank's resource
+    /// window, so one rank's count moves every later offset its peers' kernels write to;
+    /// `lsaMultimem` makes the LSA team bind multicast memory together; the GIN connection
+    /// and context count set up GIN with the peers; the LL all-to-all slots are peer memory
+    /// laid out the same way (2.30.7 reads them nowhere yet, so equal values cost nothing).
+    /// The context count NCCL picks when none is given is what is compared for `None`.
+    pub(crate) fn agreed(&self) -> [(&'static str, u64); AGREED_FIELDS] {
+        let gin = match self.gin {
+            None | Some(GinConnection::None) => 0,
+            Some(GinConnection::Full) => 1,
+            Some(GinConnection::Rail) => 2,
+            Some(GinConnection::CustomStride) => 3,
+            Some(GinConnection::Other(raw)) => 0x1_0000_0000 | u64::from(raw),
+        };
+        let default_contexts = nccl_sys::nccl_dev_comm_requirements_initializer().ginContextCount;
+        let contexts = match self.gin_contexts {
+            Some(n) => u64::from(n),
+            None => u64::try_from(default_contexts).unwrap_or(0),
+        };
+        [
+            ("lsaBarrierCount", u64::from(self.lsa_barriers)),
+            ("lsaMultimem", u64::from(self.lsa_multimem)),
+            ("lsaLLA2ABlockCount", u64::from(self.lsa_ll_a2a.0)),
+            ("lsaLLA2ASlotCount", u64::from(self.lsa_ll_a2a.1)),
+            ("ginConnectionType", gin),
+            ("barrierCount", u64::from(self.barriers)),
+            ("railGinBarrierCount", u64::from(self.rail_gin_barriers)),
+            ("worldGinBarrierCount", u64::from(self.world_gin_barriers)),
+            ("ginSignalCount", u64::from(self.gin_signals)),
+            ("ginCounterCount", u64::from(self.gin_counters)),
+            ("ginContextCount", contexts),
+        ]
     }
 
     fn counts(&self) -> [(&'static str, u32); 9] {

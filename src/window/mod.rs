@@ -296,6 +296,9 @@ pub struct Window<'c, T: NcclType> {
     /// Every rank's window size in bytes, from the registration's exchange (empty where
     /// unknown): a put must fit the target's window, which NCCL does not check.
     peer_bytes: Vec<u64>,
+    /// The cudarc slice that carries the handle into kernel launches
+    /// ([`Window::device_window`]), made on first use; it frees nothing when dropped.
+    kernel_arg: Option<device_ptr::Tracked>,
 }
 
 impl<T: NcclType> std::fmt::Debug for Window<'_, T> {
@@ -338,6 +341,7 @@ impl<'c, T: NcclType> Window<'c, T> {
             flags,
             host_rma,
             peer_bytes,
+            kernel_arg: None,
         }
     }
 
@@ -417,6 +421,9 @@ impl<'c, T: NcclType> Window<'c, T> {
             return Err((self, err));
         }
         let mut this = ManuallyDrop::new(self);
+        // `this` is never dropped: what it holds besides the buffer is dropped here.
+        drop(this.kernel_arg.take());
+        drop(std::mem::take(&mut this.peer_bytes));
         // SAFETY: the window is released; `this` is never dropped, so the buffer is taken
         // exactly once.
         Ok(unsafe { ManuallyDrop::take(&mut this.buffer) })
