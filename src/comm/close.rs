@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::in_flight::Registration;
 use super::state::{Actor, Cause, Failure, FailureState};
 use super::Comm;
 use crate::calls;
@@ -226,8 +227,11 @@ impl Comm {
     /// proxy to end the communicator too (the proxy service loop runs while local peers are
     /// connected). It cannot be interrupted, so it runs on a thread of its own; past `limit`
     /// that thread keeps the handle and finishes the destroy (or, if NCCL refuses it, the
-    /// abort) whenever NCCL returns, and the drop goes on. It never waits for GPU work: the
-    /// drop hands over only a communicator whose kernels all finished, on every stream.
+    /// abort) whenever NCCL returns, and the drop goes on. The thread is listed meanwhile
+    /// ([`Comm::destroys_in_flight`]). It waits for none of the kernels the communicator's
+    /// operations enqueued: the drop hands over only a communicator whose work finished on
+    /// every stream it used (work captured into CUDA graphs aside; see `in_flight.rs` for
+    /// what is left and why no abort may follow).
     fn destroy_within(&self, limit: Duration) {
         let mut state = self.shared.lock();
         let raw = state.take(Failure::owner(FailureState::Released));
@@ -238,9 +242,13 @@ impl Comm {
         let handle = OwnedHandle(raw);
         let (lib, ctx) = (self.lib, self.stream.context().clone());
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        // Listed until NCCL returns (or the thread never starts), for a process that wants
+        // to see or wait for the destroys its drops left running.
+        let registration = Registration::new(self.rank, self.size, self.device);
         let spawned = std::thread::Builder::new()
             .name(format!("nccl-rs destroy rank {}", self.rank))
             .spawn(move || {
+                let _registration = registration;
                 let raw = handle.into_raw();
                 // Best effort: NCCL finds its device itself, but its cleanup may use the
                 // current context.

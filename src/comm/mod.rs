@@ -10,7 +10,8 @@
 //! `InnerConnection`); `init.rs` creates communicators, `child.rs` splits them, `wait.rs`
 //! waits on them, `streams.rs` tracks the other streams their operations ran on,
 //! `suspend.rs` releases and restores their memory, `status.rs` describes them (`Debug`,
-//! `Display`) and `close.rs` ends them. Failure handling (abort handles, the watchdog, revoke/shrink/grow) lives in
+//! `Display`), `close.rs` ends them and `in_flight.rs` lists the destroys that outlived a
+//! drop. Failure handling (abort handles, the watchdog, revoke/shrink/grow) lives in
 //! [`crate::fault`].
 //!
 //! # End of life
@@ -28,7 +29,11 @@
 //! sends off and fail the peer's operation ("Connection closed by remote peer"). Destroy
 //! cannot be interrupted and waits for ranks of this node that are connected to this rank's
 //! proxy to end the communicator too, so it runs on a thread of its own; past the time left,
-//! the drop returns and that thread finishes the destroy whenever NCCL does. A communicator
+//! the drop returns and that thread finishes the destroy whenever NCCL does. Such destroys
+//! are listed by [`Comm::destroys_in_flight`] and can be waited for with
+//! [`Comm::wait_for_destroys`]; they cannot be aborted (NCCL forbids aborting a
+//! communicator being destroyed), but they hold no GPU work, only a thread and NCCL's host
+//! resources. A communicator
 //! that failed (see [`crate::fault`]), or whose work on any of its streams did not finish in
 //! time, is aborted at once (`ncclCommAbort`, which stops its kernels on every stream and
 //! never waits for peers); one already aborted from another
@@ -75,6 +80,7 @@ pub(crate) use comm_call;
 
 mod child;
 mod close;
+mod in_flight;
 mod init;
 mod job_slot;
 mod lease;
@@ -96,6 +102,7 @@ use nccl_sys::ncclComm_t;
 use parking_lot::MutexGuard;
 
 pub(crate) use close::Siblings;
+pub use in_flight::DestroyInFlight;
 pub(crate) use init::rank_and_size;
 pub(crate) use job_slot::JobSlot;
 pub(crate) use lease::Lease;
