@@ -24,6 +24,8 @@ impl Comm {
     pub fn finalize(&self) -> Result<()> {
         self.lib.require_call(&calls::ncclCommFinalize)?;
         thread_group::ensure_outside("Comm::finalize")?;
+        // Refused first as NCCL's call would be (failed, suspended), with that call's error.
+        drop(self.usable(&calls::ncclCommFinalize)?);
         self.synchronize_all_timeout(self.drop_timeout)?;
         // SAFETY: live handle under its lock; no other argument.
         unsafe { comm_call!(self, |raw| ncclCommFinalize(raw)) }
