@@ -1,5 +1,9 @@
 //! Group calls (`ncclGroupStart` / `ncclGroupEnd`).
 //!
+//! Past 600 lines on purpose: everything NCCL ties to one group (its members, the buffers'
+//! events, the once-per-group configuration rules, simulation, the streams noted when it
+//! launches) stays with the one type that ends it, next to the tests of those rules.
+//!
 //! A [`Group`] fuses the operations enqueued through it into one NCCL kernel launch when it
 //! ends.
 //! Groups are how one thread drives several GPUs (every rank's operation must be issued
