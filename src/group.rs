@@ -1,5 +1,9 @@
 //! Group calls (`ncclGroupStart` / `ncclGroupEnd`).
 //!
+//! Past 600 lines on purpose: everything NCCL ties to one group (its members, the buffers'
+//! events, the once-per-group configuration rules, simulation, the streams noted when it
+//! launches) stays with the one type that ends it, next to the tests of those rules.
+//!
 //! A [`Group`] fuses the operations enqueued through it into one NCCL kernel launch when it
 //! ends.
 //! Groups are how one thread drives several GPUs (every rank's operation must be issued
@@ -105,6 +109,10 @@ pub struct Group<'g> {
     configs: GroupConfigs,
     /// How the group ends: run, or simulated ([`Group::simulate`]).
     ending: Ending,
+    /// The streams other than their communicator's own that operations were added on, noted
+    /// on the communicator once the group has launched them (see [`Comm::enqueue_on`]'s
+    /// streams in `comm/streams.rs`). Empty, without an allocation, where none was.
+    streams: Vec<(&'g Comm, &'g CudaStream)>,
 }
 
 /// How a group ends.
@@ -199,6 +207,7 @@ impl<'g> Group<'g> {
             guards: InlineList::new(),
             configs: GroupConfigs::default(),
             ending: Ending::Run,
+            streams: Vec::new(),
         })
     }
 
@@ -234,6 +243,9 @@ impl<'g> Group<'g> {
 
     /// Adds `call` on `stream` (on `comm`'s device) to the group.
     ///
+    /// A stream other than `comm`'s own is noted on `comm` once the group has ended (launched
+    /// the work), as for [`Comm::enqueue_on`]: ending `comm` waits for the work there too.
+    ///
     /// A call rejected by validation leaves the group as it was, and the group can go on.
     /// Operations with a [`CollConfig`] follow the group rules in the [module docs](self).
     pub fn enqueue_on<T: NcclType>(
@@ -249,11 +261,14 @@ impl<'g> Group<'g> {
         }
         self.admit(comm)?;
         let guards = &mut self.guards;
-        dispatch(comm, stream, call, true, |new| {
+        let added = dispatch(comm, stream, call, true, |new| {
             for guard in new.into_iter().flatten() {
                 guards.push(guard);
             }
-        })?;
+        });
+        // Also after a failure part-way: what NCCL took stays in the group and runs.
+        self.note_stream(comm, stream);
+        added?;
         if let Some(config) = config {
             self.configs.record(comm_id, config);
         }
@@ -283,7 +298,29 @@ impl<'g> Group<'g> {
     ) -> Result<()> {
         self.admit(comm)?;
         let guards = &mut self.guards;
-        dispatch_v(comm, stream, call, |guard| guards.push(guard))
+        let added = dispatch_v(comm, stream, call, |guard| guards.push(guard));
+        self.note_stream(comm, stream);
+        added
+    }
+
+    /// Remembers `stream` for `comm` until the group has launched, unless it is the
+    /// communicator's own or already remembered.
+    #[inline(always)]
+    fn note_stream(&mut self, comm: &'g Comm, stream: &'g CudaStream) {
+        if !std::ptr::eq(stream, &**comm.stream()) {
+            self.note_foreign_stream(comm, stream);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn note_foreign_stream(&mut self, comm: &'g Comm, stream: &'g CudaStream) {
+        let known = self.streams.iter().any(|(c, s)| {
+            c.shared_ptr() == comm.shared_ptr() && s.cu_stream() == stream.cu_stream()
+        });
+        if !known {
+            self.streams.push((comm, stream));
+        }
     }
 
     /// Admits `comm` to the group before anything is enqueued on it.
@@ -347,6 +384,13 @@ impl<'g> Group<'g> {
                         settled = Err(err);
                     }
                 }
+            }
+        }
+        // Launched (or failed, possibly part-way): ending the communicators must wait for,
+        // or abort, what runs on their other streams. Simulated groups launched nothing.
+        if matches!(self.ending, Ending::Run) {
+            for (comm, stream) in self.streams.drain(..) {
+                comm.note_stream(stream);
             }
         }
         ended?;
@@ -542,7 +586,7 @@ impl Comm {
     }
 
     /// Runs `call` on `stream` (in the communicator's CUDA context) instead of the
-    /// communicator's own stream.
+    /// communicator's own stream; `stream` is then noted as for [`Comm::enqueue_on`].
     pub fn enqueue_v_on<T: NcclType>(
         &self,
         stream: &CudaStream,

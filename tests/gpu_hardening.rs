@@ -1,7 +1,12 @@
 //! Edge cases of a communicator's life on real GPUs: a nonblocking call that never completes,
 //! a destroy that fails, dropping stuck communicators together, point-to-point with oneself,
-//! streams of another device. Every test uses all GPUs present (at least 2), or two ranks
-//! sharing GPU 0 on a one-GPU host (NCCL 2.30+; see `common::shape`).
+//! streams of another device, a kernel left hanging on a side stream when the communicator
+//! ends. Every test uses all GPUs present (at least 2), or two ranks sharing GPU 0 on a
+//! one-GPU host (NCCL 2.30+; see `common::shape`).
+//!
+//! Past 600 lines on purpose: one binary for the end-of-life edge cases, each a few dozen
+//! lines of set-up that a reader checks next to its assertions; splitting them would only
+//! duplicate the helpers above.
 //!
 //! Run on a GPU host with `cargo test --test gpu_hardening -- --include-ignored`.
 
@@ -13,7 +18,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use nccl::{Comm, CommConfig, Error, Group, ReduceOp, UniqueId};
+use nccl::{Comm, CommConfig, Error, Group, Operation, ReduceOp, UniqueId};
 
 /// The GPU of each rank: every GPU of the host, or GPU 0 twice (NCCL 2.30+); `None` (the
 /// test then passes, having said why) where neither is possible (see `common::shape`).
@@ -482,4 +487,186 @@ fn c3_timed_out_nonblocking_split_aborts_the_parent() {
         }
     });
     common::shape::ran(TEST, &format!("{n} ranks"));
+}
+
+/// How rank 0 leaves its lone all-reduce on the side stream, and how every rank then ends
+/// the communicator, in [`side_stream_kernel_case`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum SideStreamEnd {
+    /// `Comm::enqueue_on`, then `drop`.
+    Drop,
+    /// `Group::enqueue_on`, then `drop`.
+    DropAfterGroup,
+    /// `Comm::enqueue_on`, then `destroy()`: rank 0's fails (given back), then `abort()`.
+    Destroy,
+}
+
+/// Polls `event` until it completes, for at most `limit`; whether it did.
+fn completes_within(event: &cudarc::driver::CudaEvent, limit: Duration) -> bool {
+    let start = Instant::now();
+    loop {
+        if event.try_is_complete().expect("event query") {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A communicator split off a parent runs one matched all-reduce on a side stream (a stream
+/// other than its own, checked against the host sum), then rank 0 alone enqueues another
+/// there, which no peer ever matches: its kernel waits forever on the side stream, while
+/// the communicator's own stream is idle (what a drop that looked only at its own stream
+/// took for healthy, handing NCCL's destroy, which waits for every kernel, a kernel nothing
+/// could abort any more). Every rank then ends the communicator as `end` says, with a short
+/// drop timeout. Rank 0's end must take about the drop timeout and leave the side stream
+/// free (the kernel aborted) within seconds; the others end at once.
+fn side_stream_kernel_case(test: &'static str, end: SideStreamEnd) {
+    let Some(devices) = gpus(test) else {
+        return;
+    };
+    let _deadline = common::threaded::Deadline::new(test, Duration::from_secs(180));
+    let n = devices.len();
+    let id = UniqueId::new().unwrap();
+    let ended = Barrier::new(n);
+    let timeout = Duration::from_secs(3);
+    let len = 1 << 18;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| random(300 + r as u64, len)).collect();
+    let want: Vec<f32> = (0..len)
+        .map(|i| inputs.iter().map(|x| x[i]).sum())
+        .collect();
+    let outcomes: Vec<(usize, Duration, Option<bool>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (id, ended, devices, inputs, want) = (&id, &ended, &devices, &inputs, &want);
+                scope.spawn(move || {
+                    let stream = stream_on(devices[rank]);
+                    let parent = Comm::init_rank(stream.clone(), id, rank, n)
+                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                    let mut child = parent
+                        .split(Some(0), rank as i32)
+                        .unwrap_or_else(|e| panic!("rank {rank}: split: {e}"))
+                        .expect("every rank has a color");
+                    child.set_drop_timeout(timeout);
+                    let side = stream.context().new_stream().unwrap();
+                    // One matched all-reduce on the side stream, waited for through the
+                    // communicator (every stream it used) and checked.
+                    let mut buf: CudaSlice<f32> = side.clone_htod(&inputs[rank]).unwrap();
+                    child
+                        .enqueue_on(
+                            &side,
+                            Operation::all_reduce_in_place(&mut buf, ReduceOp::Sum),
+                        )
+                        .unwrap();
+                    child
+                        .synchronize_all_timeout(Duration::from_secs(60))
+                        .unwrap_or_else(|e| panic!("rank {rank}: matched all-reduce: {e}"));
+                    assert_eq!(&side.clone_dtoh(&buf).unwrap(), want, "rank {rank}");
+                    // Rank 0 alone: an all-reduce no peer matches, on the side stream.
+                    let hung = (rank == 0).then(|| {
+                        let mut lone: CudaSlice<f32> = side.clone_htod(&inputs[0]).unwrap();
+                        let op = Operation::all_reduce_in_place(&mut lone, ReduceOp::Sum);
+                        match end {
+                            SideStreamEnd::DropAfterGroup => {
+                                let mut group = Group::start().unwrap();
+                                group.enqueue_on(&child, &side, op).unwrap();
+                                group.finish().unwrap();
+                            }
+                            SideStreamEnd::Drop | SideStreamEnd::Destroy => {
+                                child.enqueue_on(&side, op).unwrap();
+                            }
+                        }
+                        let after = side.record_event(None).unwrap();
+                        // The kernel really waits, while the communicator's own stream is idle.
+                        assert!(
+                            !completes_within(&after, Duration::from_secs(1)),
+                            "the lone all-reduce completed"
+                        );
+                        child
+                            .synchronize_timeout(Duration::from_secs(10))
+                            .expect("the communicator's own stream is idle");
+                        let err = child
+                            .synchronize_all_timeout(Duration::from_millis(200))
+                            .expect_err("the side stream is busy");
+                        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                        (after, lone)
+                    });
+                    let start = Instant::now();
+                    match end {
+                        SideStreamEnd::Drop | SideStreamEnd::DropAfterGroup => drop(child),
+                        SideStreamEnd::Destroy => match child.destroy() {
+                            Ok(()) => assert_ne!(rank, 0, "rank 0's destroy must refuse"),
+                            Err((back, err)) => {
+                                assert_eq!(rank, 0, "rank {rank}: destroy: {err}");
+                                assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                                assert!(err.to_string().contains("streams of rank 0"), "{err}");
+                                back.abort().expect("abort after the refused destroy");
+                            }
+                        },
+                    }
+                    let took = start.elapsed();
+                    // Rank 0's side stream: free within seconds once its kernel is aborted.
+                    let freed = hung.map(|(after, lone)| {
+                        let freed = completes_within(&after, Duration::from_secs(10));
+                        if freed {
+                            drop(lone);
+                        } else {
+                            // Still in use by the kernel: never freed under it.
+                            std::mem::forget(lone);
+                        }
+                        freed
+                    });
+                    println!("rank {rank}: {end:?} took {took:?}, side stream freed: {freed:?}");
+                    // Every rank has ended the child before the parent goes (several ranks
+                    // of one communicator in one process end it together).
+                    ended.wait();
+                    drop(parent);
+                    (rank, took, freed)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let (_, took, freed) = outcomes[0];
+    assert_eq!(
+        freed,
+        Some(true),
+        "{end:?}: rank 0's side stream was still busy 10 s after its end returned ({took:?}): \
+         the kernel was left running"
+    );
+    assert!(
+        took >= timeout,
+        "{end:?}: rank 0 ended after {took:?}, before its drop timeout"
+    );
+    assert!(
+        took < timeout + Duration::from_secs(3),
+        "{end:?}: rank 0 ended after {took:?}, well past its drop timeout {timeout:?}"
+    );
+    for &(rank, took, _) in &outcomes[1..] {
+        assert!(
+            took < timeout + Duration::from_secs(3),
+            "{end:?}: rank {rank} ended after {took:?}"
+        );
+    }
+    // Nothing the drops handed to NCCL is still destroying.
+    Comm::wait_for_destroys(Duration::from_secs(30)).expect("destroys finished");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn drop_aborts_a_kernel_left_on_a_side_stream() {
+    const TEST: &str = "drop_aborts_a_kernel_left_on_a_side_stream";
+    side_stream_kernel_case(TEST, SideStreamEnd::Drop);
+    side_stream_kernel_case(TEST, SideStreamEnd::DropAfterGroup);
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn destroy_refuses_while_a_kernel_runs_on_a_side_stream() {
+    side_stream_kernel_case(
+        "destroy_refuses_while_a_kernel_runs_on_a_side_stream",
+        SideStreamEnd::Destroy,
+    );
 }

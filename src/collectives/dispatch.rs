@@ -136,7 +136,7 @@ fn validate_and_call<'b, 'a: 'b, T: NcclType>(
         _ => (0, None),
     };
     let args = Args::at::<T>(plan, send_base, recv_base, op, stream);
-    call_nccl(comm, kind, args, in_group, entry)?;
+    call_nccl(comm, stream, kind, args, in_group, entry)?;
     keep([send_guard, recv_guard]);
     Ok(())
 }
@@ -225,9 +225,21 @@ fn check_buffer_contexts<T: NcclType>(
 }
 
 /// Calls NCCL through `entry` under the communicator's lock, then completes the call (in a
-/// group, an in-progress result is left for the group's end).
+/// group, an in-progress result is left for the group's end, which also notes the stream).
+///
+/// Outside a group, a stream other than the communicator's own is noted once the call is
+/// complete (launched, for a nonblocking communicator too), also after an error, which may
+/// have left part of the work enqueued: recording on a stream is always harmless then, and
+/// ending the communicator must wait for, or abort, whatever runs there.
 #[inline(always)]
-fn call_nccl(comm: &Comm, kind: Kind, args: Args, in_group: bool, entry: impl Entry) -> Result<()> {
+fn call_nccl(
+    comm: &Comm,
+    stream: &CudaStream,
+    kind: Kind,
+    args: Args,
+    in_group: bool,
+    entry: impl Entry,
+) -> Result<()> {
     let lib = comm.library();
     let row = entry.call(kind);
     let state = comm.usable(row)?;
@@ -240,10 +252,11 @@ fn call_nccl(comm: &Comm, kind: Kind, args: Args, in_group: bool, entry: impl En
     let status = unsafe { invoke(lib.api(), kind, args, state.ptr, entry.config()) };
     drop(state);
     if in_group {
-        lib.check_pending(row.name, status).map(drop)
-    } else {
-        comm.complete(row, status)
+        return lib.check_pending(row.name, status).map(drop);
     }
+    let completed = comm.complete(row, status);
+    comm.note_stream(stream);
+    completed
 }
 
 /// The arguments every NCCL operation call shares.

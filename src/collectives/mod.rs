@@ -61,6 +61,13 @@ impl Comm {
 
     /// Enqueues `call` on `stream` (in the communicator's CUDA context) instead of the
     /// communicator's own stream.
+    ///
+    /// The communicator then records an event on `stream` after the operation (one event
+    /// per stream, recorded again by each operation there: one `cuEventRecord`), so that
+    /// ending it waits for the work there too, or aborts it (see
+    /// [End of life](crate::comm#end-of-life)); [`Comm::synchronize_all_timeout`] waits for
+    /// it. Not while `stream` is being captured into a CUDA graph: that work runs where the
+    /// graph is launched.
     #[inline]
     pub fn enqueue_on<T: NcclType>(
         &self,

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::in_flight::Registration;
 use super::state::{Actor, Cause, Failure, FailureState};
 use super::Comm;
 use crate::calls;
@@ -13,9 +14,19 @@ impl Comm {
     /// Flushes all operations and releases network resources (`ncclCommFinalize`, NCCL
     /// 2.14). It is collective: every rank calls it, then [`Comm::destroy`]. Returns once the
     /// communicator is quiescent (a nonblocking one is polled to completion).
+    ///
+    /// NCCL's finalize waits for every kernel of the communicator, on any stream, and a
+    /// blocking communicator's cannot be interrupted; so the work enqueued so far, on the
+    /// communicator's stream and on every other stream its operations ran on, is waited for
+    /// first, for at most [`Comm::drop_timeout`] (as [`Comm::synchronize_all_timeout`]).
+    /// Work not done by then fails the call with [`Error::Timeout`] before NCCL sees it: the
+    /// communicator is as it was (abort it, or drop it, which aborts).
     pub fn finalize(&self) -> Result<()> {
         self.lib.require_call(&calls::ncclCommFinalize)?;
         thread_group::ensure_outside("Comm::finalize")?;
+        // Refused first as NCCL's call would be (failed, suspended), with that call's error.
+        drop(self.usable(&calls::ncclCommFinalize)?);
+        self.synchronize_all_timeout(self.drop_timeout)?;
         // SAFETY: live handle under its lock; no other argument.
         unsafe { comm_call!(self, |raw| ncclCommFinalize(raw)) }
     }
@@ -23,6 +34,14 @@ impl Comm {
     /// Frees the communicator (`ncclCommDestroy`). Without a prior [`Comm::finalize`] this
     /// is an intra-node collective that every rank on the node must call; after a finalize
     /// it is local.
+    ///
+    /// NCCL's destroy waits for every kernel of the communicator, on any stream, and cannot
+    /// be interrupted; so, as a drop does, the work enqueued so far on the communicator's
+    /// stream and on every other stream its operations ran on is waited for first, for at
+    /// most [`Comm::drop_timeout`] (zero: it must have finished already). Work not done by
+    /// then, or an asynchronous error meanwhile, is a failure as below (abort the
+    /// communicator, or drop it, which aborts): a kernel waiting for a peer that never
+    /// comes would otherwise hold the destroy, and the caller, forever.
     ///
     /// Like rusqlite's `Connection::close`, a failure gives the communicator back with the
     /// error, still allocated: abort it, or drop it (which aborts). `?` converts the pair
@@ -48,6 +67,9 @@ impl Comm {
         if let Some(err) = self.async_error()? {
             return Err(err);
         }
+        // A failure recorded without an asynchronous error (a watchdog's report, a revoke)
+        // allows a destroy: the wait goes on through it.
+        self.wait_all_to_end(self.drop_timeout)?;
         let mut state = self.shared.lock();
         if state.ptr.is_null() {
             return Err(state.released_error(CALL, self.rank));
@@ -143,10 +165,12 @@ impl Drop for Comm {
         if !live {
             return;
         }
-        // Let the last operations finish, unless the communicator already failed or is stuck
-        // in progress (every call waits until it is ready, so a communicator still in
-        // progress here has timed out and its work will not finish). A dead peer or the
-        // timeout ends the wait, and the abort below then cancels what is left. A suspended
+        // Let the last operations finish, on every stream they ran on, unless the
+        // communicator already failed or is stuck in progress (every call waits until it is
+        // ready, so a communicator still in progress here has timed out and its work will
+        // not finish). A dead peer or the timeout ends the wait, and the abort below then
+        // cancels what is left, on every stream (NCCL's kernels watch the communicator's
+        // abort flag). Only work known to be finished takes the orderly way. A suspended
         // one has no work left (suspending synchronised the device) and no proxy sends to
         // drain: it is aborted at once.
         let start = std::time::Instant::now();
@@ -156,7 +180,11 @@ impl Drop for Comm {
             None => self.drop_timeout,
         };
         if healthy && !wait.is_zero() {
-            match self.wait_stream(&self.stream, Some(wait)) {
+            // Its own stream and every other stream its operations ran on: NCCL's destroy
+            // waits for every kernel of the communicator, and nothing could abort one once
+            // the destroy has the handle. A failure recorded meanwhile ends the wait (and
+            // the abort below follows).
+            match self.synchronize_all_timeout(wait) {
                 // Its work is done: end it the orderly way, which lets NCCL's network proxy
                 // finish sending what peers still need.
                 Ok(()) => {
@@ -201,7 +229,11 @@ impl Comm {
     /// proxy to end the communicator too (the proxy service loop runs while local peers are
     /// connected). It cannot be interrupted, so it runs on a thread of its own; past `limit`
     /// that thread keeps the handle and finishes the destroy (or, if NCCL refuses it, the
-    /// abort) whenever NCCL returns, and the drop goes on.
+    /// abort) whenever NCCL returns, and the drop goes on. The thread is listed meanwhile
+    /// ([`Comm::destroys_in_flight`]). It waits for none of the kernels the communicator's
+    /// operations enqueued: the drop hands over only a communicator whose work finished on
+    /// every stream it used (work captured into CUDA graphs aside; see `in_flight.rs` for
+    /// what is left and why no abort may follow).
     fn destroy_within(&self, limit: Duration) {
         let mut state = self.shared.lock();
         let raw = state.take(Failure::owner(FailureState::Released));
@@ -212,15 +244,20 @@ impl Comm {
         let handle = OwnedHandle(raw);
         let (lib, ctx) = (self.lib, self.stream.context().clone());
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        // Listed until NCCL returns (or the thread never starts), for a process that wants
+        // to see or wait for the destroys its drops left running.
+        let registration = Registration::new(self.rank, self.size, self.device);
         let spawned = std::thread::Builder::new()
             .name(format!("nccl-rs destroy rank {}", self.rank))
             .spawn(move || {
+                let _registration = registration;
                 let raw = handle.into_raw();
                 // Best effort: NCCL finds its device itself, but its cleanup may use the
                 // current context.
                 let _ = ctx.bind_to_thread();
                 // SAFETY: the handle was taken out of the state under its lock, so this thread
-                // is its only user; its work is complete (the stream was waited for).
+                // is its only user; its work is complete (every stream it used was waited
+                // for).
                 let status = unsafe { lib.api().ncclCommDestroy(raw) };
                 if lib.check(calls::ncclCommDestroy.name, status).is_err() {
                     // A refused destroy leaves the handle allocated: free it the other way.

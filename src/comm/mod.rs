@@ -8,26 +8,41 @@
 //!
 //! The rooms: `state.rs` owns the raw handle and its state (one owner, as rusqlite's
 //! `InnerConnection`); `init.rs` creates communicators, `child.rs` splits them, `wait.rs`
-//! waits on them, `suspend.rs` releases and restores their memory, `status.rs` describes
-//! them (`Debug`, `Display`) and `close.rs` ends them. Failure handling (abort handles, the watchdog,
-//! revoke/shrink/grow) lives in [`crate::fault`].
+//! waits on them, `streams.rs` tracks the other streams their operations ran on,
+//! `suspend.rs` releases and restores their memory, `status.rs` describes them (`Debug`,
+//! `Display`), `close.rs` ends them and `in_flight.rs` lists the destroys that outlived a
+//! drop. Failure handling (abort handles, the watchdog, revoke/shrink/grow) lives in
+//! [`crate::fault`].
 //!
 //! # End of life
 //!
 //! Dropping a `Comm` first waits, for at most [`Comm::drop_timeout`] (10 s by default), for the
-//! work already enqueued on the communicator's stream, so results of the last operations are
-//! not cut short. Then, within what is left of that time, it ends the communicator the
+//! work already enqueued on the communicator's stream and on every other stream its
+//! operations were enqueued on ([`Comm::enqueue_on`], [`Group::enqueue_on`](crate::Group::enqueue_on),
+//! [`Comm::enqueue_v_on`], one-sided RMA's `*_on`; each such stream gets an event recorded
+//! after the operation), so results of the last operations are not cut short and no kernel
+//! of it is left running: NCCL's destroy waits for every kernel of the communicator, on any
+//! stream, and once it has the handle nothing could abort one. Then, within what is left of
+//! that time, it ends the communicator the
 //! orderly way, `ncclCommDestroy`, which lets NCCL's network proxy finish sending what peers
 //! still need for operations this rank already saw complete: `ncclCommAbort` would cut those
 //! sends off and fail the peer's operation ("Connection closed by remote peer"). Destroy
 //! cannot be interrupted and waits for ranks of this node that are connected to this rank's
 //! proxy to end the communicator too, so it runs on a thread of its own; past the time left,
-//! the drop returns and that thread finishes the destroy whenever NCCL does. A communicator
-//! that failed (see [`crate::fault`]), or whose work did not finish in time, is aborted at
-//! once (`ncclCommAbort`, which never waits for peers); one already aborted from another
+//! the drop returns and that thread finishes the destroy whenever NCCL does. Such destroys
+//! are listed by [`Comm::destroys_in_flight`] and can be waited for with
+//! [`Comm::wait_for_destroys`]; they cannot be aborted (NCCL forbids aborting a
+//! communicator being destroyed), but they hold no GPU work, only a thread and NCCL's host
+//! resources. A communicator
+//! that failed (see [`crate::fault`]), or whose work on any of its streams did not finish in
+//! time, is aborted at once (`ncclCommAbort`, which stops its kernels on every stream and
+//! never waits for peers); one already aborted from another
 //! thread is left alone. So a drop never panics and never blocks for longer than its
 //! timeout, also when a peer has died. For an orderly shutdown in which all ranks take part
-//! and errors are reported, call [`Comm::finalize`] and then [`Comm::destroy`].
+//! and errors are reported, call [`Comm::finalize`] and then [`Comm::destroy`]; each first
+//! waits for the same work within the same bound and fails with [`Error::Timeout`] (the
+//! communicator as it was) where it does not finish, instead of blocking in NCCL forever.
+//! Work captured into a CUDA graph is not seen: it runs wherever the graph is launched.
 //! Communicators created together ([`Comm::init_all`], [`Comm::split_all`]) share the wait:
 //! once the drop of one of them timed out, the others abort at once, so dropping all of them
 //! takes one drop timeout.
@@ -65,6 +80,7 @@ pub(crate) use comm_call;
 
 mod child;
 mod close;
+mod in_flight;
 mod init;
 mod job_slot;
 mod lease;
@@ -72,6 +88,7 @@ pub(crate) use init::{MULTI_RANK_GPU_MAX, MULTI_RANK_GPU_SINCE, MULTI_RANK_GPU_V
 mod membership;
 pub(crate) mod state;
 mod status;
+mod streams;
 mod suspend;
 mod wait;
 
@@ -85,6 +102,7 @@ use nccl_sys::ncclComm_t;
 use parking_lot::MutexGuard;
 
 pub(crate) use close::Siblings;
+pub use in_flight::DestroyInFlight;
 pub(crate) use init::rank_and_size;
 pub(crate) use job_slot::JobSlot;
 pub(crate) use lease::Lease;
@@ -211,14 +229,18 @@ impl Comm {
         self.ready_timeout = timeout;
     }
 
-    /// How long [`Drop`] may take in all: waiting for enqueued work, then the orderly
-    /// destroy (see the [module docs](self#end-of-life)); work not done by then is aborted.
+    /// How long [`Drop`] may take in all: waiting for enqueued work (on every stream the
+    /// communicator's operations ran on), then the orderly destroy (see the
+    /// [module docs](self#end-of-life)); work not done by then is aborted. Also how long
+    /// [`Comm::finalize`] and [`Comm::destroy`] wait for that work before they fail.
     pub fn drop_timeout(&self) -> Duration {
         self.drop_timeout
     }
 
     /// Sets how long [`Drop`] may take ([`Comm::drop_timeout`]); zero aborts at once, without
-    /// waiting for enqueued work or for the network proxy to finish sending. Windows wait
+    /// waiting for enqueued work or for the network proxy to finish sending (and lets
+    /// [`Comm::finalize`] and [`Comm::destroy`] go on only where the work already finished).
+    /// Windows wait
     /// for their work within the same bound before deregistering, so with zero a window
     /// whose work has not finished yet is leaked (never freed while NCCL may still map it):
     /// close windows first, or synchronize, when their memory matters.

@@ -1,6 +1,7 @@
 //! The owner of a communicator's raw handle and its state: [`Shared`] holds the lock that
 //! every NCCL call on the communicator is made under, and [`State`] what the lock guards (the
-//! handle, group membership, a deferred abort, and the [`Failure`] that ended its use).
+//! handle, group membership, a deferred abort, the [`Failure`] that ended its use, and the
+//! other streams its operations ran on).
 //!
 //! Like rusqlite's `InnerConnection`, this is the one place that owns the `ncclComm_t`: it is
 //! taken out exactly once, by destroy or abort (see `close.rs` and [`crate::fault`]).
@@ -12,6 +13,7 @@ use cudarc::driver::{CudaContext, DriverError};
 use nccl_sys::ncclComm_t;
 use parking_lot::{Mutex, MutexGuard};
 
+use super::streams::ForeignStreams;
 use crate::calls::{self, Call};
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
@@ -73,6 +75,10 @@ pub(crate) struct State {
     /// Whether `ncclCommSuspend` released the communicator's dynamic GPU memory (and no
     /// `ncclCommResume` restored it yet): only calls marked `while_suspended` may be made.
     pub(crate) suspended: bool,
+    /// The streams besides its own that its operations were enqueued on, with an event
+    /// recorded after the last one on each (see `streams.rs`). Boxed, and made at the first
+    /// such stream, so a communicator that only uses its own stream keeps the small state.
+    pub(crate) foreign: Option<Box<ForeignStreams>>,
 }
 
 impl State {
@@ -83,6 +89,7 @@ impl State {
             deferred: None,
             failure: None,
             suspended: false,
+            foreign: None,
         }
     }
 
@@ -137,10 +144,13 @@ impl State {
         }
     }
 
-    /// Takes the raw handle out (null if it was already taken), recording why.
+    /// Takes the raw handle out (null if it was already taken), recording why. The other
+    /// streams' events go with it: an abort stops the kernels they wait for, and a destroy is
+    /// only handed work that finished.
     pub(crate) fn take(&mut self, failure: Failure) -> ncclComm_t {
         let raw = std::mem::replace(&mut self.ptr, ptr::null_mut());
         self.deferred = None;
+        self.foreign = None;
         self.record(failure.state, failure);
         raw
     }

@@ -100,17 +100,56 @@ impl Comm {
     /// Waits until all work enqueued so far on the communicator's stream has finished,
     /// checking the communicator's asynchronous error while waiting, so a failed peer is
     /// reported instead of hanging. Gives up with [`Error::Timeout`] after `timeout`.
+    ///
+    /// Only the communicator's own stream: operations enqueued on other streams
+    /// ([`Comm::enqueue_on`] and the like) are waited for by
+    /// [`Comm::synchronize_all_timeout`], and by the end of the communicator's life.
     pub fn synchronize_timeout(&self, timeout: Duration) -> Result<()> {
-        Self::wait_stream(self, &self.stream, Some(timeout))
+        self.wait_stream(&self.stream, Some(timeout))
     }
 
     /// Waits until all work enqueued so far on the communicator's stream has finished,
-    /// returning early with the communicator's asynchronous error if one occurs.
+    /// returning early with the communicator's asynchronous error if one occurs. Only the
+    /// communicator's own stream, as [`Comm::synchronize_timeout`].
     pub fn synchronize(&self) -> Result<()> {
-        Self::wait_stream(self, &self.stream, None)
+        self.wait_stream(&self.stream, None)
+    }
+
+    /// Waits, as [`Comm::synchronize_timeout`], for the communicator's stream and for every
+    /// other stream its operations were enqueued on ([`Comm::enqueue_on`],
+    /// [`Group::enqueue_on`](crate::Group::enqueue_on), [`Comm::enqueue_v_on`], one-sided
+    /// RMA's `*_on`): on each, up to the last of its operations there (earlier work on those
+    /// streams included, later work not). What dropping or destroying the communicator waits
+    /// for. Fails with [`Error::Cuda`] where one of those streams could not be tracked (a
+    /// CUDA error when recording on it), since then nobody can say. Operations captured into
+    /// a CUDA graph are not seen: their work runs where the graph is launched.
+    pub fn synchronize_all_timeout(&self, timeout: Duration) -> Result<()> {
+        self.wait_work(&self.stream, true, Some(timeout), true)
     }
 
     pub(crate) fn wait_stream(&self, stream: &CudaStream, timeout: Option<Duration>) -> Result<()> {
+        self.wait_work(stream, false, timeout, true)
+    }
+
+    /// [`Comm::synchronize_all_timeout`] for [`Comm::destroy`]: a failure recorded on the
+    /// communicator without an asynchronous error (a watchdog's report, a revoke) allows a
+    /// destroy, so it does not end the wait; only an asynchronous error or its release do.
+    pub(crate) fn wait_all_to_end(&self, timeout: Duration) -> Result<()> {
+        self.wait_work(&self.stream, true, Some(timeout), false)
+    }
+
+    /// The one wait for work: until the work enqueued so far on `stream`, and with `others`
+    /// the work recorded on the other streams this communicator used, has finished. With
+    /// `stop_at_failure`, a failure recorded meanwhile ends the wait with its error (and is
+    /// reported even when the work drained, as an abort lets it); without, only an
+    /// asynchronous error or the communicator's release do.
+    fn wait_work(
+        &self,
+        stream: &CudaStream,
+        others: bool,
+        timeout: Option<Duration>,
+        stop_at_failure: bool,
+    ) -> Result<()> {
         let start = Instant::now();
         let expired = |start: Instant| timeout.is_some_and(|limit| start.elapsed() >= limit);
         let mut backoff = Backoff::new();
@@ -119,25 +158,39 @@ impl Comm {
         let code = self.poll_in_progress(
             "the communicator to finish its last call before synchronizing",
             timeout,
-            true,
+            stop_at_failure,
         )?;
         if code != ResultCode::Success {
             return Err(self.lib.error("ncclCommGetAsyncError", code));
         }
         let done = stream.record_event(None)?;
+        let check = |call| {
+            let state = self.shared.lock();
+            match (stop_at_failure, state.ptr.is_null()) {
+                (true, _) => state.check_failure(call, self.rank),
+                (false, true) => Err(state.released_error(call, self.rank)),
+                (false, false) => Ok(()),
+            }
+        };
         loop {
-            if done.try_is_complete()? {
+            if done.try_is_complete()? && (!others || self.foreign_streams_done()?) {
                 // Work cut short by an abort from another thread also completes: report the
                 // abort rather than success.
-                return self.check_failure("Comm::synchronize");
+                return check("Comm::synchronize");
             }
-            self.check_failure("Comm::synchronize")?;
-            if let Some(err) = self.async_error()? {
-                return Err(err);
+            check("Comm::synchronize")?;
+            let code = self.async_code_raw()?;
+            if !matches!(code, ResultCode::Success | ResultCode::InProgress) {
+                return Err(self.lib.error("ncclCommGetAsyncError", code));
             }
             if expired(start) {
+                let what = if others {
+                    format!("work on the streams of rank {}", self.rank)
+                } else {
+                    format!("work on the stream of rank {}", self.rank)
+                };
                 return Err(Error::Timeout {
-                    what: format!("work on the stream of rank {}", self.rank),
+                    what,
                     waited: start.elapsed(),
                 });
             }

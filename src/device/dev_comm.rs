@@ -79,6 +79,13 @@ type Slot = JobSlot<Image>;
 /// with [`Error::Suspended`] (close it again once resumed), and a drop leaks it, until
 /// NCCL frees its resources with the communicator.
 ///
+/// Its communicator cannot be dropped before it (the borrow), and its wait first makes the
+/// communicator's stream wait for those kernels, timed out or not: the communicator's own
+/// end, which waits for its stream within [`Comm::drop_timeout`] and otherwise aborts, so
+/// covers them. cudarc keeps one read event per buffer, recorded again by each launch: of
+/// kernels launched on several streams only the last launch's is seen, so with kernels of
+/// it on several streams at once, synchronize the others before dropping it.
+///
 /// Passed to a kernel (`.arg(&dev_comm)` on a cudarc launch), it is the kernel parameter
 /// `const ncclDevComm*`.
 ///

@@ -10,7 +10,8 @@
 //!
 //! * [`Comm::synchronize_timeout`] waits for the work enqueued on the communicator's stream,
 //!   polling both the stream and `ncclCommGetAsyncError`: it returns [`Error::Timeout`] or
-//!   the asynchronous error instead of blocking forever.
+//!   the asynchronous error instead of blocking forever. [`Comm::synchronize_all_timeout`]
+//!   does the same for every stream the communicator's operations ran on.
 //! * A [`Watchdog`] ([`Comm::watchdog`]) does the same from a thread of its own, like
 //!   `torch.distributed`'s per-communicator timeout, and then aborts, revokes or marks the
 //!   communicator failed ([`WatchdogAction`]). The owner's next call, or the wait it is in,

@@ -76,7 +76,13 @@ impl WatchdogOptions {
     }
 
     /// Whether to probe the stream with events (default `true`); without it the watchdog
-    /// only reacts to asynchronous errors and to calls stuck in progress.
+    /// only reacts to asynchronous errors and to calls stuck in progress. Probing also
+    /// watches the other streams the communicator's operations ran on
+    /// ([`Comm::enqueue_on`] and the like): the last operation on one of them that stays
+    /// unfinished for the timeout, counted from the poll that first saw it pending, trips
+    /// the watchdog too. A newer operation on that stream starts the count again (it is
+    /// the one then watched); as on the communicator's own stream, work queued behind more
+    /// than the timeout's worth of earlier work trips it.
     pub fn probe_stream(mut self, probe: bool) -> Self {
         self.probe_stream = probe;
         self
@@ -240,7 +246,7 @@ impl Worker {
                 continue;
             }
             let now = Instant::now();
-            let verdict = match self.observe(&state, &mut probe, &mut monitor, now) {
+            let verdict = match self.observe(&mut state, &mut probe, &mut monitor, now) {
                 Ok(verdict) => verdict,
                 Err(cause) => Verdict::Trip(cause),
             };
@@ -254,7 +260,7 @@ impl Worker {
     /// One poll, under the communicator's lock.
     fn observe(
         &self,
-        state: &State,
+        state: &mut State,
         probe: &mut Option<CudaEvent>,
         monitor: &mut Monitor,
         now: Instant,
@@ -277,6 +283,23 @@ impl Worker {
         let verdict = monitor.observe(now, seen, probe_done);
         if probe_done == Some(true) {
             *probe = None;
+        }
+        if let Verdict::Trip(_) = verdict {
+            return Ok(verdict);
+        }
+        // The other streams its operations ran on: their events, re-recorded by each new
+        // operation there, are the probes (the watchdog cannot record on streams it does not
+        // hold). Timed from the poll that first saw the last record pending.
+        if let (true, Some(streams)) = (self.options.probe_stream, state.foreign.as_deref_mut()) {
+            if let Some(waited) = streams
+                .stalled(now, self.options.timeout)
+                .map_err(Cause::Cuda)?
+            {
+                return Ok(Verdict::Trip(Cause::Stalled {
+                    what: "work enqueued on another of the communicator's streams to finish",
+                    waited,
+                }));
+            }
         }
         if verdict == Verdict::Probe && self.options.probe_stream {
             let capturing = self.stream.capture_status().map_err(Cause::Cuda)?;

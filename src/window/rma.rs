@@ -444,7 +444,10 @@ impl<T: NcclType> Window<'_, T> {
         self.put_signal_on(self.comm().stream(), source, peer, offset, signal)
     }
 
-    /// [`Window::put_signal`] on `stream` (on the communicator's device).
+    /// [`Window::put_signal`] on `stream` (on the communicator's device); a stream other
+    /// than the communicator's own is noted as for [`Comm::enqueue_on`](crate::Comm::enqueue_on),
+    /// so ending the communicator waits for the work there too (as for `signal_on` and
+    /// `wait_signal_on`).
     pub fn put_signal_on(
         &self,
         stream: &CudaStream,
@@ -481,7 +484,7 @@ impl<T: NcclType> Window<'_, T> {
         // by cudarc's events; `win` is this rank's handle of a window registered on it, and
         // `byte_offset + count` elements fit this rank's window; the peer, signal and context
         // were checked; flags are reserved (0).
-        unsafe {
+        let called = unsafe {
             comm_call!(self.comm(), |raw| ncclPutSignal(
                 src as *const std::ffi::c_void,
                 count,
@@ -495,7 +498,9 @@ impl<T: NcclType> Window<'_, T> {
                 raw,
                 cu_stream,
             ))
-        }
+        };
+        self.comm().note_stream(stream);
+        called
     }
 
     /// Raises `signal` on rank `peer` without data (`ncclSignal`, NCCL 2.29), on the
@@ -515,11 +520,13 @@ impl<T: NcclType> Window<'_, T> {
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
         // SAFETY: live communicator under its lock; peer, signal and context checked; flags
         // are reserved (0).
-        unsafe {
+        let called = unsafe {
             comm_call!(self.comm(), |raw| ncclSignal(
                 peer, sig_idx, ctx, 0, raw, cu_stream
             ))
-        }
+        };
+        self.comm().note_stream(stream);
+        called
     }
 
     /// Makes the communicator's stream wait until every wait in `waits` has received its
@@ -551,14 +558,16 @@ impl<T: NcclType> Window<'_, T> {
         let cu_stream = stream.cu_stream() as nccl_sys::cudaStream_t;
         // SAFETY: live communicator under its lock; `descs` holds `n_desc` checked
         // descriptors and outlives the call (NCCL copies them into its tasks).
-        unsafe {
+        let called = unsafe {
             comm_call!(comm, |raw| ncclWaitSignal(
                 n_desc,
                 descs.as_mut_ptr(),
                 raw,
                 cu_stream
             ))
-        }
+        };
+        comm.note_stream(stream);
+        called
     }
 }
 
