@@ -662,12 +662,15 @@ fn m5_peer_pointers_cover_the_peers_window() {
             );
             let ptr = window.peer_ptr(world, 0).expect("a peer pointer");
             assert_eq!(ptr.len(), peer, "rank {} -> {world}", comm.rank());
-            assert!(window
-                .lsa_ptr(lsa_rank, peer)
-                .expect("at the end")
-                .is_empty());
-            let err = window.lsa_ptr(lsa_rank, peer + 1).unwrap_err();
-            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+            // Offsets must lie inside this rank's window (NCCL's rule) and the target's.
+            let own = sizes[comm.rank()];
+            for offset in [own, peer, peer + 1] {
+                if offset < own && offset < peer {
+                    continue;
+                }
+                let err = window.lsa_ptr(lsa_rank, offset).unwrap_err();
+                assert!(matches!(err, Error::InvalidArgument(_)), "{offset}: {err}");
+            }
             checked += usize::from(world != comm.rank());
         }
     }

@@ -184,7 +184,8 @@ impl<T: NcclType> PeerPtr<'_, T> {
         self.len
     }
 
-    /// Whether it covers nothing (an offset at the end of the target's window).
+    /// Whether it covers nothing (never, as made: an offset must be inside both this rank's
+    /// window and the target's).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -332,7 +333,16 @@ impl<'c, T: NcclType> Window<'c, T> {
     ) -> Result<PeerPtr<'_, T>> {
         let lib = self.comm().library();
         lib.require_call(row)?;
-        if offset > limit {
+        // NCCL takes offsets inside this rank's own window (`ncclDevrGetLsaRankPtr` checks
+        // the offset against the local window's size, 2.29 to 2.30.7), whatever the target's.
+        if offset >= self.len() {
+            return Err(Error::invalid(format!(
+                "offset {offset} is not inside this rank's window of {} elements (NCCL \
+                 resolves offsets within the local window)",
+                self.len()
+            )));
+        }
+        if offset >= limit {
             return Err(Error::invalid(format!(
                 "offset {offset} is past the target window's {limit} elements"
             )));
