@@ -47,7 +47,10 @@
 //! "NCCL was built without TLS support but a pre-shared key was configured", and a missing
 //! OpenSSL `ncclSystemError`. While a key is set, joins report those two as
 //! [`Error::Unavailable`] naming `ncclSetEncryption`, so the cause is not mistaken for a
-//! misuse of the communicator.
+//! misuse of the communicator, but only where NCCL's last error (`ncclGetLastError`) says so
+//! ("without TLS", or "ncclCrypt" for OpenSSL): that buffer is process-wide and may be empty
+//! or overwritten by another thread, and an `ncclInvalidUsage` without that text is left as
+//! it is, since it can as well be a real misuse.
 
 use std::fmt;
 use std::os::raw::c_char;
@@ -206,7 +209,8 @@ pub(crate) fn explain(error: Error) -> Error {
 }
 
 /// Why NCCL could not encrypt, when `error` is how NCCL says so (see the module documentation
-/// for the source of each case).
+/// for the source of each case): the code alone is not enough, NCCL's last error must name
+/// the cause.
 fn unavailable_reason(error: &Error) -> Option<String> {
     let Error::Nccl {
         code, last_error, ..
@@ -224,7 +228,7 @@ fn unavailable_reason(error: &Error) -> Option<String> {
         Some(format!("{reason}{quoted}"))
     };
     match code {
-        ResultCode::InvalidUsage if said.is_empty() || said.contains("TLS") => nccl_says(
+        ResultCode::InvalidUsage if said.contains("without TLS") => nccl_says(
             "the loaded NCCL was built without TLS support (it needs TLS_BACKEND=OPENSSL3), so \
              it cannot encrypt its sockets; use an NCCL built with it, or leave encryption off",
         ),
@@ -286,8 +290,12 @@ mod tests {
         ))
         .unwrap();
         assert!(reason.contains("OpenSSL 3"), "{reason}");
-        // Other failures stay what they are.
+        // Other failures stay what they are, an InvalidUsage with no last error included (the
+        // buffer is process-wide: empty, or another thread's, it says nothing about TLS).
         assert!(unavailable_reason(&nccl(ResultCode::InvalidUsage, Some("bad rank"))).is_none());
+        assert!(unavailable_reason(&nccl(ResultCode::InvalidUsage, None)).is_none());
+        assert!(unavailable_reason(&nccl(ResultCode::InvalidUsage, Some(""))).is_none());
+        assert!(unavailable_reason(&nccl(ResultCode::InvalidUsage, Some("  \n"))).is_none());
         assert!(unavailable_reason(&nccl(ResultCode::SystemError, None)).is_none());
         assert!(unavailable_reason(&Error::invalid("x")).is_none());
         // Without a key set, nothing is rewritten.

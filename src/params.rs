@@ -36,10 +36,18 @@
 //!   further NCCL call on the thread, which is why reading them is sound.
 //! * Reading has no side effect beyond NCCL loading the value from the environment the
 //!   first time (as it would when it first uses it); there is no setter.
+//! * NCCL's parameter calls are not safe from two threads at once: `ncclParamBind` and
+//!   `ncclParamGetParameter` record each key in a function-static `std::unordered_set`
+//!   with no lock (`ncclParamCheckFlag` in `src/param/c_api.cc`, the same in 2.30.3, 2.30.4
+//!   and 2.30.7; 2.32's source is not public, the API is unchanged). Every `ncclParam*` call
+//!   of this crate is made under one process-wide lock, so [`all`] and [`get`] may be called
+//!   from any thread; other code in the process that calls NCCL's parameter API directly is
+//!   outside that lock.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
 
 use nccl_sys::{ncclParamHandle_t, ncclResult_t};
 
@@ -187,12 +195,27 @@ impl fmt::Display for Params {
     }
 }
 
+/// Held around every `ncclParam*` call: NCCL's parameter API mutates unguarded state (see
+/// the module's documentation).
+static NCCL_PARAM_CALLS: Mutex<()> = Mutex::new(());
+
+/// Takes [`NCCL_PARAM_CALLS`]; the guarded data is `()`, so a panic while it was held leaves
+/// nothing inconsistent and poisoning is ignored.
+fn param_calls() -> MutexGuard<'static, ()> {
+    NCCL_PARAM_CALLS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Every parameter NCCL lists (`ncclParamGetAllParameterKeys`, then each value), with the
-/// library's version and path. [`Error::Unsupported`] before NCCL 2.30.3.
+/// library's version and path. [`Error::Unsupported`] before NCCL 2.30.3. Safe from any
+/// thread: NCCL is called under this crate's one parameter lock.
 pub fn all() -> Result<Params> {
     let lib = library::get()?;
     lib.require_call(&calls::ncclParamGetAllParameterKeys)?;
     require_readers(lib)?;
+    // One hold for the whole listing, so it is also one consistent read.
+    let _calls = param_calls();
     let mut params = Vec::new();
     for key in keys(lib)? {
         // A key NCCL listed but then does not find is left out rather than made up.
@@ -211,10 +234,11 @@ pub fn all() -> Result<Params> {
 /// The parameter `key` (e.g. `"NCCL_DEBUG_SUBSYS"`), or `None` where NCCL's registry does
 /// not know it (a typo, or a parameter NCCL reads the older way, such as `NCCL_PROTO`).
 /// [`Error::Unsupported`] before NCCL 2.30.3; [`Error::InvalidArgument`] for a key with a
-/// NUL byte.
+/// NUL byte. Safe from any thread: NCCL is called under this crate's one parameter lock.
 pub fn get(key: &str) -> Result<Option<Param>> {
     let lib = library::get()?;
     require_readers(lib)?;
+    let _calls = param_calls();
     read(lib, key)
 }
 
@@ -238,7 +262,7 @@ fn require_readers(lib: &Library) -> Result<()> {
     READERS.iter().try_for_each(|call| lib.require_call(call))
 }
 
-/// The keys NCCL lists, copied.
+/// The keys NCCL lists, copied. Called under [`param_calls`].
 fn keys(lib: &Library) -> Result<Vec<String>> {
     let mut table: *mut *const c_char = std::ptr::null_mut();
     let mut len: c_int = 0;
@@ -265,7 +289,8 @@ fn keys(lib: &Library) -> Result<Vec<String>> {
         .collect())
 }
 
-/// One parameter: NCCL's text, then the integer where a typed getter reads it.
+/// One parameter: NCCL's text, then the integer where a typed getter reads it. Called under
+/// [`param_calls`].
 fn read(lib: &Library, key: &str) -> Result<Option<Param>> {
     let c_key = CString::new(key)
         .map_err(|_| Error::invalid(format!("the parameter key {key:?} contains a NUL byte")))?;

@@ -17,7 +17,7 @@ use crate::release::Version;
 
 /// First NCCL with `ncclCommQueryProperties`.
 pub const PROPERTIES_SINCE: Version = calls::ncclCommQueryProperties.since;
-/// First NCCL that reports GIN types, LSA teams and host RMA support.
+/// First NCCL that reports LSA teams and host RMA support, and the GIN type as a 4-byte enum.
 const HOST_RMA_SINCE: Version = Version::new(2, 29, 4);
 /// First NCCL that reports the communicator hash, GIN stride, connection and support table.
 const GIN_DETAILS_SINCE: Version = Version::new(2, 31, 0);
@@ -208,6 +208,14 @@ fn decode(raw: &ncclCommProperties_t, version: Version) -> Result<CommProperties
 
 /// Queries `comm` (the body of [`Comm::properties`], also used by windows).
 pub(crate) fn query(comm: &Comm) -> Result<CommProperties> {
+    query_with_gin(comm).map(|(props, _)| props)
+}
+
+/// [`query`], with the GIN type also where NCCL 2.29.2 and 2.29.3 report it in their own
+/// layout (which [`CommProperties::gin_type`] leaves out, as it does their other early
+/// fields): what one-sided RMA's set-up needs to know on those versions
+/// ([`crate::window::rma`]).
+pub(crate) fn query_with_gin(comm: &Comm) -> Result<(CommProperties, Option<GinType>)> {
     const ROW: &Call = &calls::ncclCommQueryProperties;
     let lib = comm.library();
     lib.require_call(ROW)?;
@@ -223,7 +231,31 @@ pub(crate) fn query(comm: &Comm) -> Result<CommProperties> {
     // ncclCommProperties_t (size, magic, and a version the library accepts) followed by spare
     // room, valid for writes until the call returns.
     unsafe { comm_call!(comm, |raw| ncclCommQueryProperties(raw, props)) }?;
-    decode(&slot.props, version)
+    let decoded = decode(&slot.props, version)?;
+    let gin = if version < HOST_RMA_SINCE {
+        // SAFETY: `props` points to the struct NCCL has just filled, still in place; a
+        // 2.29.2/2.29.3 library writes its one-byte `ginType` inside the 40 bytes it was told
+        // about.
+        Some(unsafe { early_gin_type(props) })
+    } else {
+        decoded.gin_type
+    };
+    Ok((decoded, gin))
+}
+
+/// Where NCCL 2.29.2 and 2.29.3 put their `ginType`: one byte (`enum : uint8_t`) right after
+/// `multimemSupport`, where later layouts have padding before a 4-byte enum.
+const EARLY_GIN_TYPE_AT: usize = std::mem::offset_of!(ncclCommProperties_t, multimemSupport) + 1;
+
+/// The GIN type a 2.29.2/2.29.3 library wrote into `props`.
+///
+/// # Safety
+///
+/// `props` must point to a properties struct such a library has filled in.
+unsafe fn early_gin_type(props: *const ncclCommProperties_t) -> GinType {
+    // SAFETY: the caller's promise; the byte lies within the struct.
+    let raw = unsafe { props.cast::<u8>().add(EARLY_GIN_TYPE_AT).read() };
+    GinType::from_raw(ncclGinType_t(u32::from(raw)))
 }
 
 impl Comm {
@@ -273,6 +305,22 @@ mod tests {
         assert_eq!(old.gin_type, None);
         assert_eq!(old.host_rma_support, None);
         assert_eq!(old.comm_hash, None);
+
+        // 2.29.2/2.29.3 write a one-byte GIN type where later layouts have padding.
+        let mut slot = Slot {
+            props: nccl_sys::nccl_comm_properties_initializer(),
+            _room: [0; 256],
+        };
+        let at: *mut ncclCommProperties_t = &mut slot.props;
+        // SAFETY: the byte lies inside the struct; the early layout is what is tested.
+        unsafe { at.cast::<u8>().add(EARLY_GIN_TYPE_AT).write(3) };
+        assert_eq!(EARLY_GIN_TYPE_AT, 34);
+        // SAFETY: filled in as such a library would.
+        assert_eq!(unsafe { early_gin_type(at) }, GinType::Gdaki);
+        // SAFETY: as above.
+        unsafe { at.cast::<u8>().add(EARLY_GIN_TYPE_AT).write(0) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { early_gin_type(at) }, GinType::None);
 
         let v230 = decode(&raw, Version::new(2, 30, 7)).unwrap();
         assert_eq!(v230.gin_type, Some(GinType::Proxy));

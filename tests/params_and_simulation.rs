@@ -1,6 +1,7 @@
-//! `nccl::params` and `Group::simulate` against a stand-in libnccl built with the C compiler
-//! at test time (`$CC`, else `cc`; skipped, saying so, when none works). The stand-in keeps its strings the way
-//! NCCL does, in buffers its next call overwrites (with garbage first, here), so a value not
+//! `nccl::params` (from one thread and from several at once) and `Group::simulate` against a
+//! stand-in libnccl built with the C compiler at test time (`$CC`, else `cc`; skipped, saying
+//! so, when none works). The stand-in fails every parameter call once two threads were inside
+//! it together (NCCL's own race), and keeps its strings the way NCCL does, in buffers its next call overwrites (with garbage first, here), so a value not
 //! copied at once would read wrong. Its version comes from `NCCL_RS_FAKE_VERSION`: the test
 //! re-executes itself to load it as NCCL 2.21.5, 2.28.3 and 2.30.2 too (the loaded library is
 //! process-global), where the API must be refused as unsupported, and on 2.21.5
@@ -15,12 +16,30 @@ use nccl::{Error, ParamValue, Version};
 const CHILD_ENV: &str = "NCCL_RS_PARAMS_CHILD";
 
 const FAKE_NCCL: &str = r#"
+#define _POSIX_C_SOURCE 199309L
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int ncclResult_t;
-enum { OK = 0, INVALID_ARGUMENT = 4 };
+enum { OK = 0, INTERNAL_ERROR = 3, INVALID_ARGUMENT = 4 };
+
+/* NCCL 2.30.3 to 2.32 mutate an unguarded function-static set in ncclParamBind and
+ * ncclParamGetParameter: two threads in parameter calls at once race inside NCCL. The
+ * stand-in counts the threads inside, lingers to widen the window, and once two were
+ * inside together fails every later parameter call with an internal error. */
+static int inside, raced;
+static void enter(void) {
+  if (__atomic_fetch_add(&inside, 1, __ATOMIC_SEQ_CST) != 0)
+    __atomic_store_n(&raced, 1, __ATOMIC_SEQ_CST);
+  struct timespec linger = {0, 20000};
+  nanosleep(&linger, 0);
+}
+static ncclResult_t leave(ncclResult_t result) {
+  __atomic_fetch_sub(&inside, 1, __ATOMIC_SEQ_CST);
+  return __atomic_load_n(&raced, __ATOMIC_SEQ_CST) ? INTERNAL_ERROR : result;
+}
 enum { I8 = 1, I16, I32, I64, U8, U16, U32, U64, BOOL, CSTR, RAW };
 
 struct param { const char* key; int type; const char* text; int64_t value; };
@@ -48,6 +67,7 @@ const char* ncclGetLastError(void* comm) { (void)comm; return ""; }
 static char keys[NPARAMS][64];
 static const char* key_table[NPARAMS];
 ncclResult_t ncclParamGetAllParameterKeys(const char*** table, int* len) {
+  enter();
   for (size_t i = 0; i < NPARAMS; i++) {
     memset(keys[i], 'X', sizeof keys[i]);
     strcpy(keys[i], PARAMS[i].key);
@@ -55,7 +75,7 @@ ncclResult_t ncclParamGetAllParameterKeys(const char*** table, int* len) {
   }
   *table = key_table;
   *len = (int)NPARAMS;
-  return OK;
+  return leave(OK);
 }
 
 static const struct param* find(const char* key) {
@@ -66,20 +86,22 @@ static const struct param* find(const char* key) {
 
 static char text[256];
 ncclResult_t ncclParamGetParameter(const char* key, const char** value, int* len) {
+  enter();
   memset(text, 'X', sizeof text);
   const struct param* p = find(key);
-  if (!p) { *value = 0; *len = 0; return INVALID_ARGUMENT; }
+  if (!p) { *value = 0; *len = 0; return leave(INVALID_ARGUMENT); }
   strcpy(text, p->text);
   *value = text;
   *len = (int)strlen(text);
-  return OK;
+  return leave(OK);
 }
 
 ncclResult_t ncclParamBind(const struct param** out, const char* key) {
+  enter();
   const struct param* p = find(key);
-  if (!p) return INVALID_ARGUMENT;
+  if (!p) return leave(INVALID_ARGUMENT);
   *out = p;
-  return OK;
+  return leave(OK);
 }
 
 static int size_of(int type) {
@@ -93,13 +115,14 @@ static int size_of(int type) {
 }
 
 ncclResult_t ncclParamGet(const struct param* h, void* out, int max, int* len) {
+  enter();
   int size = size_of(h->type);
   if (size < 0) size = (int)strlen(h->text) + 1;
-  if (size > max) { *len = 0; return INVALID_ARGUMENT; }
+  if (size > max) { *len = 0; return leave(INVALID_ARGUMENT); }
   if (h->type == CSTR) memcpy(out, h->text, (size_t)size);
   else memcpy(out, &h->value, (size_t)size); /* little-endian: the low bytes */
   *len = size;
-  return OK;
+  return leave(OK);
 }
 
 /* Groups: ncclGroupSimulateEnd checks NCCL_SIM_INFO_INITIALIZER as NCCL does and, asked to
@@ -119,9 +142,10 @@ ncclResult_t ncclGroupSimulateEnd(simInfo* info) {
 
 #define GETTER(name, ctype, tid) \
   ncclResult_t name(const struct param* h, ctype* out) { \
-    if (h->type != tid) return INVALID_ARGUMENT; \
+    enter(); \
+    if (h->type != tid) return leave(INVALID_ARGUMENT); \
     *out = (ctype)h->value; \
-    return OK; \
+    return leave(OK); \
   }
 GETTER(ncclParamGetI8, int8_t, I8)
 GETTER(ncclParamGetI16, int16_t, I16)
@@ -151,6 +175,28 @@ fn build(dir: &Path) -> Option<PathBuf> {
             eprintln!("SKIPPED params: cannot build the stand-in libnccl with `{cc}`: {other:?}");
             None
         }
+    }
+}
+
+/// Reads every parameter, and one by one, from several threads at once, many times: each
+/// result must be what one thread read alone.
+fn from_many_threads_at_once(alone: &nccl::params::Params) {
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let alone = alone.clone();
+            std::thread::spawn(move || {
+                for _ in 0..25 {
+                    assert_eq!(nccl::params::all().expect("all, threaded"), alone);
+                    for param in &alone.params {
+                        let one = nccl::params::get(&param.key).expect("get, threaded");
+                        assert_eq!(one.as_ref(), Some(param));
+                    }
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("a reading thread failed");
     }
 }
 
@@ -280,6 +326,10 @@ fn params_of_a_stand_in_library() {
         Err(Error::InvalidArgument(text)) => assert!(text.contains("NUL"), "{text}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
+
+    // Many threads at once: the stand-in fails every call from the first moment two threads
+    // are inside it together, as NCCL's unguarded set would be corrupted.
+    from_many_threads_at_once(&params);
 
     // A simulation hands NCCL an initialised ncclSimInfo_t and reads its estimate back; one
     // that planned nothing (NCCL leaves -1) has none. The group is closed either way.

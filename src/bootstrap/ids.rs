@@ -37,7 +37,8 @@ pub(crate) const ANY_IDS: u32 = u32::MAX;
 pub enum IdCount {
     /// One id up to [`SCALABLE_RANKS_PER_ID`] ranks, else one per that many (rounded up, at
     /// most [`MAX_EXCHANGED_IDS`]), when the loaded NCCL has `ncclCommInitRankScalable`; one
-    /// id on older NCCL.
+    /// id on older NCCL. Rank 0's NCCL decides: every exchange (TCP, file, MPI) hands the
+    /// other ranks rank 0's count.
     #[default]
     Auto,
     /// Exactly this many: at least 1, at most the world size and [`MAX_EXCHANGED_IDS`].
@@ -122,6 +123,48 @@ fn check_count(n: usize, world_size: usize) -> Result<()> {
     Ok(())
 }
 
+/// The count message an MPI exchange broadcasts from rank 0 before any id: a status byte (1:
+/// rank 0 settled the count), then the count as a big-endian `u32`.
+#[cfg(any(test, feature = "mpi"))]
+pub(crate) const COUNT_MESSAGE_LEN: usize = 5;
+
+/// Rank 0's count message: `settled` is its own [`IdCount::resolve_for_host`].
+#[cfg(any(test, feature = "mpi"))]
+pub(crate) fn count_message(settled: &Result<usize>) -> [u8; COUNT_MESSAGE_LEN] {
+    let mut message = [0u8; COUNT_MESSAGE_LEN];
+    // A settled count is within 1..=MAX_EXCHANGED_IDS, so it fits.
+    if let Some(count) = settled.as_ref().ok().and_then(|&n| u32::try_from(n).ok()) {
+        message[0] = 1;
+        message[1..].copy_from_slice(&count.to_be_bytes());
+    }
+    message
+}
+
+/// What the count message rank 0 broadcast means on a rank whose own setting is `own`: the
+/// count every rank uses (rank 0's, never this rank's own resolution: under
+/// [`IdCount::Auto`] that depends on the NCCL this process loaded, which may differ between
+/// ranks), or why not. `Err` when rank 0 could not settle it (it reports its own error), or
+/// when `own` asks for exactly another count ([`BootstrapError::IdCountMismatch`]).
+#[cfg(any(test, feature = "mpi"))]
+pub(crate) fn agreed_count(
+    message: &[u8; COUNT_MESSAGE_LEN],
+    own: IdCount,
+    world_size: usize,
+) -> Result<usize> {
+    let mut count = [0u8; 4];
+    count.copy_from_slice(&message[1..]);
+    let count = u32::from_be_bytes(count) as usize;
+    if message[0] != 1 {
+        return Err(BootstrapError::Config(
+            "rank 0 could not settle how many NCCL unique ids to create (see rank 0's error)"
+                .to_owned(),
+        ));
+    }
+    check_count(count, world_size)?;
+    own.accepts(count)?;
+    Ok(count)
+}
+
 /// `NCCL_RS_UNIQUE_IDS`: `auto` (or unset) or a count of at least 1.
 pub(crate) fn id_count_from(vars: Vars<'_>) -> Result<IdCount> {
     let Some(text) = lookup(vars, vars::UNIQUE_IDS) else {
@@ -192,6 +235,39 @@ pub(crate) fn decode_ids(bytes: &[u8]) -> Vec<UniqueId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_rank_takes_rank_0s_count_over_its_own_resolution() {
+        // Rank 0 loaded an NCCL with ncclCommInitRankScalable and settled 16 ids for 4096
+        // ranks; a rank whose own NCCL predates it would resolve Auto to 1, but takes 16.
+        let settled = IdCount::Auto.resolve(4096, true);
+        assert_eq!(IdCount::Auto.resolve(4096, false).unwrap(), 1);
+        let message = count_message(&settled);
+        assert_eq!(agreed_count(&message, IdCount::Auto, 4096).unwrap(), 16);
+        assert_eq!(
+            agreed_count(&message, IdCount::Exactly(16), 4096).unwrap(),
+            16
+        );
+        // A rank set up for exactly another count says so (on every rank, once agreed).
+        match agreed_count(&message, IdCount::Exactly(2), 4096) {
+            Err(BootstrapError::IdCountMismatch {
+                handed_out: 16,
+                expected: 2,
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        // Rank 0 failed to settle a count: every rank fails, none makes up its own.
+        let failed = count_message(&IdCount::Exactly(9).resolve(4, true));
+        assert_eq!(failed[0], 0);
+        match agreed_count(&failed, IdCount::Auto, 4) {
+            Err(BootstrapError::Config(text)) => assert!(text.contains("rank 0"), "{text}"),
+            other => panic!("{other:?}"),
+        }
+        // A count no rank 0 of this build sends (more ids than ranks) is refused.
+        let mut bogus = count_message(&Ok(1));
+        bogus[1..].copy_from_slice(&5u32.to_be_bytes());
+        assert!(agreed_count(&bogus, IdCount::Auto, 4).is_err());
+    }
 
     #[test]
     fn roots_follow_nccl_s_rule() {

@@ -107,7 +107,7 @@
 //! 64-bit hash; it tells jobs apart and is not a secret.
 //!
 //! The secret is `NCCL_RS_RENDEZVOUS_KEY`: with it every rank speaks the TCP protocol's
-//! version 2, which encrypts the id and only hands it to ranks holding the same key
+//! version 3, which encrypts the id and only hands it to ranks holding the same key
 //! ([`TcpTransport`] says what it protects against). Pass it to every rank like the address,
 //! e.g. `mpirun -x NCCL_RS_RENDEZVOUS_KEY ...` (`srun` and `torchrun` pass the environment on);
 //! [`spawn_local`] draws a fresh one for the ranks it starts. A rank with a key and a rank 0

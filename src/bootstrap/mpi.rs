@@ -16,10 +16,11 @@
 //! # }
 //! ```
 
+use ::mpi::collective::SystemOperation;
 use ::mpi::topology::Communicator;
-use ::mpi::traits::Root;
+use ::mpi::traits::{CommunicatorCollectives, Root};
 
-use super::ids::IdCount;
+use super::ids::{agreed_count, count_message, IdCount, COUNT_MESSAGE_LEN};
 use super::{root_rank, BootstrapError, Launcher, Placement};
 use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
@@ -72,11 +73,16 @@ pub fn exchange_id_mpi_with(
 /// [`Comm::init_rank_scalable`](crate::Comm::init_rank_scalable), created as NCCL's guide
 /// asks: id `i` by the first rank of the `i`-th of `count` even groups of ranks
 /// ([`rank_has_root`](super::rank_has_root)), each then broadcast from its creator
-/// (`MPI_Bcast`, one per id, in order). Collective: every rank of `world` must call it with
-/// the same `count` ([`IdCount::Auto`] resolves alike on every rank, from the world size and
-/// the loaded NCCL's version).
+/// (`MPI_Bcast`, one per id, in order). Collective: every rank of `world` must call it.
 ///
-/// Each broadcast carries a status byte, as in [`exchange_id_mpi`]: a creator that fails
+/// The number of ids is rank 0's: rank 0 resolves `count` (under [`IdCount::Auto`], from the
+/// world size and whether the NCCL it loaded has `ncclCommInitRankScalable`) and broadcasts
+/// it first, so that ranks that loaded different NCCL releases, or none, still take part in
+/// the same broadcasts. A rank whose own `count` is exactly another number fails with
+/// [`BootstrapError::IdCountMismatch`]; the ranks agree on that (`MPI_Allreduce`) before any
+/// id moves, so that then every rank fails, none left waiting.
+///
+/// Each id's broadcast carries a status byte, as in [`exchange_id_mpi`]: a creator that fails
 /// makes every rank fail instead of joining with garbage.
 pub fn exchange_ids_mpi(world: &impl Communicator, count: IdCount) -> crate::Result<Vec<UniqueId>> {
     exchange_ids_mpi_with(world, count, UniqueId::new)
@@ -91,7 +97,7 @@ pub fn exchange_ids_mpi_with(
     // MPI sizes and ranks are non-negative by definition.
     let size = world.size() as usize;
     let me = world.rank() as usize;
-    let count = count.resolve_for_host(size)?;
+    let count = agree_on_count(world, count, size)?;
     let mut ids = Vec::with_capacity(count);
     let mut own_error = None;
     for index in 0..count {
@@ -128,6 +134,36 @@ pub fn exchange_ids_mpi_with(
         Some(error) => Err(error),
         None => Ok(ids),
     }
+}
+
+/// Rank 0's id count, on every rank, or an error on every rank: rank 0 settles `own` and
+/// broadcasts it, then all ranks agree that each can take it. Every rank makes both
+/// collective calls whatever happens, so that no rank is left waiting in one.
+fn agree_on_count(world: &impl Communicator, own: IdCount, size: usize) -> crate::Result<usize> {
+    let mut message = [0u8; COUNT_MESSAGE_LEN];
+    let mut root_error = None;
+    if world.rank() == ROOT {
+        let settled = own.resolve_for_host(size);
+        message = count_message(&settled);
+        root_error = settled.err();
+    }
+    world.process_at_rank(ROOT).broadcast_into(&mut message[..]);
+    let agreed = agreed_count(&message, own, size);
+    let mine = i32::from(agreed.is_ok());
+    let mut everyone = 0i32;
+    world.all_reduce_into(&mine, &mut everyone, SystemOperation::min());
+    if let Some(error) = root_error {
+        return Err(error.into());
+    }
+    let count = agreed?;
+    if everyone == 0 {
+        return Err(BootstrapError::Config(format!(
+            "another rank expects another number of NCCL unique ids than rank 0's {count} \
+             (see that rank's IdCountMismatch error)"
+        ))
+        .into());
+    }
+    Ok(count)
 }
 
 /// This process's [`Placement`] from MPI itself: rank and size of `world`, and the local rank and

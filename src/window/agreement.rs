@@ -160,12 +160,17 @@ pub(super) struct Agreed {
     pub(super) set_up_rma: bool,
 }
 
-/// `hostRmaSupport`, where the library reports it; any other failure of the query is this
-/// rank's error (it goes through the exchange like the others).
-fn host_rma(comm: &Comm) -> Result<Option<bool>> {
-    match crate::properties::query(comm) {
-        Ok(props) => Ok(props.host_rma_support),
-        Err(err) if err.is_unsupported() => Ok(None),
+/// What this rank knows of host RMA before registering: `hostRmaSupport` where the library
+/// reports it, and whether NCCL's rank-local checks of its first RMA call will pass here
+/// ([`rma::local_checks_pass`]). Any other failure of the query is this rank's error (it goes
+/// through the exchange like the others).
+fn host_rma(comm: &Comm) -> Result<(Option<bool>, bool)> {
+    match crate::properties::query_with_gin(comm) {
+        Ok((props, gin)) => Ok((
+            props.host_rma_support,
+            rma::local_checks_pass(props.host_rma_support, gin),
+        )),
+        Err(err) if err.is_unsupported() => Ok((None, false)),
         Err(err) => Err(err),
     }
 }
@@ -178,7 +183,7 @@ pub(super) fn agree<T: NcclType>(
     buffers: &[NcclBuffer<T>],
     flags: WindowFlags,
 ) -> Result<Vec<Agreed>> {
-    let local: Vec<Result<Option<bool>>> = comms
+    let local: Vec<Result<(Option<bool>, bool)>> = comms
         .iter()
         .zip(buffers)
         .map(|(comm, buffer)| check(comm, buffer, flags).and_then(|()| host_rma(comm)))
@@ -189,7 +194,7 @@ pub(super) fn agree<T: NcclType>(
         .zip(&local)
         .map(|((comm, buffer), verdict)| {
             let rma = match verdict {
-                Ok(host) => rma::can_set_up(comm, *host),
+                Ok((_, checks_pass)) => rma::can_set_up(comm, *checks_pass),
                 Err(_) => false,
             };
             Entry::of(buffer, flags, verdict.is_err(), rma)
@@ -203,7 +208,7 @@ pub(super) fn agree<T: NcclType>(
     };
     let mut agreed = Vec::with_capacity(comms.len());
     for ((comm, verdict), entries) in comms.iter().zip(local).zip(&all) {
-        let host_rma = verdict?;
+        let (host_rma, _) = verdict?;
         judge(comm.library().version(), entries)?;
         agreed.push(Agreed {
             peer_bytes: entries.iter().map(|e| e.bytes).collect(),

@@ -188,6 +188,11 @@ impl Comm {
     /// Registers `buffer` as a window on this communicator (`ncclCommWindowRegister`, NCCL
     /// 2.27). Operation: every rank calls it. See the [module docs](crate::window).
     ///
+    /// On NCCL 2.29 and 2.30 the first registration on a communicator also takes one-sided
+    /// RMA's set-up step, on every rank together, where every rank can; where not, the window
+    /// registers all the same and RMA calls on the communicator are refused with
+    /// [`Error::Unavailable`] (see [`rma`](crate::window::rma#setting-rma-up-every-rank-at-once)).
+    ///
     /// On failure the buffer comes back inside the [`RegisterError`] (which converts into
     /// [`Error`] with `?`), unless NCCL may still be registering it. A nonblocking
     /// registration that does not finish within [`Comm::ready_timeout`] aborts the

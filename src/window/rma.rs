@@ -43,9 +43,24 @@
 //!   step at the first window registration on the communicator, where every rank is
 //!   present: once the window is registered, each rank signals the next and waits for one
 //!   signal from the previous, on the communicator's stream, and waits for that. Where not
-//!   every rank can (no host RMA support, a CUDA driver older than 12.5, on any rank; the
-//!   ranks agree on it at registration), RMA stays off on that communicator and every RMA
-//!   call is refused with [`Error::Unavailable`].
+//!   every rank can (on any rank: no host RMA support, a CUDA driver older than 12.5, or
+//!   NCCL's own rank-local checks of its first RMA call not known to pass; the ranks agree on
+//!   it at registration), the window still registers, RMA stays off on that communicator and
+//!   every RMA call is refused with [`Error::Unavailable`].
+//!
+//!   NCCL's first RMA call checks, on its own rank, before anything collective:
+//!   `hostRmaSupport` from 2.29.4 (computed from values every rank gathered, so the same on
+//!   every rank, and reported by [`Comm::properties`](crate::Comm::properties)), and on
+//!   2.29.2/2.29.3 symmetric support and, across nodes, `rmaProxySupport` (v2.29.3
+//!   `rmaTaskAppend`, `src/enqueue.cc:2691`), which depends on each process's network plugin
+//!   and is reported nowhere. A rank refused there returns `ncclInvalidArgument` at once while
+//!   the others go on into the collective set-up (`ncclRmaCeInit`: a window registration of
+//!   NCCL's own) and wait for it forever, and a set-up that failed on every rank made the
+//!   registration fail. So the step is only taken where those checks are known to pass on
+//!   every rank: on 2.29.2/2.29.3 only on communicators without GIN, whose registered window
+//!   proves a single node. What can still fail is inside NCCL's
+//!   collective set-up (an allocation, its signal window, a stream); that fails the
+//!   registration with NCCL's error, as a failure of NCCL's own registration would.
 //! * 2.31 and later: at the first window registration (or at creation, with
 //!   `rmaEagerInit`/`NCCL_RMA_EAGER_INIT`), which is collective anyway; nothing to do here.
 //!   A signal or wait before any registration is `ncclInvalidUsage` there, which cannot
@@ -83,6 +98,7 @@ use crate::comm::comm_call;
 use crate::comm::{Comm, Membership, RmaSetup};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
+use crate::properties::GinType;
 use crate::release::Version;
 use crate::thread_group::{self, RawGroup};
 
@@ -290,13 +306,34 @@ pub(crate) fn lazy_setup(version: Version) -> bool {
     (RMA_SINCE..RMA_SETUP_AT_REGISTRATION_SINCE).contains(&version)
 }
 
+/// Whether NCCL's rank-local checks of its first RMA call (`rmaTaskAppend` in
+/// `src/enqueue.cc`) will pass on this rank, from what the communicator reports before its
+/// window is registered: `host_rma` (`hostRmaSupport`, 2.29.4) and `gin` (the GIN type, which
+/// 2.29.2 and 2.29.3 report too). See the [module docs](self#setting-rma-up-every-rank-at-once).
+///
+/// * 2.29.4 and later check `hostRmaSupport`, which NCCL computes from values all ranks
+///   gathered (v2.29.7 `src/init.cc:1477`): the answer is the report itself.
+/// * 2.29.2 and 2.29.3 check `symmetricSupport`, then refuse `nNodes > 1` without
+///   `rmaProxySupport` (v2.29.3 `src/enqueue.cc:2691-2699`). A registered window proves
+///   symmetric support, which needs `ginSupport || nNodes == 1` (`src/init.cc:1442`), so a
+///   communicator without GIN has one node and passes. With GIN it may span nodes, and
+///   `rmaProxySupport` is each process's own state of its network plugin's RMA part
+///   (`src/plugin/net.cc`), which nothing reports: the answer is no.
+pub(crate) fn local_checks_pass(host_rma: Option<bool>, gin: Option<GinType>) -> bool {
+    match host_rma {
+        Some(supported) => supported,
+        None => gin == Some(GinType::None),
+    }
+}
+
 /// Whether this rank needs RMA set up at this registration and can take the step: a lazy
-/// NCCL, not set up yet, host RMA support not denied, a driver NCCL runs RMA on. The ranks
-/// agree on it through the registration's exchange.
-pub(crate) fn can_set_up(comm: &Comm, host_rma: Option<bool>) -> bool {
+/// NCCL, not set up yet, NCCL's rank-local checks known to pass ([`local_checks_pass`]), a
+/// driver NCCL runs RMA on. The ranks agree on it through the registration's exchange, so
+/// that either every rank takes NCCL's collective step or none does.
+pub(crate) fn can_set_up(comm: &Comm, checks_pass: bool) -> bool {
     lazy_setup(comm.library().version())
         && comm.rma_setup.get() == RmaSetup::Pending
-        && host_rma != Some(false)
+        && checks_pass
         && driver_version().is_ok_and(|v| check_driver(v).is_ok())
 }
 
@@ -404,8 +441,10 @@ impl<T: NcclType> Window<'_, T> {
                 reason: format!(
                     "NCCL {} sets RMA up at the first RMA call, a step every rank takes \
                      together; not every rank could take it when this communicator's first \
-                     window was registered (no host RMA support or a CUDA driver older than \
-                     12.5 on some rank), so RMA is off here",
+                     window was registered (no host RMA support, a CUDA driver older than \
+                     12.5, or, on NCCL 2.29.2/2.29.3, which do not report host RMA support, a \
+                     communicator with GIN, which may span nodes without NCCL's RMA proxy, \
+                     on some rank), so RMA is off here",
                     lib.version()
                 ),
             });

@@ -1,6 +1,7 @@
 //! A joining rank: connects to rank 0, asks for the id and acknowledges it, retrying while
 //! rank 0 is not listening yet or is busy; in clear text (version 1) or, with a key, through
-//! the Noise handshake of version 2 (whose messages are in [`keyed`](super::keyed)).
+//! rank 0's challenge and the Noise handshake of version 3 (whose messages are in
+//! [`keyed`](super::keyed)).
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -8,11 +9,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::key::{job_digest, RendezvousKey};
-use super::keyed::{self, KeyedRequest};
+use super::keyed::{self, KeyedRequest, CHALLENGE_LEN};
 use super::socket::{read_full, write_full, Short};
 use super::wire::{
     ids_announced, wire_u32, Ack, Place, ReplyHeader, Request, Status, DUPLICATE_IN_FLIGHT,
-    KEYED_VERSION, KIND_REPLY, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
+    EARLIER_KEYED_VERSION, KEYED_VERSION, KIND_CHALLENGE, KIND_REPLY, KIND_SEALED_REPLY, MAGIC,
+    REPLY_HEADER_LEN, VERSION,
 };
 use super::TcpRendezvous;
 use crate::bootstrap::bytes::job_key_hash;
@@ -104,7 +106,7 @@ struct Client<'a> {
     request: Request,
     /// How many ids this rank accepts.
     wanted: IdCount,
-    /// Set when the rank has a key: then only version 2 is spoken.
+    /// Set when the rank has a key: then only version 3 is spoken.
     keyed: Option<KeyedClient<'a>>,
 }
 
@@ -160,7 +162,8 @@ impl Client<'_> {
         Ok(count)
     }
 
-    /// One connection in version 2: hello, sealed reply with the id, encrypted ack.
+    /// One connection in version 3: opening, rank 0's challenge, hello bound to it, sealed
+    /// reply with the id, encrypted ack.
     fn attempt_keyed(
         &self,
         keyed: &KeyedClient<'_>,
@@ -168,11 +171,15 @@ impl Client<'_> {
     ) -> Result<Vec<UniqueId>, Attempt> {
         let stream = self.connect(deadline)?;
         let _ = stream.set_nodelay(true);
-        let mut handshake = keyed::initiator(keyed.key).map_err(Attempt::Fatal)?;
+        write_full(&stream, &keyed::opening(), deadline)
+            .map_err(|e| Attempt::Retry(format!("sending the opening: {e}")))?;
+        let connection_timeout = self.rendezvous.transport.connection_timeout;
+        let reply_deadline = deadline.min(deadline_after(Instant::now(), connection_timeout));
+        let challenge = self.read_challenge(&stream, reply_deadline)?;
+        let mut handshake = keyed::initiator(keyed.key, &challenge).map_err(Attempt::Fatal)?;
         let hello = keyed::hello(&mut handshake, &keyed.request).map_err(Attempt::Fatal)?;
         write_full(&stream, &hello, deadline)
             .map_err(|e| Attempt::Retry(format!("sending the hello: {e}")))?;
-        let connection_timeout = self.rendezvous.transport.connection_timeout;
         let reply_deadline = deadline.min(deadline_after(Instant::now(), connection_timeout));
         let header = self.read_raw_header(&stream, reply_deadline)?;
         if header.version != KEYED_VERSION || header.kind != KIND_SEALED_REPLY {
@@ -210,6 +217,32 @@ impl Client<'_> {
         Ok(ids)
     }
 
+    /// Reads rank 0's challenge; anything else in its place is a clear refusal.
+    fn read_challenge(
+        &self,
+        stream: &TcpStream,
+        deadline: Instant,
+    ) -> Result<[u8; CHALLENGE_LEN], Attempt> {
+        let header = self.read_raw_header(stream, deadline)?;
+        if header.version != KEYED_VERSION || header.kind != KIND_CHALLENGE {
+            return Err(self.clear_refusal(header));
+        }
+        if header.status != Status::Ok as u16 || header.detail as usize != CHALLENGE_LEN {
+            return Err(self.protocol(format!(
+                "announced a challenge with status {} and {} bytes",
+                header.status, header.detail
+            )));
+        }
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        read_full(stream, &mut challenge, deadline).map_err(|short| match short {
+            Short::Io(e) => Attempt::Retry(format!("reading the challenge: {e}")),
+            Short::Eof { got } | Short::TimedOut { got } => self.protocol(format!(
+                "truncated challenge: {got} of {CHALLENGE_LEN} bytes"
+            )),
+        })?;
+        Ok(challenge)
+    }
+
     /// What a reply in clear text means to a rank with a key: rank 0 turned it away before
     /// (or without) a handshake. Anyone on the network could have sent it, so only what a
     /// retry or a fix of the keys answers is believed.
@@ -243,10 +276,12 @@ impl Client<'_> {
                     ),
                 })
             }
-            (KEYED_VERSION, Some(Status::UnsupportedVersion)) => {
+            // Every version keeps this header, so rank 0's own version is what it announced
+            // (an earlier build's rank 0 speaks the encrypted protocol as version 2).
+            (version, Some(Status::UnsupportedVersion)) => {
                 Attempt::Fatal(BootstrapError::VersionMismatch {
                     local: KEYED_VERSION,
-                    peer: u16::try_from(header.detail).unwrap_or(u16::MAX),
+                    peer: version,
                 })
             }
             (version, _) => self.protocol(format!(
@@ -284,13 +319,14 @@ impl Client<'_> {
     /// Reads the reply header and checks that it is a version 1 reply.
     fn read_header(&self, stream: &TcpStream, deadline: Instant) -> Result<ReplyHeader, Attempt> {
         let header = self.read_raw_header(stream, deadline)?;
-        if header.version == KEYED_VERSION {
+        if header.version == KEYED_VERSION || header.version == EARLIER_KEYED_VERSION {
             // A rank 0 with a key answers a version 1 request in its own version.
             return Err(Attempt::Fatal(BootstrapError::Authentication {
                 detail: format!(
                     "rank 0 at {} requires a rendezvous key (it speaks the encrypted protocol, \
-                     version 2), and this rank has none",
-                    self.addr()
+                     version {}), and this rank has none",
+                    self.addr(),
+                    header.version
                 ),
             }));
         }

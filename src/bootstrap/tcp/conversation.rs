@@ -1,6 +1,8 @@
 //! One connection on rank 0, in either protocol version: read and check the request (version
-//! 2: decrypt the hello), claim the rank, send the ids (sealed), wait for the ack; or tell the
-//! peer why it is turned away. The steps of one conversation read in their order here; the
+//! 3: send a challenge, then decrypt the hello bound to it), claim the rank, send the ids
+//! (sealed), wait for the ack; or tell the peer why it is turned away. Everything up to the
+//! claim must be done within the request deadline, so that silent peers give their handler
+//! back quickly; the rest within the connection's own deadline. The steps of one conversation read in their order here; the
 //! state of the serve and the checks both versions share are in [`serve`](super::serve), the
 //! Noise handshake and messages in [`keyed`](super::keyed).
 
@@ -11,8 +13,8 @@ use std::time::{Duration, Instant};
 use snow::HandshakeState;
 
 use super::keyed::{
-    noise_error, responder, seal_reply, Keyed, KeyedRequest, ACK_FRAME_LEN, CLEAR_PREFIX_LEN,
-    HELLO_LEN, REQUEST_PAYLOAD_LEN,
+    challenge_frame, new_challenge, noise_error, responder, seal_reply, Keyed, KeyedRequest,
+    ACK_FRAME_LEN, CHALLENGE_LEN, CLEAR_PREFIX_LEN, HELLO_LEN, REQUEST_PAYLOAD_LEN,
 };
 use super::serve::{
     ack_short, check_place, claim, read_part, read_prefix, released_on_failure, request_rank,
@@ -21,7 +23,7 @@ use super::serve::{
 use super::socket::{read_full, write_full};
 use super::wire::{
     kind_of, version_of, wire_u32, Ack, ReplyHeader, Request, Status, ACK_LEN, KEYED_VERSION,
-    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN,
+    KIND_ACK, KIND_HELLO, KIND_OPEN, KIND_REPLY, KIND_REQUEST, MAGIC, PREFIX_LEN, REPLY_HEADER_LEN,
     REQUEST_LEN, VERSION,
 };
 use crate::bootstrap::bytes::get_u16;
@@ -40,13 +42,19 @@ pub(super) fn handle_connection(
     peer: SocketAddr,
     connection: u64,
 ) {
-    let deadline = serve
-        .serve_deadline
-        .min(deadline_after(Instant::now(), serve.connection_timeout));
+    let accepted = Instant::now();
+    let deadlines = Deadlines {
+        request: serve
+            .serve_deadline
+            .min(deadline_after(accepted, serve.request_timeout())),
+        connection: serve
+            .serve_deadline
+            .min(deadline_after(accepted, serve.connection_timeout)),
+    };
     let _ = stream.set_nodelay(true);
     let outcome = match &serve.keyed {
-        None => converse(serve, &stream, deadline),
-        Some(keyed) => converse_keyed(serve, keyed, &stream, deadline),
+        None => converse(serve, &stream, deadlines),
+        Some(keyed) => converse_keyed(serve, keyed, &stream, deadlines),
     };
     // Record the outcome before answering a refused peer: the answer may take a grace period,
     // and serving may end meanwhile.
@@ -62,36 +70,48 @@ pub(super) fn handle_connection(
     serve.unregister(connection);
 }
 
+/// The two deadlines of one connection, both counted from its accept (and neither past the
+/// serve's own).
+#[derive(Clone, Copy)]
+struct Deadlines {
+    /// For the request (version 3: the opening, the challenge and the hello): what a peer must
+    /// do before it may claim a rank.
+    request: Instant,
+    /// For the whole conversation, the reply and the ack included.
+    connection: Instant,
+}
+
 /// The server side of one connection: returns the rank that received and acknowledged the id.
 /// A rank claimed here is released again if anything fails after the claim.
-fn converse(serve: &Serve, stream: &TcpStream, deadline: Instant) -> Result<usize, Refusal> {
-    let request = read_request(serve, stream, deadline)?;
+fn converse(serve: &Serve, stream: &TcpStream, deadlines: Deadlines) -> Result<usize, Refusal> {
+    let request = read_request(serve, stream, deadlines.request)?;
     let rank = check_request(serve, &request)?;
     claim(serve, rank)?;
-    let result = deliver(serve, stream, deadline, rank);
+    let result = deliver(serve, stream, deadlines.connection, rank);
     released_on_failure(serve, rank, result)
 }
 
-/// [`converse`] in version 2: the same checks and claim on the decrypted request, refusals
-/// sealed.
+/// [`converse`] in version 3: a challenge first, then the same checks and claim on the
+/// decrypted request, refusals sealed.
 fn converse_keyed(
     serve: &Serve,
     keyed: &Keyed,
     stream: &TcpStream,
-    deadline: Instant,
+    deadlines: Deadlines,
 ) -> Result<usize, Refusal> {
-    let (request, mut handshake) = read_hello(serve, keyed, stream, deadline)?;
+    let challenge = challenge(serve, stream, deadlines.request)?;
+    let (request, mut handshake) = read_hello(serve, keyed, &challenge, stream, deadlines.request)?;
     let claimed = check_keyed_request(serve, keyed, &request)
         .and_then(|rank| claim(serve, rank).map(|()| rank));
     let rank = claimed.map_err(|refusal| refusal.sealed(&mut handshake))?;
-    let result = deliver_keyed(serve, stream, deadline, rank, handshake);
+    let result = deliver_keyed(serve, stream, deadlines.connection, rank, handshake);
     released_on_failure(serve, rank, result)
 }
 
 /// Reads the request in stages: magic and version first, so that garbage or another version
 /// is answered at once instead of after waiting for bytes that will never come.
 fn read_request(serve: &Serve, stream: &TcpStream, deadline: Instant) -> Result<Request, Refusal> {
-    let timeout = serve.connection_timeout;
+    let timeout = serve.request_timeout();
     let mut bytes = [0u8; REQUEST_LEN];
     let what = "request";
     read_prefix(stream, &mut bytes, deadline, timeout, what, VERSION)?;
@@ -152,32 +172,61 @@ fn deliver(
     Ok(())
 }
 
-// Version 2's steps.
+// Version 3's steps.
 
-/// Reads and decrypts the hello, in stages like version 1's request so that garbage, another
-/// version or a peer without the key is answered at once.
+/// Reads the opening (in stages like version 1's request, so that garbage, another version or
+/// a peer without the key is answered at once) and answers it with a fresh challenge.
+fn challenge(
+    serve: &Serve,
+    stream: &TcpStream,
+    deadline: Instant,
+) -> Result<[u8; CHALLENGE_LEN], Refusal> {
+    let timeout = serve.request_timeout();
+    let mut bytes = [0u8; CLEAR_PREFIX_LEN];
+    let what = "opening";
+    read_prefix(stream, &mut bytes, deadline, timeout, what, KEYED_VERSION)?;
+    read_part(
+        stream,
+        &mut bytes,
+        PREFIX_LEN..CLEAR_PREFIX_LEN,
+        deadline,
+        timeout,
+        what,
+    )?;
+    let kind = kind_of(&bytes);
+    if kind != KIND_OPEN {
+        return Err(Refusal::new(
+            BootstrapError::Protocol(format!(
+                "expected an opening (kind {KIND_OPEN}), got message kind {kind}"
+            )),
+            Status::Malformed,
+            0,
+        ));
+    }
+    let challenge = new_challenge().map_err(Refusal::silent)?;
+    write_full(stream, &challenge_frame(&challenge), deadline)
+        .map_err(|e| Refusal::silent(io_error("sending the challenge", e)))?;
+    Ok(challenge)
+}
+
+/// Reads and decrypts the hello bound to `challenge`, in stages like the opening.
 fn read_hello(
     serve: &Serve,
     keyed: &Keyed,
+    challenge: &[u8; CHALLENGE_LEN],
     stream: &TcpStream,
     deadline: Instant,
 ) -> Result<(KeyedRequest, HandshakeState), Refusal> {
+    let timeout = serve.request_timeout();
     let mut bytes = [0u8; HELLO_LEN];
     let read = |bytes: &mut [u8; HELLO_LEN], range| {
-        read_part(
-            stream,
-            bytes,
-            range,
-            deadline,
-            serve.connection_timeout,
-            "hello",
-        )
+        read_part(stream, bytes, range, deadline, timeout, "hello")
     };
     read_prefix(
         stream,
         &mut bytes,
         deadline,
-        serve.connection_timeout,
+        timeout,
         "hello",
         KEYED_VERSION,
     )?;
@@ -190,20 +239,21 @@ fn read_hello(
             0,
         ));
     }
-    let mut handshake = responder(&keyed.key).map_err(Refusal::silent)?;
+    let mut handshake = responder(&keyed.key, challenge).map_err(Refusal::silent)?;
     let mut payload = [0u8; REQUEST_PAYLOAD_LEN];
     let opened = handshake.read_message(&bytes[CLEAR_PREFIX_LEN..], &mut payload);
     if opened.is_err() {
         let error = BootstrapError::Authentication {
-            detail: "the peer's hello did not decrypt under rank 0's key: its rendezvous key \
-                     differs, or the message was altered"
+            detail: "the peer's hello did not decrypt under rank 0's key and this connection's \
+                     challenge: its rendezvous key differs, or the hello was replayed from \
+                     another connection or altered"
                 .to_owned(),
         };
         return Err(Refusal::new(error, Status::AuthFailed, 0));
     }
     let Some(request) = KeyedRequest::decode(&payload) else {
         let error = BootstrapError::Protocol(
-            "the peer's hello decrypted but holds no version 2 request".to_owned(),
+            "the peer's hello decrypted but holds no version 3 request".to_owned(),
         );
         return Err(Refusal::new(error, Status::Malformed, 0).sealed(&mut handshake));
     };
@@ -250,7 +300,7 @@ fn deliver_keyed(
     if !prefix_ok || opened.is_err() {
         return Err(Refusal::silent(BootstrapError::Authentication {
             detail: "the acknowledgement did not decrypt under this session's keys: it was \
-                     replayed from another session, forged or altered"
+                     taken from another session, forged or altered"
                 .to_owned(),
         }));
     }

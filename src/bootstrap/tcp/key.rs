@@ -1,4 +1,4 @@
-//! The pre-shared key of the encrypted rendezvous (protocol version 2): parsing, generating,
+//! The pre-shared key of the encrypted rendezvous (protocol version 3): parsing, generating,
 //! and deriving the Noise PSK from it. Hashing and randomness come from `snow`'s own
 //! resolver, the same BLAKE2s and operating-system generator the handshake uses, so the
 //! rendezvous adds no cryptographic code and no crate of its own.
@@ -21,6 +21,8 @@ pub(super) const DIGEST_LEN: usize = 32;
 
 /// Keeps the PSK apart from any other use of the same user key (say, NCCL's own
 /// `ncclSetEncryption` with the same secret): the rendezvous never uses the key as given.
+/// This label and the job label keep "v2": they name the derivations, which protocol version
+/// 3 left as they were (so [`RendezvousKey::encryption_key`] gives the same NCCL key too).
 const PSK_LABEL: &[u8] = b"nccl-rs rendezvous v2 psk\0";
 /// Keeps NCCL's TLS key apart from the rendezvous PSK it is derived from.
 const ENCRYPTION_LABEL: &[u8] = b"nccl-rs ncclSetEncryption psk\0";
@@ -72,7 +74,7 @@ impl RendezvousKey {
 
     /// A fresh random key, drawn from the operating system's generator.
     pub fn generate() -> Result<Self> {
-        let mut bytes = random_bytes()?;
+        let mut bytes: [u8; MIN_KEY_BYTES] = random_bytes()?;
         let key = Self::from_bytes(&bytes);
         bytes.zeroize();
         key
@@ -82,7 +84,7 @@ impl RendezvousKey {
     /// ([`spawn_local`](crate::bootstrap::spawn_local)). The text is not zeroed: it is copied
     /// into the children's environment anyway.
     pub(crate) fn generate_hex() -> Result<(Self, String)> {
-        let mut bytes = random_bytes()?;
+        let mut bytes: [u8; MIN_KEY_BYTES] = random_bytes()?;
         let text: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         bytes.zeroize();
         Ok((Self::from_hex(&text)?, text))
@@ -158,12 +160,12 @@ fn blake2s(parts: &[&[u8]]) -> Result<[u8; DIGEST_LEN]> {
     Ok(out)
 }
 
-/// [`MIN_KEY_BYTES`] bytes from the operating system's generator.
-fn random_bytes() -> Result<[u8; MIN_KEY_BYTES]> {
+/// `N` bytes from the operating system's generator (keys, and rank 0's challenges).
+pub(super) fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut rng = DefaultResolver
         .resolve_rng()
         .ok_or_else(|| missing("a random number generator"))?;
-    let mut bytes = [0u8; MIN_KEY_BYTES];
+    let mut bytes = [0u8; N];
     rng.try_fill_bytes(&mut bytes).map_err(|e| {
         BootstrapError::Config(format!(
             "the operating system's random number generator failed: {e}"

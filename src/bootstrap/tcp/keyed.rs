@@ -1,21 +1,30 @@
-//! Protocol version 2, the encrypted rendezvous (described on
-//! [`TcpTransport`](crate::bootstrap::TcpTransport)): the Noise handshake both sides build, the
-//! three messages. Rank 0's side of one connection is in [`conversation`](super::conversation)
-//! and the joining rank's in [`client`](super::client), each beside version 1's.
+//! Protocol version 3, the encrypted rendezvous (described on
+//! [`TcpTransport`](crate::bootstrap::TcpTransport)): rank 0's challenge, the Noise handshake
+//! both sides build on it, the messages. Rank 0's side of one connection is in
+//! [`conversation`](super::conversation) and the joining rank's in [`client`](super::client),
+//! each beside version 1's.
 //!
-//! `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`: two ephemeral keys and the pre-serve key, no
+//! `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`: two ephemeral keys and the pre-shared key, no
 //! static keys (the ranks have no identities beyond knowing the key). The PSK is mixed in
 //! before the first message, so the hello is already encrypted and authenticated under it, and
 //! the ephemeral Diffie-Hellman gives the reply forward secrecy: a key leaked later does not
 //! open recorded sessions.
+//!
+//! The first message of a Noise handshake cannot be fresh by itself (the responder has said
+//! nothing yet), so a recorded hello would decrypt again. Rank 0 therefore speaks first: a
+//! random challenge per connection, which both sides put in the prologue. The handshake hash
+//! covers the prologue and the hello's payload is encrypted with it as associated data, so a
+//! hello made for another connection's challenge does not decrypt (version 2, which earlier
+//! builds spoke, had no challenge: a replayed hello held its rank until the connection timed
+//! out, and again with every replay).
 
 use snow::{HandshakeState, TransportState};
 
-use super::key::{RendezvousKey, DIGEST_LEN};
+use super::key::{random_bytes, RendezvousKey, DIGEST_LEN};
 use super::wire::{
     ids_announced, put_prefix, version_of, Ack, Place, ReplyHeader, Status, ACK_LEN, KEYED_VERSION,
-    KIND_ACK, KIND_HELLO, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY, MAGIC, PLACE_LEN,
-    REPLY_HEADER_LEN,
+    KIND_ACK, KIND_CHALLENGE, KIND_HELLO, KIND_OPEN, KIND_REPLY, KIND_REQUEST, KIND_SEALED_REPLY,
+    MAGIC, PLACE_LEN, REPLY_HEADER_LEN,
 };
 use crate::bootstrap::bytes::{get_u16, put};
 use crate::bootstrap::ids::{decode_ids, MAX_EXCHANGED_IDS};
@@ -24,14 +33,21 @@ use crate::id::UNIQUE_ID_BYTES;
 use crate::UniqueId;
 
 const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
-/// Mixed into the handshake hash before anything else, so that a transcript of this protocol
-/// can never be taken for one of another protocol using the same key.
-const PROLOGUE: &[u8] = b"nccl-rs rendezvous NRSB v2\0";
+/// Mixed into the handshake hash before anything else, followed by rank 0's challenge, so
+/// that a transcript of this protocol can never be taken for one of another protocol (or of
+/// version 2) using the same key, nor for one of another connection.
+const PROLOGUE_LABEL: &[u8] = b"nccl-rs rendezvous NRSB v3\0";
+/// Rank 0's random challenge, fresh for every connection.
+pub(super) const CHALLENGE_LEN: usize = 32;
+/// Rank 0's challenge on the wire: a clear reply header (version 3, kind 7, status 0, detail
+/// [`CHALLENGE_LEN`]) and the challenge.
+pub(super) const CHALLENGE_FRAME_LEN: usize = REPLY_HEADER_LEN + CHALLENGE_LEN;
 /// A Curve25519 public key, as the handshake sends each ephemeral key.
 const DH_LEN: usize = 32;
 /// The Poly1305 tag that authenticates every encrypted payload.
 const TAG_LEN: usize = 16;
-/// The clear prefix of the hello and the ack: magic, version 2, kind.
+/// The clear prefix of the opening, the hello and the ack: magic, version 3, kind. The
+/// opening is this prefix alone.
 pub(super) const CLEAR_PREFIX_LEN: usize = 8;
 
 /// Where the place stands in the encrypted request, after the prefix and the job-key digest.
@@ -62,14 +78,14 @@ pub(super) fn sealed_len_is_valid(len: usize) -> bool {
 /// The ack on the wire: clear prefix, then the version 1 ack layout encrypted.
 pub(super) const ACK_FRAME_LEN: usize = CLEAR_PREFIX_LEN + ACK_LEN + TAG_LEN;
 
-/// What rank 0 needs to speak version 2: the key and the digest of its job key.
+/// What rank 0 needs to speak version 3: the key and the digest of its job key.
 #[derive(Debug, Clone)]
 pub(super) struct Keyed {
     pub(super) key: RendezvousKey,
     pub(super) job_digest: [u8; DIGEST_LEN],
 }
 
-/// A joining rank's request as version 2 encrypts it: the exact job key (as a digest) where
+/// A joining rank's request as version 3 encrypts it: the exact job key (as a digest) where
 /// version 1 sends a 64-bit hash, and the same place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct KeyedRequest {
@@ -86,7 +102,7 @@ impl KeyedRequest {
         bytes
     }
 
-    /// `None` unless `bytes` is a version 2 request (it decrypted, so only a peer with the key
+    /// `None` unless `bytes` is a version 3 request (it decrypted, so only a peer with the key
     /// and another layout gets here).
     pub(super) fn decode(bytes: &[u8]) -> Option<Self> {
         let valid = bytes.len() == REQUEST_PAYLOAD_LEN
@@ -104,26 +120,66 @@ impl KeyedRequest {
     }
 }
 
-/// The handshake of a joining rank (the initiator).
-pub(super) fn initiator(key: &RendezvousKey) -> Result<HandshakeState> {
-    builder(key, |builder| builder.build_initiator())
+/// The opening a joining rank sends: the clear prefix with kind 6, asking for a challenge.
+pub(super) fn opening() -> [u8; CLEAR_PREFIX_LEN] {
+    let mut bytes = [0u8; CLEAR_PREFIX_LEN];
+    put_prefix(&mut bytes, KEYED_VERSION, KIND_OPEN);
+    bytes
 }
 
-/// The handshake of rank 0's side of one connection (the responder).
-pub(super) fn responder(key: &RendezvousKey) -> Result<HandshakeState> {
-    builder(key, |builder| builder.build_responder())
+/// A fresh challenge from the operating system's generator.
+pub(super) fn new_challenge() -> Result<[u8; CHALLENGE_LEN]> {
+    random_bytes()
+}
+
+/// Rank 0's challenge as it is sent: the clear header that announces it, then its bytes.
+pub(super) fn challenge_frame(challenge: &[u8; CHALLENGE_LEN]) -> [u8; CHALLENGE_FRAME_LEN] {
+    let mut bytes = [0u8; CHALLENGE_FRAME_LEN];
+    let header = ReplyHeader::encode_as(
+        KEYED_VERSION,
+        KIND_CHALLENGE,
+        Status::Ok,
+        CHALLENGE_LEN as u32,
+    );
+    put(&mut bytes, 0, &header);
+    put(&mut bytes, REPLY_HEADER_LEN, challenge);
+    bytes
+}
+
+/// The handshake of a joining rank (the initiator), bound to rank 0's `challenge`.
+pub(super) fn initiator(
+    key: &RendezvousKey,
+    challenge: &[u8; CHALLENGE_LEN],
+) -> Result<HandshakeState> {
+    builder(key, challenge, |builder| builder.build_initiator())
+}
+
+/// The handshake of rank 0's side of one connection (the responder), bound to the
+/// `challenge` it sent.
+pub(super) fn responder(
+    key: &RendezvousKey,
+    challenge: &[u8; CHALLENGE_LEN],
+) -> Result<HandshakeState> {
+    builder(key, challenge, |builder| builder.build_responder())
+}
+
+/// The prologue both sides mix in: the label, then the challenge.
+pub(super) fn prologue(challenge: &[u8; CHALLENGE_LEN]) -> Vec<u8> {
+    [PROLOGUE_LABEL, &challenge[..]].concat()
 }
 
 fn builder(
     key: &RendezvousKey,
+    challenge: &[u8; CHALLENGE_LEN],
     build: impl FnOnce(snow::Builder<'_>) -> Result<HandshakeState, snow::Error>,
 ) -> Result<HandshakeState> {
     let params = NOISE_PARAMS
         .parse()
         .map_err(|e| noise_error("choosing the Noise protocol", e))?;
+    let prologue = prologue(challenge);
     let builder = snow::Builder::new(params)
         .psk(0, key.psk())
-        .and_then(|builder| builder.prologue(PROLOGUE))
+        .and_then(|builder| builder.prologue(&prologue))
         .map_err(|e| noise_error("setting up the Noise handshake", e))?;
     build(builder).map_err(|e| noise_error("starting the Noise handshake", e))
 }
@@ -179,7 +235,7 @@ pub(super) fn open_reply(
         && (id_bytes == 0 || id_bytes / UNIQUE_ID_BYTES == ids_announced(header.detail));
     if !well_formed {
         return Err(BootstrapError::Protocol(format!(
-            "rank 0's sealed reply is not a version 2 reply ({len} bytes, version {}, kind {}, \
+            "rank 0's sealed reply is not a version 3 reply ({len} bytes, version {}, kind {}, \
              detail {})",
             header.version, header.kind, header.detail
         )));
@@ -188,7 +244,7 @@ pub(super) fn open_reply(
 }
 
 /// The ack a joining rank sends once it holds the id: only a rank that completed this very
-/// handshake can encrypt it, which is what makes a replayed hello worthless.
+/// handshake can encrypt it.
 pub(super) fn ack_frame(transport: &mut TransportState, ack: &Ack) -> Result<[u8; ACK_FRAME_LEN]> {
     let mut bytes = [0u8; ACK_FRAME_LEN];
     put_prefix(&mut bytes, KEYED_VERSION, KIND_ACK);
@@ -250,9 +306,26 @@ mod tests {
         assert_eq!(KeyedRequest::decode(&request.encode()[1..]), None);
 
         let key = RendezvousKey::generate().expect("key");
-        let mut client = initiator(&key).expect("initiator");
-        let mut server = responder(&key).expect("responder");
+        let challenge = new_challenge().expect("challenge");
+        assert_ne!(challenge, new_challenge().expect("challenge"));
+        let frame = challenge_frame(&challenge);
+        let header = ReplyHeader::decode(frame[..REPLY_HEADER_LEN].try_into().unwrap());
+        assert_eq!(
+            (header.version, header.kind, header.detail),
+            (KEYED_VERSION, KIND_CHALLENGE, CHALLENGE_LEN as u32)
+        );
+        assert_eq!(frame[REPLY_HEADER_LEN..], challenge);
+        assert_eq!(opening()[..4], MAGIC);
+        let mut client = initiator(&key, &challenge).expect("initiator");
+        let mut server = responder(&key, &challenge).expect("responder");
         let bytes = hello(&mut client, &request).expect("hello");
+        // The same hello against another challenge (a replay into another connection) does
+        // not decrypt.
+        let mut other = responder(&key, &new_challenge().expect("challenge")).expect("responder");
+        let mut payload = [0u8; REQUEST_PAYLOAD_LEN];
+        assert!(other
+            .read_message(&bytes[CLEAR_PREFIX_LEN..], &mut payload)
+            .is_err());
         let mut payload = [0u8; REQUEST_PAYLOAD_LEN];
         server
             .read_message(&bytes[CLEAR_PREFIX_LEN..], &mut payload)

@@ -1,17 +1,22 @@
-//! Unit tests of the encrypted rendezvous (protocol version 2): the attacks a peer on the
+//! Unit tests of the encrypted rendezvous (protocol version 3): the attacks a peer on the
 //! network can try, each answered with a typed error while good ranks still get the id.
+//! Past 600 lines: every test drives raw protocol bytes through the same few helpers (the
+//! opening, a recorded session, fake rank 0s), which would be repeated if split.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::key::{job_digest, RendezvousKey};
-use super::keyed::{self, KeyedRequest, ACK_FRAME_LEN, HELLO_LEN};
+use super::keyed::{
+    self, KeyedRequest, ACK_FRAME_LEN, CHALLENGE_FRAME_LEN, CHALLENGE_LEN, CLEAR_PREFIX_LEN,
+    HELLO_LEN,
+};
 use super::wire::{
-    Ack, Place, ReplyHeader, Status, KEYED_VERSION, KIND_REPLY, KIND_SEALED_REPLY, MAGIC,
-    REPLY_HEADER_LEN, VERSION,
+    Ack, Place, ReplyHeader, Status, EARLIER_KEYED_VERSION, KEYED_VERSION, KIND_CHALLENGE,
+    KIND_REPLY, KIND_SEALED_REPLY, MAGIC, REPLY_HEADER_LEN, VERSION,
 };
 use super::{ServeReport, TcpRendezvous};
 use crate::bootstrap::bytes::get_u16;
@@ -42,10 +47,21 @@ fn serve(
     secret: Option<&str>,
     id: UniqueId,
 ) -> (SocketAddr, JoinHandle<Result<ServeReport>>) {
+    serve_for(world, job, secret, id, Duration::from_millis(500))
+}
+
+/// [`serve`] with the connection timeout given.
+fn serve_for(
+    world: usize,
+    job: &str,
+    secret: Option<&str>,
+    id: UniqueId,
+    connection_timeout: Duration,
+) -> (SocketAddr, JoinHandle<Result<ServeReport>>) {
     let mut rendezvous = TcpRendezvous::new("127.0.0.1:0", 0, world)
         .with_job_key(job)
         .with_timeout(Duration::from_secs(10))
-        .with_connection_timeout(Duration::from_millis(500))
+        .with_connection_timeout(connection_timeout)
         .with_history(Arc::default());
     if let Some(hex) = secret {
         rendezvous = rendezvous.with_secret(key(hex));
@@ -115,6 +131,72 @@ fn raw_status(addr: SocketAddr, bytes: &[u8], close_write: bool) -> Option<u16> 
     read_reply(&mut stream).map(|(header, _)| header.status)
 }
 
+/// Opens a connection as a version 3 rank does: the opening, then rank 0's challenge.
+fn open(addr: SocketAddr) -> (TcpStream, [u8; CHALLENGE_LEN]) {
+    let mut stream = connect(addr);
+    stream.write_all(&keyed::opening()).expect("opening");
+    let mut frame = [0u8; CHALLENGE_FRAME_LEN];
+    stream.read_exact(&mut frame).expect("challenge");
+    let header = ReplyHeader::decode(frame[..REPLY_HEADER_LEN].try_into().expect("header"));
+    assert_eq!(
+        (header.version, header.kind),
+        (KEYED_VERSION, KIND_CHALLENGE)
+    );
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    challenge.copy_from_slice(&frame[REPLY_HEADER_LEN..]);
+    (stream, challenge)
+}
+
+/// Like [`raw_status`], after the opening and the challenge: `bytes` is made for the
+/// challenge rank 0 sent.
+fn status_after_challenge(
+    addr: SocketAddr,
+    bytes: impl FnOnce(&[u8; CHALLENGE_LEN]) -> Vec<u8>,
+    close_write: bool,
+) -> Option<u16> {
+    let (mut stream, challenge) = open(addr);
+    stream.write_all(&bytes(&challenge)).expect("write");
+    if close_write {
+        stream.shutdown(Shutdown::Write).expect("shutdown");
+    }
+    read_reply(&mut stream).map(|(header, _)| header.status)
+}
+
+/// A version 3 request for `rank` of `world` in `job`, round 0, one id.
+fn request(job: &str, world: u32, rank: u32) -> KeyedRequest {
+    KeyedRequest {
+        job_digest: job_digest(job).expect("digest"),
+        place: Place {
+            world_size: world,
+            rank,
+            round: 0,
+            ids_wanted: 0,
+        },
+    }
+}
+
+/// A hello for `request` with `hex`'s key, bound to `challenge`.
+fn hello_for(
+    hex: &str,
+    challenge: &[u8; CHALLENGE_LEN],
+    request: &KeyedRequest,
+) -> [u8; HELLO_LEN] {
+    let mut handshake = keyed::initiator(&key(hex), challenge).expect("initiator");
+    keyed::hello(&mut handshake, request).expect("hello")
+}
+
+/// A fake rank 0's side of the opening: reads it and answers with a challenge of its own.
+fn fake_challenge(stream: &mut TcpStream) -> [u8; CHALLENGE_LEN] {
+    let mut opening = [0u8; CLEAR_PREFIX_LEN];
+    stream.read_exact(&mut opening).expect("opening");
+    assert_eq!(opening, keyed::opening());
+    let challenge = keyed::new_challenge().expect("challenge");
+    stream
+        .write_all(&keyed::challenge_frame(&challenge))
+        .expect("challenge");
+    challenge
+}
+
 /// What a network recorder sees of one rank's session: the hello, rank 0's reply (header and
 /// sealed message), and the ack.
 struct Recorded {
@@ -123,21 +205,13 @@ struct Recorded {
     ack: [u8; ACK_FRAME_LEN],
 }
 
-/// Runs one genuine version 2 session for `rank` by hand, recording its bytes.
+/// Runs one genuine version 3 session for `rank` by hand, recording its bytes.
 fn genuine_session(addr: SocketAddr, hex: &str, job: &str, world: u32, rank: u32) -> Recorded {
     let key = key(hex);
-    let mut handshake = keyed::initiator(&key).expect("initiator");
-    let request = KeyedRequest {
-        job_digest: job_digest(job).expect("digest"),
-        place: Place {
-            world_size: world,
-            rank,
-            round: 0,
-            ids_wanted: 0,
-        },
-    };
+    let (mut stream, challenge) = open(addr);
+    let mut handshake = keyed::initiator(&key, &challenge).expect("initiator");
+    let request = request(job, world, rank);
     let hello = keyed::hello(&mut handshake, &request).expect("hello");
-    let mut stream = connect(addr);
     stream.write_all(&hello).expect("hello");
     let (header, sealed) = read_reply(&mut stream).expect("reply");
     assert_eq!(header.kind, KIND_SEALED_REPLY);
@@ -207,23 +281,15 @@ fn keyed_wrong_key_is_refused_on_both_sides() {
     let fake_addr = listener.local_addr().expect("addr");
     let fake = thread::spawn(move || {
         let (mut stream, _) = listener.accept().expect("accept");
+        let challenge = fake_challenge(&mut stream);
         let mut hello = [0u8; HELLO_LEN];
         stream.read_exact(&mut hello).expect("hello");
         // Answer as a rank 0 holding key B: its handshake cannot read A's hello, so it
         // starts its own and sends a reply sealed under B.
         let wrong = key(HEX_B);
-        let mut other = keyed::initiator(&wrong).expect("initiator");
-        let request = KeyedRequest {
-            job_digest: [0; 32],
-            place: Place {
-                world_size: 2,
-                rank: 1,
-                round: 0,
-                ids_wanted: 0,
-            },
-        };
-        let forged_hello = keyed::hello(&mut other, &request).expect("hello");
-        let mut responder_side = snow_responder(&wrong);
+        let mut other = keyed::initiator(&wrong, &challenge).expect("initiator");
+        let forged_hello = keyed::hello(&mut other, &request("x", 2, 1)).expect("hello");
+        let mut responder_side = keyed::responder(&wrong, &challenge).expect("responder");
         let mut payload = [0u8; 64];
         responder_side
             .read_message(&forged_hello[8..], &mut payload)
@@ -238,18 +304,6 @@ fn keyed_wrong_key_is_refused_on_both_sides() {
         .unwrap_err();
     assert!(is_auth(&err), "{err}");
     fake.join().expect("join");
-}
-
-/// A responder handshake built the way rank 0 builds it.
-fn snow_responder(key: &RendezvousKey) -> snow::HandshakeState {
-    let params = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s"
-        .parse()
-        .expect("params");
-    snow::Builder::new(params)
-        .psk(0, key.psk())
-        .and_then(|b| b.prologue(b"nccl-rs rendezvous NRSB v2\0"))
-        .and_then(|b| b.build_responder())
-        .expect("responder")
 }
 
 #[test]
@@ -286,90 +340,137 @@ fn keyed_and_unkeyed_sides_name_the_mismatch() {
 }
 
 #[test]
-fn keyed_replayed_sessions_are_refused_and_release_the_rank() {
+fn keyed_replayed_sessions_are_refused_and_hold_no_rank() {
     let (job, id) = ("replay", sample_id(4));
+    // Connections get 5 s here: a replay that held rank 1 until its connection timed out (as
+    // version 2's did) would keep the real rank 1 waiting that long.
+    let patience = Duration::from_secs(5);
     // Record a genuine session of rank 1 against a world of 3 (rank 0 keeps serving rank 2).
-    let (addr, serving) = serve(3, job, Some(HEX_A), id);
+    let (addr, serving) = serve_for(3, job, Some(HEX_A), id, patience);
     let recorded = genuine_session(addr, HEX_A, job, 3, 1);
+    assert!(recorded.reply.len() > REPLY_HEADER_LEN);
 
-    // Replayed a second time to the same rank 0: the hello still decrypts (it is a recording),
-    // but rank 1 is served, and the sealed answer says so.
-    let mut stream = connect(addr);
-    stream.write_all(&recorded.hello).expect("hello");
-    let (header, sealed) = read_reply(&mut stream).expect("reply");
-    assert_eq!(header.kind, KIND_SEALED_REPLY);
-    assert_eq!(sealed.len(), keyed::SEALED_REFUSAL_LEN);
-    drop(stream);
+    // Replayed to the same rank 0 on a new connection: the hello was bound to the recorded
+    // connection's challenge, so it does not decrypt under this one's, and is refused in
+    // clear before any check of the rank.
+    let replay = |addr| status_after_challenge(addr, |_| recorded.hello.to_vec(), false);
+    assert_eq!(replay(addr), Some(Status::AuthFailed as u16));
     assert_eq!(
         client(addr, 2, 3, job, Some(HEX_A)).fetch().expect("fetch"),
         id
     );
     let report = serving.join().expect("join").expect("serve");
     assert_eq!(report.rejected.len(), 1, "{:?}", report.rejected);
-    assert!(matches!(
-        report.rejected[0].error,
-        BootstrapError::DuplicateRank(1)
-    ));
+    assert!(is_auth(&report.rejected[0].error), "{:?}", report.rejected);
+    assert_eq!(report.rejected[0].rank, None, "no rank was claimed");
 
-    // Replayed whole (hello and ack) to a new rank 0 with the same key and job: its reply is
-    // sealed to a handshake the replayer cannot finish, the recorded ack does not decrypt
-    // under the new session, and rank 1 is released for the real rank.
-    let (addr, serving) = serve(3, job, Some(HEX_A), id);
-    let mut stream = connect(addr);
-    stream.write_all(&recorded.hello).expect("hello");
-    let (header, sealed) = read_reply(&mut stream).expect("reply");
+    // Replayed whole (hello and ack) to a new rank 0 with the same key and job, before the
+    // real rank 1 comes, and the connection kept open: refused at the hello, it claims
+    // nothing, and the real rank 1 is served at once, not after a connection timeout.
+    let (addr, serving) = serve_for(3, job, Some(HEX_A), id, patience);
+    let (mut held, _) = open(addr);
+    held.write_all(&recorded.hello).expect("hello");
+    let _ = held.write_all(&recorded.ack);
+    let (header, sealed) = read_reply(&mut held).expect("reply");
     assert_eq!(
-        (header.kind, sealed.len()),
-        (KIND_SEALED_REPLY, keyed::SEALED_ID_LEN)
+        (header.kind, header.status, sealed.len()),
+        (KIND_REPLY, Status::AuthFailed as u16, 0)
     );
-    assert!(!sealed
-        .windows(8)
-        .any(|w| id.as_bytes().windows(8).any(|i| i == w)));
-    stream.write_all(&recorded.ack).expect("ack");
-    let _ = stream.read_to_end(&mut Vec::new());
+    let started = Instant::now();
     for rank in [1, 2] {
         let fetched = client(addr, rank, 3, job, Some(HEX_A)).fetch();
         assert_eq!(fetched.expect("fetch"), id);
     }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the real ranks waited {:?}",
+        started.elapsed()
+    );
     let report = serving.join().expect("join").expect("serve");
     assert_eq!(report.rejected.len(), 1, "{:?}", report.rejected);
     assert!(is_auth(&report.rejected[0].error), "{:?}", report.rejected);
-    assert_eq!(report.rejected[0].rank, Some(1));
-    assert!(report.rejected[0].error.to_string().contains("replayed"));
+    assert!(
+        report.rejected[0].error.to_string().contains("replayed"),
+        "{}",
+        report.rejected[0].error
+    );
+    drop(held);
+}
+
+/// Peers that connect and say nothing, as many as rank 0 has handlers (some after the opening):
+/// they are dropped at the request deadline, 2 s, so a real rank, turned away as busy
+/// meanwhile, gets the id soon after, long before the connection timeout.
+#[test]
+fn keyed_silent_connections_are_dropped_at_the_request_deadline() {
+    let (job, id) = ("silent", sample_id(8));
+    let (addr, serving) = serve_for(2, job, Some(HEX_A), id, Duration::from_secs(30));
+    // A world of 2 gets 16 handlers.
+    let mut silent: Vec<TcpStream> = (0..12).map(|_| connect(addr)).collect();
+    silent.extend((0..4).map(|_| open(addr).0));
+    thread::sleep(Duration::from_millis(100));
+    let mut extra = connect(addr);
+    let mut header = [0u8; REPLY_HEADER_LEN];
+    extra.read_exact(&mut header).expect("busy reply");
+    assert_eq!(get_u16(&header, 8), Status::Busy as u16);
+    let started = Instant::now();
+    assert_eq!(
+        client(addr, 1, 2, job, Some(HEX_A))
+            .with_timeout(Duration::from_secs(20))
+            .fetch()
+            .expect("fetch"),
+        id
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited < super::REQUEST_TIMEOUT + Duration::from_secs(2),
+        "the real rank waited {waited:?}"
+    );
+    let report = serving.join().expect("join").expect("serve");
+    let timeouts = count(&report, |e| matches!(e, BootstrapError::Timeout { .. }));
+    assert_eq!(timeouts, 16, "{:?}", report.rejected);
+    for mut stream in silent {
+        let mut reply = Vec::new();
+        let _ = stream.read_to_end(&mut reply);
+        assert!(reply.ends_with(&ReplyHeader::encode_as(
+            KEYED_VERSION,
+            KIND_REPLY,
+            Status::TimedOut,
+            0
+        )));
+    }
 }
 
 #[test]
 fn keyed_truncated_or_altered_messages_are_refused() {
     let (job, id) = ("cut", sample_id(5));
     let (addr, serving) = serve(2, job, Some(HEX_A), id);
-    let key_a = key(HEX_A);
-    let request = KeyedRequest {
-        job_digest: job_digest(job).expect("digest"),
-        place: Place {
-            world_size: 2,
-            rank: 1,
-            round: 0,
-            ids_wanted: 0,
-        },
-    };
-    let hello = keyed::hello(&mut keyed::initiator(&key_a).expect("init"), &request).expect("hi");
+    let request = request(job, 2, 1);
 
-    // Half a hello, then the peer stops sending.
+    // Half an opening, then the peer stops sending.
     assert_eq!(
-        raw_status(addr, &hello[..HELLO_LEN / 2], true),
+        raw_status(addr, &keyed::opening()[..5], true),
+        Some(Status::Malformed as u16)
+    );
+    // Half a hello, then the peer stops sending.
+    let half = |challenge: &_| hello_for(HEX_A, challenge, &request)[..HELLO_LEN / 2].to_vec();
+    assert_eq!(
+        status_after_challenge(addr, half, true),
         Some(Status::Malformed as u16)
     );
     // One bit flipped in the encrypted request (say, to change the rank).
-    let mut altered = hello;
-    altered[HELLO_LEN - 30] ^= 1;
+    let altered = |challenge: &_| {
+        let mut hello = hello_for(HEX_A, challenge, &request);
+        hello[HELLO_LEN - 30] ^= 1;
+        hello.to_vec()
+    };
     assert_eq!(
-        raw_status(addr, &altered, false),
+        status_after_challenge(addr, altered, false),
         Some(Status::AuthFailed as u16)
     );
     // A whole hello, then half an ack: the rank is released again.
-    let mut handshake = keyed::initiator(&key_a).expect("init");
+    let (mut stream, challenge) = open(addr);
+    let mut handshake = keyed::initiator(&key(HEX_A), &challenge).expect("init");
     let hello = keyed::hello(&mut handshake, &request).expect("hello");
-    let mut stream = connect(addr);
     stream.write_all(&hello).expect("hello");
     let (_, sealed) = read_reply(&mut stream).expect("reply");
     let (_, got) = keyed::open_reply(&mut handshake, &sealed).expect("open");
@@ -389,20 +490,19 @@ fn keyed_truncated_or_altered_messages_are_refused() {
         id
     );
     let report = serving.join().expect("join").expect("serve");
-    assert_eq!(report.rejected.len(), 3, "{:?}", report.rejected);
+    assert_eq!(report.rejected.len(), 4, "{:?}", report.rejected);
     let texts: Vec<String> = report
         .rejected
         .iter()
         .map(|r| r.error.to_string())
         .collect();
-    assert!(
-        texts.iter().any(|t| t.contains("truncated hello")),
-        "{texts:?}"
-    );
-    assert!(
-        texts.iter().any(|t| t.contains("acknowledgement bytes")),
-        "{texts:?}"
-    );
+    for what in [
+        "truncated opening",
+        "truncated hello",
+        "acknowledgement bytes",
+    ] {
+        assert!(texts.iter().any(|t| t.contains(what)), "{what}: {texts:?}");
+    }
     assert_eq!(count(&report, is_auth), 1, "{texts:?}");
 
     // A rank 0 (fake) whose sealed reply is cut short: the rank fails with a protocol error.
@@ -410,6 +510,7 @@ fn keyed_truncated_or_altered_messages_are_refused() {
     let fake_addr = listener.local_addr().expect("addr");
     let fake = thread::spawn(move || {
         let (mut stream, _) = listener.accept().expect("accept");
+        fake_challenge(&mut stream);
         let mut hello = [0u8; HELLO_LEN];
         stream.read_exact(&mut hello).expect("hello");
         let header = ReplyHeader::encode_as(
@@ -464,6 +565,19 @@ fn keyed_garbage_gets_clear_refusals_and_good_ranks_still_get_through() {
         raw_status(addr, &v9, false),
         Some(Status::UnsupportedVersion as u16)
     );
+    // A hello of an earlier build (version 2, no challenge), and a version 3 hello sent
+    // without waiting for the challenge.
+    let mut v2 = hello_for(HEX_A, &[0; CHALLENGE_LEN], &request(job, 2, 1));
+    super::wire::put_prefix(&mut v2, EARLIER_KEYED_VERSION, super::wire::KIND_HELLO);
+    assert_eq!(
+        raw_status(addr, &v2, false),
+        Some(Status::UnsupportedVersion as u16)
+    );
+    let unasked = hello_for(HEX_A, &[0; CHALLENGE_LEN], &request(job, 2, 1));
+    assert_eq!(
+        raw_status(addr, &unasked, false),
+        Some(Status::Malformed as u16)
+    );
     let silent = connect(addr);
     let mut header = [0u8; REPLY_HEADER_LEN];
     (&silent).read_exact(&mut header).expect("timed out reply");
@@ -475,19 +589,16 @@ fn keyed_garbage_gets_clear_refusals_and_good_ranks_still_get_through() {
         id
     );
     let report = serving.join().expect("join").expect("serve");
-    assert_eq!(report.rejected.len(), 5, "{:?}", report.rejected);
+    assert_eq!(report.rejected.len(), 7, "{:?}", report.rejected);
     assert_eq!(
         count(&report, |e| matches!(e, BootstrapError::Protocol(_))),
-        2
+        3
     );
     assert_eq!(count(&report, is_auth), 1);
-    assert_eq!(
-        count(&report, |e| matches!(
-            e,
-            BootstrapError::VersionMismatch { local: 2, peer: 9 }
-        )),
-        1
-    );
+    for peer in [9, EARLIER_KEYED_VERSION] {
+        let mismatch = |e: &BootstrapError| matches!(e, BootstrapError::VersionMismatch { local: 3, peer: p } if *p == peer);
+        assert_eq!(count(&report, mismatch), 1, "{:?}", report.rejected);
+    }
     assert_eq!(
         count(&report, |e| matches!(e, BootstrapError::Timeout { .. })),
         1
@@ -498,11 +609,34 @@ fn keyed_garbage_gets_clear_refusals_and_good_ranks_still_get_through() {
     let other = listener.local_addr().expect("addr");
     let fake = thread::spawn(move || {
         let (mut stream, _) = listener.accept().expect("accept");
-        let _ = stream.read_exact(&mut [0u8; HELLO_LEN]);
+        let _ = stream.read_exact(&mut [0u8; CLEAR_PREFIX_LEN]);
         let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
     });
     let err = client(other, 1, 2, job, Some(HEX_A)).fetch().unwrap_err();
     assert!(matches!(err, BootstrapError::Protocol(_)), "{err}");
+    fake.join().expect("join");
+
+    // And a rank 0 of an earlier build, which speaks the encrypted protocol as version 2: it
+    // reads the prefix and answers with its unsupported-version reply.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let earlier = listener.local_addr().expect("addr");
+    let fake = thread::spawn(move || {
+        let (mut stream, _) = listener.accept().expect("accept");
+        let _ = stream.read_exact(&mut [0u8; 6]);
+        let version = u32::from(EARLIER_KEYED_VERSION);
+        let reply = ReplyHeader::encode_as(
+            EARLIER_KEYED_VERSION,
+            KIND_REPLY,
+            Status::UnsupportedVersion,
+            version,
+        );
+        let _ = stream.write_all(&reply);
+    });
+    let err = client(earlier, 1, 2, job, Some(HEX_A)).fetch().unwrap_err();
+    assert!(
+        matches!(err, BootstrapError::VersionMismatch { local: 3, peer: 2 }),
+        "{err}"
+    );
     fake.join().expect("join");
 }
 

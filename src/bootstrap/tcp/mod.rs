@@ -4,7 +4,7 @@
 //! and accept loop), [`conversation`] (one connection on rank 0, either version), [`serve`]
 //! (what one serve's connections share, and the steps both versions make), [`socket`]
 //! (deadline-bound reads and writes), [`key`] (the [`RendezvousKey`]) and [`keyed`] (protocol
-//! version 2's Noise handshake and messages).
+//! version 3's challenge, Noise handshake and messages).
 
 mod client;
 mod conversation;
@@ -38,6 +38,14 @@ use crate::UniqueId;
 /// How long one connection may take from accept to ack, unless set otherwise. A well-behaved
 /// rank needs a round trip or two; this only bounds misbehaving peers.
 const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one connection may take from accept to its whole request (version 3: the opening
+/// and, after rank 0's challenge, the hello), at most; a shorter connection timeout shortens
+/// it too. A rank sends its request the moment it connects (one round trip more with a key),
+/// so this only drops peers that connect and say nothing, which would otherwise hold one of
+/// rank 0's bounded handlers each for a whole connection timeout. A rank dropped by it is
+/// told "timed out" and tries again.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A TCP rendezvous for one rank: rank 0 serves the id at an address, the others fetch it.
 ///
@@ -98,37 +106,51 @@ pub type TcpRendezvous = Rendezvous<TcpTransport>;
 ///
 /// Rank 0 serves connections concurrently, each under its own deadline, so a peer that sends
 /// garbage, stops half-way or never speaks gets its error code and is closed without holding
-/// up the others. A rank counts as served once its ack arrives; rank 0 returns when every rank
-/// has acked, so it *knows* all ranks hold the id, and fails with [`BootstrapError::Timeout`]
-/// naming the missing ranks when the deadline passes first.
+/// up the others. A connection must deliver its whole request within 2 s of being accepted (or
+/// the connection timeout, if shorter) and finish within the connection timeout: a peer that
+/// connects and says nothing gives its handler back after those 2 s, so that silent
+/// connections cannot keep the bounded number of handlers (twice the world size, from 16 to
+/// 512) busy and the ranks turned away as busy for long. A rank counts as served once its ack
+/// arrives; rank 0 returns when every rank has acked, so it *knows* all ranks hold the id, and
+/// fails with [`BootstrapError::Timeout`] naming the missing ranks when the deadline passes
+/// first.
 ///
 /// Version 1 has no secret: anyone who can reach the port can fetch the id, and anyone on the
-/// path can read it. Its job-key hash only keeps honest jobs apart. Use version 2 where that
+/// path can read it. Its job-key hash only keeps honest jobs apart. Use version 3 where that
 /// matters (always, once NCCL's own traffic is encrypted with `ncclSetEncryption`).
 ///
-/// # Protocol version 2, with a key
+/// # Protocol version 3, with a key
 ///
 /// Spoken instead of version 1 by every rank that holds a [`RendezvousKey`]
 /// ([`TcpRendezvous::with_secret`], or `NCCL_RS_RENDEZVOUS_KEY`; [`spawn_local`](super::spawn_local)
-/// draws one per job). It is the Noise protocol `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s`
-/// (implemented by the `snow` crate): each side sends a fresh X25519 ephemeral key, and the
-/// pre-shared key (PSK) is mixed in before the first message. The PSK is
-/// BLAKE2s-256(`"nccl-rs rendezvous v2 psk\0"` ‖ user key), never the user's key itself, and
-/// the prologue is `"nccl-rs rendezvous NRSB v2\0"`.
+/// draws one per job). Rank 0 first sends a fresh random challenge; then the two sides run
+/// the Noise protocol `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s` (implemented by the `snow`
+/// crate): each side sends a fresh X25519 ephemeral key, and the pre-shared key (PSK) is mixed
+/// in before the first message. The PSK is BLAKE2s-256(`"nccl-rs rendezvous v2 psk\0"` ‖ user
+/// key), never the user's key itself, and the prologue is `"nccl-rs rendezvous NRSB v3\0"` ‖
+/// the challenge.
 ///
 /// | message | bytes |
 /// | --- | --- |
-/// | hello (rank → rank 0), 112 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 4 in clear; then Noise message 1: ephemeral key (32), encrypted request (56: magic, version 2, kind 1, BLAKE2s-256 digest of `"nccl-rs rendezvous v2 job key\0"` ‖ job key (32), world size `u32`, rank `u32`, round `u32`, ids wanted `u32` as in version 1), tag (16) |
-/// | sealed reply (rank 0 → rank) | a clear 16-byte version 1-layout header with version 2, kind 5, status 0 and detail = the length of what follows (64, or 64 + 128 *k*); then Noise message 2: ephemeral key (32), encrypted reply (a 16-byte reply header of version 2, kind 2, with the status codes of version 1 and, when ok, detail *k*; then the *k* 128-byte ids when the status is 0), tag (16) |
-/// | ack (rank → rank 0), 48 bytes | magic `NRSB`, version `u16` = 2, kind `u16` = 3 in clear; then a Noise transport message: the 24-byte ack of version 1 (with version 2) encrypted, tag (16) |
+/// | opening (rank → rank 0), 8 bytes | magic `NRSB`, version `u16` = 3, kind `u16` = 6, in clear |
+/// | challenge (rank 0 → rank), 48 bytes | a clear 16-byte version 1-layout header with version 3, kind 7, status 0 and detail 32; then 32 random bytes, fresh for this connection |
+/// | hello (rank → rank 0), 112 bytes | magic `NRSB`, version `u16` = 3, kind `u16` = 4 in clear; then Noise message 1: ephemeral key (32), encrypted request (56: magic, version 3, kind 1, BLAKE2s-256 digest of `"nccl-rs rendezvous v2 job key\0"` ‖ job key (32), world size `u32`, rank `u32`, round `u32`, ids wanted `u32` as in version 1), tag (16) |
+/// | sealed reply (rank 0 → rank) | a clear 16-byte version 1-layout header with version 3, kind 5, status 0 and detail = the length of what follows (64, or 64 + 128 *k*); then Noise message 2: ephemeral key (32), encrypted reply (a 16-byte reply header of version 3, kind 2, with the status codes of version 1 and, when ok, detail *k*; then the *k* 128-byte ids when the status is 0), tag (16) |
+/// | ack (rank → rank 0), 48 bytes | magic `NRSB`, version `u16` = 3, kind `u16` = 3 in clear; then a Noise transport message: the 24-byte ack of version 1 (with version 3) encrypted, tag (16) |
 ///
-/// A peer turned away before its hello decrypted gets a clear 16-byte header of version 2 as
-/// in version 1: bad magic (1), unsupported version (2, detail 2; this is also the answer to a
+/// A peer turned away before its hello decrypted gets a clear 16-byte header of version 3 as
+/// in version 1: bad magic (1), unsupported version (2, detail 3; this is also the answer to a
 /// version 1 request), malformed or truncated (3), timed out (8), busy (9), or 12: the hello
-/// did not decrypt under rank 0's key. Every later refusal (wrong job, world size, rank, round,
-/// duplicate) is sealed in message 2. A version 1 rank 0 answers a hello with its own
-/// unsupported-version reply, so the two sides always tell a missing key from a wrong one:
-/// [`BootstrapError::Authentication`] on both, saying which side lacks the key.
+/// did not decrypt under rank 0's key and this connection's challenge. Every later refusal
+/// (wrong job, world size, rank, round, duplicate) is sealed in message 2. A version 1 rank 0
+/// answers an opening with its own unsupported-version reply, so the two sides always tell a
+/// missing key from a wrong one: [`BootstrapError::Authentication`] on both, saying which side
+/// lacks the key.
+///
+/// Version 2, which earlier builds speak with a key, is version 3 without the opening and the
+/// challenge (its prologue is the label alone). The two do not interoperate: each side answers
+/// the other's first message with unsupported version, and a rank reports
+/// [`BootstrapError::VersionMismatch`] naming both versions.
 ///
 /// What this gives, against an attacker who can read, change, drop, replay or inject traffic
 /// on the network but does not hold the key:
@@ -144,20 +166,21 @@ pub type TcpRendezvous = Rendezvous<TcpTransport>;
 ///   the ack are encrypted under keys that depend on it. A message of another job, rank or
 ///   session cannot be substituted: the sealed refusal names a wrong job, world size or rank,
 ///   and anything spliced from another session fails to decrypt.
-/// * **Replay.** A recorded hello can be sent again, and decrypts; but the reply is sealed to
-///   the recorded ephemeral key, whose private half the replayer lacks, so it learns nothing
-///   and cannot write the ack. Rank 0 only counts a rank once its ack decrypts under this very
-///   session, so the replayed connection is refused ([`BootstrapError::Authentication`]) and
-///   the rank released for the genuine one, within one connection timeout.
+/// * **Replay.** A recorded hello is bound to the challenge of the connection it was made for;
+///   sent on any other connection it does not decrypt under that connection's challenge, so
+///   it is refused at once (status 12, [`BootstrapError::Authentication`] in rank 0's report)
+///   and claims no rank: the genuine rank is never kept waiting by it. (Version 2 had no
+///   challenge: a replayed hello decrypted and held its rank until the connection timed out,
+///   and again with each replay.)
 ///
 /// What it does not prevent: seeing that a rendezvous happens, between which hosts, and the
 /// clear prefixes and sizes; delaying or dropping traffic, or resetting connections, so that
-/// the rendezvous times out; holding one rank's slot for one connection timeout with a
-/// replayed hello (the genuine rank retries meanwhile); injecting a clear refusal that makes a
-/// rank give up (an attacker on the path can stop the exchange anyway). The key must reach
-/// every rank by a channel as safe as the id needs: an environment variable is readable by the
-/// same user and by root. The file rendezvous does not use the key; its file is created with
-/// mode `0600`.
+/// the rendezvous times out; opening connections faster than rank 0 drops the silent ones (2 s
+/// each), so that ranks are turned away as busy (they retry until their own timeout);
+/// injecting a clear refusal that makes a rank give up (an attacker on the path can stop the
+/// exchange anyway). The key must reach every rank by a channel as safe as the id needs: an
+/// environment variable is readable by the same user and by root. The file rendezvous does not
+/// use the key; its file is created with mode `0600`.
 #[derive(Debug, Clone)]
 pub struct TcpTransport {
     addr: String,
@@ -167,7 +190,7 @@ pub struct TcpTransport {
     prebound: Option<Arc<TcpListener>>,
     /// Ends rank 0's serving early (a [`spawn_local`](super::spawn_local) rank died).
     interrupt: Option<Interrupt>,
-    /// The shared key: with it, only protocol version 2 is spoken.
+    /// The shared key: with it, only protocol version 3 is spoken.
     secret: Option<RendezvousKey>,
 }
 
@@ -229,21 +252,22 @@ impl Rendezvous<TcpTransport> {
         })
     }
 
-    /// Speaks the encrypted, authenticated protocol (version 2) with `key`, which every rank
+    /// Speaks the encrypted, authenticated protocol (version 3) with `key`, which every rank
     /// must share: without the key a peer learns nothing and is turned away, and a rank only
-    /// accepts an id from a rank 0 that holds it. See the [protocol](TcpTransport#protocol-version-2-with-a-key).
+    /// accepts an id from a rank 0 that holds it. See the [protocol](TcpTransport#protocol-version-3-with-a-key).
     pub fn with_secret(mut self, key: RendezvousKey) -> Self {
         self.transport.secret = Some(key);
         self
     }
 
-    /// Whether this rendezvous has a key (speaks protocol version 2).
+    /// Whether this rendezvous has a key (speaks protocol version 3).
     pub fn is_encrypted(&self) -> bool {
         self.transport.secret.is_some()
     }
 
     /// Sets how long rank 0 gives one connection from accept to ack (default 10 s). Bounds
-    /// how long a silent or slow peer keeps a server thread.
+    /// how long a slow peer keeps a server thread; a silent one is dropped after 2 s (or this
+    /// timeout, if shorter) without a whole request.
     pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
         self.transport.connection_timeout = timeout;
         self

@@ -15,9 +15,10 @@ use snow::HandshakeState;
 use super::keyed::{self, Keyed};
 use super::socket::{read_full, Short};
 use super::wire::{
-    version_of, Place, Status, DUPLICATE_DONE, DUPLICATE_IN_FLIGHT, KEYED_VERSION, MAGIC,
-    PREFIX_LEN, VERSION,
+    version_of, Place, Status, DUPLICATE_DONE, DUPLICATE_IN_FLIGHT, EARLIER_KEYED_VERSION,
+    KEYED_VERSION, MAGIC, PREFIX_LEN, VERSION,
 };
+use super::REQUEST_TIMEOUT;
 use crate::bootstrap::ids::ANY_IDS;
 use crate::bootstrap::util::{io_error, lock, time_left};
 use crate::bootstrap::BootstrapError;
@@ -71,7 +72,7 @@ pub(super) struct Serve {
     pub(super) ids: Vec<UniqueId>,
     world_size: usize,
     pub(super) job_hash: u64,
-    /// Set when the ranks share a key: then only version 2 is spoken.
+    /// Set when the ranks share a key: then only version 3 is spoken.
     pub(super) keyed: Option<Keyed>,
     pub(super) serve_deadline: Instant,
     pub(super) connection_timeout: Duration,
@@ -107,6 +108,13 @@ impl Serve {
             serve_deadline,
             connection_timeout,
         }
+    }
+
+    /// How long a connection has, from its accept, to deliver its whole request (version 3:
+    /// the opening and the hello): [`REQUEST_TIMEOUT`], or the connection timeout if shorter.
+    /// A peer that says nothing gives its handler back this soon.
+    pub(super) fn request_timeout(&self) -> Duration {
+        self.connection_timeout.min(REQUEST_TIMEOUT)
     }
 
     /// The protocol version this serve speaks, and writes in its clear replies.
@@ -201,10 +209,10 @@ impl Serve {
 
 /// What a refused peer is told.
 pub(super) enum Reply {
-    /// A clear reply header (every refusal of version 1, and version 2's before the hello
+    /// A clear reply header (every refusal of version 1, and version 3's before the hello
     /// decrypted).
     Plain(Status, u32),
-    /// Version 2's refusals once the hello decrypted: the sealed reply, ready to send.
+    /// Version 3's refusals once the hello decrypted: the sealed reply, ready to send.
     Sealed(Vec<u8>),
 }
 
@@ -427,10 +435,11 @@ pub(super) fn read_prefix(
         return Ok(());
     }
     let error = match (expected, version) {
-        (VERSION, KEYED_VERSION) => BootstrapError::Authentication {
-            detail: "the peer speaks the encrypted protocol (version 2): it has a rendezvous \
-                     key, and this rank 0 has none"
-                .to_owned(),
+        (VERSION, KEYED_VERSION | EARLIER_KEYED_VERSION) => BootstrapError::Authentication {
+            detail: format!(
+                "the peer speaks the encrypted protocol (version {version}): it has a \
+                 rendezvous key, and this rank 0 has none"
+            ),
         },
         (KEYED_VERSION, VERSION) => BootstrapError::Authentication {
             detail: "the peer speaks the unencrypted protocol (version 1): it has no \

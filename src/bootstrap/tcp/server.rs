@@ -65,7 +65,7 @@ pub struct TcpServer {
     pub(super) local_addr: SocketAddr,
     pub(super) world_size: usize,
     pub(super) job_hash: u64,
-    /// The key and job digest when the ranks share a key (protocol version 2).
+    /// The key and job digest when the ranks share a key (protocol version 3).
     pub(super) keyed: Option<Keyed>,
     /// Counts the serves under the job key (the round is taken when serving starts).
     pub(super) history: Arc<History>,

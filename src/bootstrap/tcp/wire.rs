@@ -1,6 +1,6 @@
 //! The TCP protocol's messages, version 1 (described on
 //! [`TcpTransport`](crate::bootstrap::TcpTransport)): constants, status codes, and the three
-//! messages with their encodings. Version 2 (the keyed one, in [`keyed`](super::keyed)) wraps
+//! messages with their encodings. Version 3 (the keyed one, in [`keyed`](super::keyed)) wraps
 //! the same reply and ack inside its encryption and uses the same prefix and status codes.
 
 use crate::bootstrap::bytes::{get_u16, get_u32, get_u64, put};
@@ -13,11 +13,18 @@ pub(super) const KIND_REQUEST: u16 = 1;
 pub(super) const KIND_REPLY: u16 = 2;
 pub(super) const KIND_ACK: u16 = 3;
 /// The version of the encrypted protocol, spoken when the ranks share a rendezvous key.
-pub(super) const KEYED_VERSION: u16 = 2;
-/// Version 2: a joining rank's Noise handshake message carrying its encrypted request.
+pub(super) const KEYED_VERSION: u16 = 3;
+/// The encrypted protocol of earlier builds: its hello carried no challenge of rank 0's, so a
+/// recorded one could be replayed. Refused, with its number named.
+pub(super) const EARLIER_KEYED_VERSION: u16 = 2;
+/// Keyed: a joining rank's Noise handshake message carrying its encrypted request.
 pub(super) const KIND_HELLO: u16 = 4;
-/// Version 2: rank 0's Noise handshake message carrying the encrypted reply.
+/// Keyed: rank 0's Noise handshake message carrying the encrypted reply.
 pub(super) const KIND_SEALED_REPLY: u16 = 5;
+/// Version 3: a joining rank asks for a challenge (the clear prefix alone).
+pub(super) const KIND_OPEN: u16 = 6;
+/// Version 3: rank 0's fresh challenge, which the hello must be bound to.
+pub(super) const KIND_CHALLENGE: u16 = 7;
 /// Prefix, job hash, place.
 pub(super) const REQUEST_LEN: usize = 16 + PLACE_LEN;
 pub(super) const REPLY_HEADER_LEN: usize = 16;
@@ -102,8 +109,8 @@ statuses! {
     Early = 10,
     /// Rank 0 already serves a later round. Detail: rank 0's round.
     Late = 11,
-    /// Version 2 only: the hello did not decrypt under rank 0's key (the keys differ, or the
-    /// message was altered).
+    /// Keyed only: the hello did not decrypt under rank 0's key and challenge (the keys
+    /// differ, or the message was altered or replayed).
     AuthFailed = 12,
     /// The request asks for another number of ids than rank 0 hands out. Detail: rank 0's
     /// count.
@@ -186,7 +193,8 @@ impl ReplyHeader {
         Self::encode_as(VERSION, KIND_REPLY, status, detail)
     }
 
-    /// A header of any version and kind (version 2 announces its sealed reply with one).
+    /// A header of any version and kind (version 3 announces its challenge and its sealed
+    /// reply with one).
     pub(super) fn encode_as(
         version: u16,
         kind: u16,
@@ -224,7 +232,7 @@ impl Ack {
         self.encode_as(VERSION)
     }
 
-    /// The ack as protocol `version` writes it (version 2 encrypts this).
+    /// The ack as protocol `version` writes it (version 3 encrypts this).
     pub(super) fn encode_as(&self, version: u16) -> [u8; ACK_LEN] {
         let mut bytes = [0u8; ACK_LEN];
         put_prefix(&mut bytes, version, KIND_ACK);

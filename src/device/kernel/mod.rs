@@ -230,6 +230,11 @@ impl Toolchain {
 
     /// Compiles `source` to a cubin for compute capability `arch` (`(9, 0)` for H100), once
     /// per process for the same source, architecture, options, compiler and headers.
+    ///
+    /// `nvcc` runs in a private directory: a new randomly named one under the temporary
+    /// directory, mode 0700, that no other local user can have created or entered first (also
+    /// nvcc's `TMPDIR`). It is removed afterwards, or kept and named in
+    /// [`KernelError::Compile`] when nvcc fails.
     pub fn compile(
         &self,
         source: &str,

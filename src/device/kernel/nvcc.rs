@@ -1,9 +1,18 @@
 //! Finding `nvcc` and running it: one source file in, one cubin out, in a directory of its
 //! own that is removed afterwards (kept, and named in the error, when nvcc fails).
+//!
+//! The build directory is private: a fresh, randomly named directory under the temporary
+//! directory, created with mode 0700 by a `mkdir` that fails if the name exists (the
+//! `tempfile` crate, which retries with another name). A predictable name made with
+//! `create_dir_all` would let another local user create it first and swap `kernel.cu` or
+//! `kernel.cubin` (their device code would then run in this process's context), or plant
+//! symlinks the build writes through.
 
+use std::fs::{OpenOptions, Permissions};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::KernelError;
 
@@ -76,14 +85,24 @@ fn find_in(var: impl Fn(&str) -> Option<String>) -> Result<PathBuf, KernelError>
     Err(KernelError::NvccNotFound { attempts })
 }
 
-/// A directory of its own per build.
-fn build_dir() -> PathBuf {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    std::env::temp_dir().join(format!(
-        "nccl-rs-kernel-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ))
+/// A directory of its own per build, inside `parent`: a new random name, mode 0700, created
+/// by a `mkdir` that fails (and is retried under another name) if anything is already there.
+fn build_dir(parent: &Path) -> std::io::Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("nccl-rs-kernel-")
+        .permissions(Permissions::from_mode(0o700))
+        .tempdir_in(parent)
+}
+
+/// Writes `bytes` to `path`, which must not exist (`O_EXCL`: no file or symlink planted there
+/// is opened), readable by this user only.
+fn write_new(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)
 }
 
 /// The arguments for one compile.
@@ -102,7 +121,8 @@ fn args(include: &Path, arch: (i32, i32), extra: &[String], src: &Path, out: &Pa
     args
 }
 
-/// Compiles `source` to a cubin for `arch` with the NCCL headers in `include`.
+/// Compiles `source` to a cubin for `arch` with the NCCL headers in `include`, in a private
+/// directory under the temporary directory.
 pub(super) fn compile(
     nvcc: &Path,
     include: &Path,
@@ -110,18 +130,37 @@ pub(super) fn compile(
     arch: (i32, i32),
     extra: &[String],
 ) -> Result<Vec<u8>, KernelError> {
+    compile_in(&std::env::temp_dir(), nvcc, include, source, arch, extra)
+}
+
+/// [`compile`] with the private build directory made inside `parent`.
+fn compile_in(
+    parent: &Path,
+    nvcc: &Path,
+    include: &Path,
+    source: &str,
+    arch: (i32, i32),
+    extra: &[String],
+) -> Result<Vec<u8>, KernelError> {
     let io = |what: String| move |source| KernelError::Io { what, source };
-    let dir = build_dir();
-    std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
-    let src = dir.join("kernel.cu");
-    let out = dir.join("kernel.cubin");
-    std::fs::write(&src, source).map_err(io(format!("writing {}", src.display())))?;
+    // Removed when dropped, on every path but a failed compile (kept for its source).
+    let dir = build_dir(parent).map_err(io(format!(
+        "creating a private build directory in {}",
+        parent.display()
+    )))?;
+    let src = dir.path().join("kernel.cu");
+    let out = dir.path().join("kernel.cubin");
+    write_new(&src, source.as_bytes()).map_err(io(format!("writing {}", src.display())))?;
     let args = args(include, arch, extra, &src, &out);
+    // nvcc's own intermediate files go to $TMPDIR (else /tmp) under names of its choosing:
+    // keep them in the private directory too.
     let output = Command::new(nvcc)
         .args(&args)
+        .env("TMPDIR", dir.path())
         .output()
         .map_err(io(format!("running {}", nvcc.display())))?;
     if !output.status.success() {
+        let dir = dir.keep();
         let mut text = String::from_utf8_lossy(&output.stderr).into_owned();
         text.push_str(&String::from_utf8_lossy(&output.stdout));
         return Err(KernelError::Compile {
@@ -135,9 +174,9 @@ pub(super) fn compile(
             stderr: text,
         });
     }
+    // Read back from the directory this process created and only it can write to.
     let cubin = std::fs::read(&out).map_err(io(format!("reading {}", out.display())))?;
-    // Best effort: a leftover temporary directory is harmless.
-    let _ = std::fs::remove_dir_all(&dir);
+    // Dropping `dir` removes it, best effort: a leftover private directory is harmless.
     Ok(cubin)
 }
 
@@ -190,6 +229,69 @@ mod tests {
         );
         assert!(text.contains("set NVCC="), "{text}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A fake nvcc that records where it was asked to work and writes `GOOD` as the cubin.
+    fn recording_nvcc(dir: &Path) -> (PathBuf, PathBuf) {
+        let fake = dir.join("nvcc");
+        let log = dir.join("nvcc.log");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\n\
+                 while [ $# -gt 1 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n\
+                 src=$1\n\
+                 build=$(dirname \"$out\")\n\
+                 {{ echo \"$build\"; stat -c %a \"$build\"; stat -c %a \"$src\"; \
+                 echo \"$TMPDIR\"; cat \"$src\"; echo; }} > {log}\n\
+                 printf GOOD > \"$out\"\n",
+                log = log.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (fake, log)
+    }
+
+    #[test]
+    fn the_build_runs_in_a_private_directory_of_its_own() {
+        let root = tempfile::tempdir().unwrap();
+        let parent = root.path().join("tmp");
+        std::fs::create_dir(&parent).unwrap();
+        // What another local user could plant under the names this module once used
+        // (`nccl-rs-kernel-<pid>-<n>`): a directory of theirs with their own cubin, and a
+        // symlink pointing where a build would write through it.
+        let pid = std::process::id();
+        let planted = parent.join(format!("nccl-rs-kernel-{pid}-0"));
+        std::fs::create_dir(&planted).unwrap();
+        std::fs::set_permissions(&planted, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::fs::write(planted.join("kernel.cubin"), "EVIL").unwrap();
+        let victim = root.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        let link = parent.join(format!("nccl-rs-kernel-{pid}-1"));
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let (fake, log) = recording_nvcc(root.path());
+
+        let cubin = compile_in(&parent, &fake, Path::new("/inc"), "int x;", (9, 0), &[]).unwrap();
+        assert_eq!(cubin, b"GOOD");
+
+        let log = std::fs::read_to_string(&log).unwrap();
+        let lines: Vec<&str> = log.lines().collect();
+        let build = Path::new(lines[0]);
+        assert_eq!(build.parent(), Some(parent.as_path()), "{log}");
+        assert!(build != planted && build != link, "{log}");
+        assert_eq!(lines[1], "700", "the build directory's mode: {log}");
+        assert_eq!(lines[2], "600", "kernel.cu's mode: {log}");
+        assert_eq!(Path::new(lines[3]), build, "nvcc's TMPDIR: {log}");
+        assert_eq!(lines[4], "int x;", "{log}");
+        // Removed afterwards; what was planted is untouched and nothing went through the link.
+        assert!(!build.exists());
+        assert_eq!(
+            std::fs::read(planted.join("kernel.cubin")).unwrap(),
+            b"EVIL"
+        );
+        assert_eq!(std::fs::read_dir(&planted).unwrap().count(), 1);
+        assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0);
     }
 
     #[test]

@@ -116,6 +116,26 @@ fn c2_rma_set_up_is_taken_at_registration_on_2_29_and_2_30() {
     assert!(!lazy_setup(Version::new(2, 32, 3)));
 }
 
+/// m2: the set-up is only taken where NCCL's rank-local checks of its first RMA call are
+/// known to pass on this rank: from 2.29.4 what `hostRmaSupport` says; on 2.29.2/2.29.3
+/// (no such report) only without GIN, since with GIN the communicator may span nodes and
+/// NCCL's RMA proxy check there depends on each process's plugin. Before, an unreported host
+/// RMA support counted as yes, and a set-up NCCL refused failed the registration.
+#[test]
+fn m2_rma_is_set_up_only_where_nccls_own_checks_will_pass() {
+    // 2.29.4 and later: the report, whatever the GIN type.
+    assert!(local_checks_pass(Some(true), Some(GinType::Proxy)));
+    assert!(local_checks_pass(Some(true), Some(GinType::None)));
+    assert!(!local_checks_pass(Some(false), Some(GinType::None)));
+    // 2.29.2/2.29.3: no GIN (so, with a registered window, one node) only.
+    assert!(local_checks_pass(None, Some(GinType::None)));
+    assert!(!local_checks_pass(None, Some(GinType::Proxy)));
+    assert!(!local_checks_pass(None, Some(GinType::Gdaki)));
+    assert!(!local_checks_pass(None, Some(GinType::Other(7))));
+    // Nothing reported at all (a failed or unsupported query): not known to pass.
+    assert!(!local_checks_pass(None, None));
+}
+
 #[test]
 fn old_drivers_are_unavailable() {
     assert!(check_driver(12050).is_ok());
