@@ -12,7 +12,8 @@
 
 mod common;
 
-use common::procs::{var, Children};
+use common::procs::{fields, var, Children};
+use common::shape::{processes, Shape};
 
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -515,143 +516,149 @@ fn completes_within(event: &cudarc::driver::CudaEvent, limit: Duration) -> bool 
     }
 }
 
-/// A communicator split off a parent runs one matched all-reduce on a side stream (a stream
-/// other than its own, checked against the host sum), then rank 0 alone enqueues another
-/// there, which no peer ever matches: its kernel waits forever on the side stream, while
-/// the communicator's own stream is idle (what a drop that looked only at its own stream
-/// took for healthy, handing NCCL's destroy, which waits for every kernel, a kernel nothing
-/// could abort any more). Every rank then ends the communicator as `end` says, with a short
-/// drop timeout. Rank 0's end must take about the drop timeout and leave the side stream
-/// free (the kernel aborted) within seconds; the others end at once.
+/// The child of [`side_stream_kernel_case`]: `rank,n,id,end`.
+const SIDE_CHILD_ENV: &str = "NCCL_RS_SIDE_STREAM_CHILD";
+
+/// The issue's program, one process per rank (as it was found: separate processes, so no
+/// rank's end waits for another's in NCCL's in-process clean-up): a split communicator, a
+/// matched all-reduce on a side stream, then on rank 0 alone an all-reduce no peer matches,
+/// and every rank ends its communicator (`end`) with a 3 s drop timeout. Rank 0's end must
+/// take about the timeout, and its side stream must then complete: the kernel was stopped.
 fn side_stream_kernel_case(test: &'static str, end: SideStreamEnd) {
-    let Some(devices) = gpus(test) else {
+    let Some(layout) = processes(test, &[Shape::Gpus, Shape::Shared, Shape::Hosts], 2) else {
         return;
     };
-    let _deadline = common::threaded::Deadline::new(test, Duration::from_secs(180));
-    let n = devices.len();
+    let n = layout.size();
     let id = UniqueId::new().unwrap();
-    let ended = Barrier::new(n);
-    let timeout = Duration::from_secs(3);
+    let ranks: Vec<usize> = (0..n).collect();
+    let children = Children::spawn("child_side_stream_kernel", &ranks, |rank| {
+        let mut vars = layout.env(rank);
+        vars.push(var(SIDE_CHILD_ENV, format!("{rank},{n},{id},{end:?}")));
+        vars
+    });
+    let lines = children.finish(Duration::from_secs(120));
+    let took = fields(&lines, "ENDED", "took_ms");
+    let freed = fields(&lines, "FREED", "rank");
+    let timeout = SIDE_DROP_TIMEOUT.as_millis();
+    assert_eq!(took.len(), n, "{end:?}: every rank ends: {took:?}");
+    assert_eq!(
+        freed,
+        vec![(0, 0)],
+        "{end:?}: rank 0's side stream completes: {lines:?}"
+    );
+    for &(rank, ms) in &took {
+        assert!(
+            ms < timeout + 3000,
+            "{end:?}: rank {rank} ended after {ms} ms, well past its drop timeout"
+        );
+        if rank == 0 {
+            assert!(
+                ms >= timeout,
+                "{end:?}: rank 0 ended after {ms} ms, before its timeout"
+            );
+        }
+    }
+}
+
+/// The drop timeout of [`side_stream_kernel_case`].
+const SIDE_DROP_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[test]
+#[ignore = "child process of the side-stream tests"]
+fn child_side_stream_kernel() {
+    let Ok(spec) = std::env::var(SIDE_CHILD_ENV) else {
+        return;
+    };
+    let parts: Vec<&str> = spec.split(',').collect();
+    let (rank, n): (usize, usize) = (parts[0].parse().unwrap(), parts[1].parse().unwrap());
+    let id: UniqueId = parts[2].parse().unwrap();
+    let end = match parts[3] {
+        "Drop" => SideStreamEnd::Drop,
+        "DropAfterGroup" => SideStreamEnd::DropAfterGroup,
+        _ => SideStreamEnd::Destroy,
+    };
+    let timeout = SIDE_DROP_TIMEOUT;
     let len = 1 << 18;
     let inputs: Vec<Vec<f32>> = (0..n).map(|r| random(300 + r as u64, len)).collect();
     let want: Vec<f32> = (0..len)
         .map(|i| inputs.iter().map(|x| x[i]).sum())
         .collect();
-    let outcomes: Vec<(usize, Duration, Option<bool>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
-                let (id, ended, devices, inputs, want) = (&id, &ended, &devices, &inputs, &want);
-                scope.spawn(move || {
-                    let stream = stream_on(devices[rank]);
-                    let parent = Comm::init_rank(stream.clone(), id, rank, n)
-                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
-                    let mut child = parent
-                        .split(Some(0), rank as i32)
-                        .unwrap_or_else(|e| panic!("rank {rank}: split: {e}"))
-                        .expect("every rank has a color");
-                    child.set_drop_timeout(timeout);
-                    let side = stream.context().new_stream().unwrap();
-                    // One matched all-reduce on the side stream, waited for through the
-                    // communicator (every stream it used) and checked.
-                    let mut buf: CudaSlice<f32> = side.clone_htod(&inputs[rank]).unwrap();
-                    child
-                        .enqueue_on(
-                            &side,
-                            Operation::all_reduce_in_place(&mut buf, ReduceOp::Sum),
-                        )
-                        .unwrap();
-                    child
-                        .synchronize_all_timeout(Duration::from_secs(60))
-                        .unwrap_or_else(|e| panic!("rank {rank}: matched all-reduce: {e}"));
-                    assert_eq!(&side.clone_dtoh(&buf).unwrap(), want, "rank {rank}");
-                    // Rank 0 alone: an all-reduce no peer matches, on the side stream.
-                    let hung = (rank == 0).then(|| {
-                        let mut lone: CudaSlice<f32> = side.clone_htod(&inputs[0]).unwrap();
-                        let op = Operation::all_reduce_in_place(&mut lone, ReduceOp::Sum);
-                        match end {
-                            SideStreamEnd::DropAfterGroup => {
-                                let mut group = Group::start().unwrap();
-                                group.enqueue_on(&child, &side, op).unwrap();
-                                group.finish().unwrap();
-                            }
-                            SideStreamEnd::Drop | SideStreamEnd::Destroy => {
-                                child.enqueue_on(&side, op).unwrap();
-                            }
-                        }
-                        let after = side.record_event(None).unwrap();
-                        // The kernel really waits, while the communicator's own stream is idle.
-                        assert!(
-                            !completes_within(&after, Duration::from_secs(1)),
-                            "the lone all-reduce completed"
-                        );
-                        child
-                            .synchronize_timeout(Duration::from_secs(10))
-                            .expect("the communicator's own stream is idle");
-                        let err = child
-                            .synchronize_all_timeout(Duration::from_millis(200))
-                            .expect_err("the side stream is busy");
-                        assert!(matches!(err, Error::Timeout { .. }), "{err}");
-                        (after, lone)
-                    });
-                    let start = Instant::now();
-                    match end {
-                        SideStreamEnd::Drop | SideStreamEnd::DropAfterGroup => drop(child),
-                        SideStreamEnd::Destroy => match child.destroy() {
-                            Ok(()) => assert_ne!(rank, 0, "rank 0's destroy must refuse"),
-                            Err((back, err)) => {
-                                assert_eq!(rank, 0, "rank {rank}: destroy: {err}");
-                                assert!(matches!(err, Error::Timeout { .. }), "{err}");
-                                assert!(err.to_string().contains("streams of rank 0"), "{err}");
-                                back.abort().expect("abort after the refused destroy");
-                            }
-                        },
-                    }
-                    let took = start.elapsed();
-                    // Rank 0's side stream: free within seconds once its kernel is aborted.
-                    let freed = hung.map(|(after, lone)| {
-                        let freed = completes_within(&after, Duration::from_secs(10));
-                        if freed {
-                            drop(lone);
-                        } else {
-                            // Still in use by the kernel: never freed under it.
-                            std::mem::forget(lone);
-                        }
-                        freed
-                    });
-                    println!("rank {rank}: {end:?} took {took:?}, side stream freed: {freed:?}");
-                    // Every rank has ended the child before the parent goes (several ranks
-                    // of one communicator in one process end it together).
-                    ended.wait();
-                    drop(parent);
-                    (rank, took, freed)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let (_, took, freed) = outcomes[0];
-    assert_eq!(
-        freed,
-        Some(true),
-        "{end:?}: rank 0's side stream was still busy 10 s after its end returned ({took:?}): \
-         the kernel was left running"
-    );
-    assert!(
-        took >= timeout,
-        "{end:?}: rank 0 ended after {took:?}, before its drop timeout"
-    );
-    assert!(
-        took < timeout + Duration::from_secs(3),
-        "{end:?}: rank 0 ended after {took:?}, well past its drop timeout {timeout:?}"
-    );
-    for &(rank, took, _) in &outcomes[1..] {
+    let stream = stream_on(common::shape::child_device(rank));
+    let parent = Comm::init_rank(stream.clone(), &id, rank, n)
+        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+    let mut child = parent
+        .split(Some(0), rank as i32)
+        .unwrap_or_else(|e| panic!("rank {rank}: split: {e}"))
+        .expect("every rank has a color");
+    child.set_drop_timeout(timeout);
+    let side = stream.context().new_stream().unwrap();
+    // One matched all-reduce on the side stream, waited for through the communicator (every
+    // stream it used) and checked.
+    let mut buf: CudaSlice<f32> = side.clone_htod(&inputs[rank]).unwrap();
+    child
+        .enqueue_on(
+            &side,
+            Operation::all_reduce_in_place(&mut buf, ReduceOp::Sum),
+        )
+        .unwrap();
+    child
+        .synchronize_all_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("rank {rank}: matched all-reduce: {e}"));
+    assert_eq!(side.clone_dtoh(&buf).unwrap(), want, "rank {rank}");
+    // Rank 0 alone: an all-reduce no peer matches, on the side stream.
+    let hung = (rank == 0).then(|| {
+        let mut lone: CudaSlice<f32> = side.clone_htod(&inputs[0]).unwrap();
+        let op = Operation::all_reduce_in_place(&mut lone, ReduceOp::Sum);
+        match end {
+            SideStreamEnd::DropAfterGroup => {
+                let mut group = Group::start().unwrap();
+                group.enqueue_on(&child, &side, op).unwrap();
+                group.finish().unwrap();
+            }
+            SideStreamEnd::Drop | SideStreamEnd::Destroy => child.enqueue_on(&side, op).unwrap(),
+        }
+        let after = side.record_event(None).unwrap();
+        // The kernel really waits, while the communicator's own stream is idle.
         assert!(
-            took < timeout + Duration::from_secs(3),
-            "{end:?}: rank {rank} ended after {took:?}"
+            !completes_within(&after, Duration::from_secs(1)),
+            "the lone all-reduce completed"
         );
+        child
+            .synchronize_timeout(Duration::from_secs(10))
+            .expect("the communicator's own stream is idle");
+        let err = child
+            .synchronize_all_timeout(Duration::from_millis(200))
+            .expect_err("the side stream is busy");
+        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+        (after, lone)
+    });
+    let start = Instant::now();
+    match end {
+        SideStreamEnd::Drop | SideStreamEnd::DropAfterGroup => drop(child),
+        SideStreamEnd::Destroy => match child.destroy() {
+            Ok(()) => assert_ne!(rank, 0, "rank 0's destroy must refuse"),
+            Err((back, err)) => {
+                assert_eq!(rank, 0, "rank {rank}: destroy: {err}");
+                assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                assert!(err.to_string().contains("streams of rank 0"), "{err}");
+                back.abort().expect("abort after the refused destroy");
+            }
+        },
     }
-    // Nothing the drops handed to NCCL is still destroying.
-    Comm::wait_for_destroys(Duration::from_secs(30)).expect("destroys finished");
+    let took = start.elapsed();
+    println!("ENDED rank={rank} took_ms={} end={end:?}", took.as_millis());
+    // Rank 0's side stream: free within seconds once its kernel is stopped.
+    if let Some((after, lone)) = hung {
+        if completes_within(&after, Duration::from_secs(10)) {
+            println!("FREED rank=0");
+            drop(lone);
+        } else {
+            // Still in use by the kernel: never freed under it.
+            std::mem::forget(lone);
+            println!("STILL_BUSY rank=0 after 10 s");
+        }
+    }
+    drop(parent);
 }
 
 #[test]
