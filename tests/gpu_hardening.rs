@@ -635,10 +635,13 @@ fn child_side_stream_kernel() {
     let start = Instant::now();
     match end {
         SideStreamEnd::Drop | SideStreamEnd::DropAfterGroup => drop(child),
+        // Rank 0's destroy refuses (its kernel runs), and it aborts. The other ranks drop:
+        // their plain `destroy()` would wait in NCCL for rank 0's orderly destroy, which
+        // never comes (seen on 4xH100, NCCL 2.32.3: killed after 120 s; see Comm::destroy).
+        SideStreamEnd::Destroy if rank != 0 => drop(child),
         SideStreamEnd::Destroy => match child.destroy() {
-            Ok(()) => assert_ne!(rank, 0, "rank 0's destroy must refuse"),
+            Ok(()) => panic!("rank 0's destroy must refuse"),
             Err((back, err)) => {
-                assert_eq!(rank, 0, "rank {rank}: destroy: {err}");
                 assert!(matches!(err, Error::Timeout { .. }), "{err}");
                 assert!(err.to_string().contains("streams of rank 0"), "{err}");
                 back.abort().expect("abort after the refused destroy");

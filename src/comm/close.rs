@@ -52,6 +52,13 @@ impl Comm {
     /// If an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog) already
     /// aborted the communicator, nothing is left to free and the error says why it was
     /// aborted.
+    ///
+    /// The call into NCCL itself is not bounded: as an intra-node collective it waits for the
+    /// other ranks of the node to end the communicator the orderly way, and one that aborted
+    /// instead (a peer whose own destroy refused, or whose watchdog fired) leaves it waiting
+    /// indefinitely (seen on 4×H100, NCCL 2.32.3). Where a peer may fail, end the
+    /// communicator by dropping it: a drop bounds the same destroy by
+    /// [`Comm::drop_timeout`] and goes on (see [`Comm::destroys_in_flight`]).
     // The pair is rusqlite's shape; destroy is called once per communicator, so its size
     // costs nothing.
     #[allow(clippy::result_large_err)]
