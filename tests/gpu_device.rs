@@ -617,6 +617,70 @@ fn m5_window_kernel_arguments_are_waited_for_on_the_stream_they_run_on() {
     );
 }
 
+/// Review: a `DeviceWindow` forgotten (`mem::forget`, safe) after a launch on another
+/// stream never joins that kernel into the buffer's events; the window's close must still
+/// wait for it (through the handle's own events), not deregister under the running kernel.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn m5_a_forgotten_window_handle_is_still_waited_for_by_the_close() {
+    const TEST: &str = "m5_a_forgotten_window_handle_is_still_waited_for_by_the_close";
+    const CYCLES: i64 = 1_000_000_000;
+    common::shape::setup();
+    let Some(toolchain) = toolchain(TEST) else {
+        return;
+    };
+    if gpus(TEST, 1).is_none() {
+        return;
+    }
+    let _deadline = Deadline::new(TEST, LIMIT);
+    let comms = one_rank();
+    let comm = &comms[0];
+    let ctx = comm.context().clone();
+    if !ctx.is_event_tracking() {
+        skip(TEST, "cudarc's event tracking is off in this context");
+        return;
+    }
+    let other = ctx.new_stream().expect("a second stream");
+    let module = toolchain
+        .build(&ctx, SPIN_SOURCE)
+        .expect("nvcc builds the kernels");
+    let kernel = module
+        .function("spin_fill_window")
+        .expect("spin_fill_window");
+    let n = 4096usize;
+    let cfg = LaunchConfig {
+        grid_dim: (4, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let buffer = NcclBuffer::<f32>::alloc_zeros(comm.stream(), n).expect("ncclMemAlloc");
+    let mut window = comm
+        .register_window(buffer, WindowFlags::COLL_SYMMETRIC)
+        .expect("a symmetric window");
+    let base = 31.0f32;
+    let mut handle = window.device_window().expect("the window as an argument");
+    // SAFETY: (ncclWindow_t, size_t, float, long long) as declared; the kernel writes n
+    // floats of this rank's window of n.
+    unsafe {
+        other
+            .launch_builder(&kernel)
+            .arg(&mut handle)
+            .arg(&n)
+            .arg(&base)
+            .arg(&CYCLES)
+            .launch(cfg)
+            .expect("launch on the other stream");
+    }
+    std::mem::forget(handle);
+    let buffer = window.close().map_err(|(_, e)| e).expect("deregistered");
+    let got = comm.stream().clone_dtoh(&buffer).expect("read back");
+    let expect: Vec<f32> = (0..n).map(|i| base + i as f32).collect();
+    assert!(
+        got == expect,
+        "the close of a window whose kernel handle was forgotten did not wait for the kernel"
+    );
+}
+
 /// m5: windows of different sizes (NCCL 2.30.7+): a peer's LSA or world pointer covers that
 /// peer's window, not this rank's, and an offset past it is refused.
 #[test]

@@ -22,6 +22,8 @@
 //!   the library, device-API, multicast and GIN support, the counts, the room for the
 //!   struct), and what must match: the library and ABI versions and every requirement field.
 
+use std::time::Duration;
+
 use nccl_sys::ncclDevCommRequirements_t;
 
 use super::requirements::AGREED_FIELDS;
@@ -33,6 +35,9 @@ use crate::error::{Error, Refusal, Result};
 use crate::group::Group;
 
 const CALL: &str = calls::ncclDevCommCreate.name;
+/// How long the exchanges of the other communicators of one creation still get once one of
+/// them failed (the all-gather of one communicator ends on all its ranks at about once).
+const AFTER_FAILURE: Duration = Duration::from_millis(100);
 
 /// What one rank says in the exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,7 +148,8 @@ pub(super) fn judge(all: &[Entry]) -> Result<()> {
 /// several ranks of a communicator), and waits for each, for at most its
 /// [`Comm::ready_timeout`] (blocking communicators too: a peer that cannot take part never
 /// sends its entry). A wait that runs out leaves the exchange queued, where a late rank
-/// would pair with it: that communicator is aborted.
+/// would pair with it: that communicator is aborted, and so is every other of `comms`
+/// whose exchange is not done a moment later.
 fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
     let mut sends = Vec::with_capacity(comms.len());
     let mut recvs = Vec::with_capacity(comms.len());
@@ -161,8 +167,17 @@ fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
         group.finish()?;
     }
     let mut all = Vec::with_capacity(comms.len());
+    let mut failure = None;
     for (comm, recv) in comms.iter().zip(&recvs) {
-        comm.wait_stream(comm.stream(), Some(comm.ready_timeout()))
+        // Once one wait failed, the others get only a moment more, but are still looked at:
+        // an exchange not done by then stays queued on its communicator and would pair with
+        // a later collective, so that communicator is aborted too, not left usable.
+        let timeout = match failure {
+            None => comm.ready_timeout(),
+            Some(_) => AFTER_FAILURE,
+        };
+        let waited = comm
+            .wait_stream(comm.stream(), Some(timeout))
             .map_err(|err| match err {
                 Error::Timeout { waited, .. } => comm.abort_stalled(
                     "the device communicator's agreement exchange to finish",
@@ -178,9 +193,18 @@ fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
                     },
                 ),
                 other => other,
-            })?;
-        let rows = comm.stream().clone_dtoh(recv)?;
-        all.push(rows.chunks_exact(WIDTH).map(Entry::from_row).collect());
+            });
+        match (waited, &failure) {
+            (Err(err), None) => failure = Some(err),
+            (Ok(()), None) => {
+                let rows = comm.stream().clone_dtoh(recv)?;
+                all.push(rows.chunks_exact(WIDTH).map(Entry::from_row).collect());
+            }
+            (_, Some(_)) => {}
+        }
+    }
+    if let Some(err) = failure {
+        return Err(err);
     }
     Ok(all)
 }

@@ -60,7 +60,7 @@ impl Tracked {
 
     /// Makes `stream` wait for the launches that took it (each waits for the one before and
     /// records itself as the last write).
-    fn join_into(&self, stream: &CudaStream) {
+    pub(super) fn join_into(&self, stream: &CudaStream) {
         drop(self.0.device_ptr(stream));
     }
 }

@@ -434,6 +434,13 @@ impl<'c, T: NcclType> Window<'c, T> {
     /// notes, `ncclDevrFinalize` in dev_runtime.cc).
     fn release(&mut self) -> Result<()> {
         let (buffer, comm) = (&*self.buffer, self.lease.comm());
+        // The kernels that took the window's handle ([`Window::device_window`]) on any
+        // stream: a `DeviceWindow` joins them into the buffer's stream when dropped, but one
+        // forgotten (`mem::forget`, safe) never did; the handle's own events still know
+        // them, so the buffer's stream, whose work `wait_idle` waits for, waits for them too.
+        if let Some(arg) = &self.kernel_arg {
+            arg.join_into(&buffer.stream);
+        }
         self.lease
             .give_back(|| Self::wait_idle(buffer, comm, comm.drop_timeout()))
     }
