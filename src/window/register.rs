@@ -197,6 +197,13 @@ impl Comm {
     /// [`Error`] with `?`), unless NCCL may still be registering it. A nonblocking
     /// registration that does not finish within [`Comm::ready_timeout`] aborts the
     /// communicator (its windows are then freed by NCCL) and leaks the buffer.
+    ///
+    /// Left to the caller: the same NCCL settings on every rank. NCCL decides per process
+    /// whether a communicator has symmetric memory (`NCCL_WIN_ENABLE`, `NCCL_CUMEM_ENABLE`,
+    /// from 2.29 the network plugin's GIN support: `symmetricSupport`, `src/init.cc`); a
+    /// rank without it gets the NULL window ([`Error::Unavailable`]) at once, without
+    /// joining, while ranks with it wait in the registration for it. This crate cannot
+    /// see NCCL's verdict before registering, so the exchange above does not cover it.
     pub fn register_window<T: NcclType>(
         &self,
         buffer: NcclBuffer<T>,
@@ -234,7 +241,8 @@ impl Comm {
         // returning, and a nonblocking one's communicator has settled (waited for above).
         let raw = unsafe { slot.read() };
         if raw.is_null() {
-            // Every rank gets the NULL window (no symmetric memory on the communicator).
+            // No symmetric memory here: the NULL window, returned at once. Ranks whose NCCL
+            // settings differ may not all get it (see the docs above).
             return Err(RegisterError::returning(no_window(), vec![buffer]));
         }
         let rma_done = finish_rma(&[self], &agreed);
