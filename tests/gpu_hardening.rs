@@ -632,26 +632,40 @@ fn child_side_stream_kernel() {
         assert!(matches!(err, Error::Timeout { .. }), "{err}");
         (after, lone)
     });
-    let start = Instant::now();
-    match end {
-        SideStreamEnd::Drop | SideStreamEnd::DropAfterGroup => drop(child),
-        // Rank 0's destroy refuses (its kernel runs), and it aborts. The other ranks drop:
-        // their plain `destroy()` would wait in NCCL for rank 0's orderly destroy, which
-        // never comes (seen on 4xH100, NCCL 2.32.3: killed after 120 s; see Comm::destroy).
-        SideStreamEnd::Destroy if rank != 0 => drop(child),
-        SideStreamEnd::Destroy => match child.destroy() {
-            Ok(()) => panic!("rank 0's destroy must refuse"),
-            Err((back, err)) => {
-                assert!(matches!(err, Error::Timeout { .. }), "{err}");
-                assert!(err.to_string().contains("streams of rank 0"), "{err}");
-                back.abort().expect("abort after the refused destroy");
-            }
-        },
-    }
-    let took = start.elapsed();
-    println!("ENDED rank={rank} took_ms={} end={end:?}", took.as_millis());
-    // Rank 0's side stream: free within seconds once its kernel is stopped.
+    // Rank 0 ends first, then every rank meets on the parent communicator, and only then do
+    // the others end theirs: over the network (simulated hosts) a peer's end closes its
+    // connections, which rank 0 would otherwise see as a remote error before its own end.
+    let end_child = |child: Comm| {
+        let start = Instant::now();
+        match end {
+            SideStreamEnd::Drop | SideStreamEnd::DropAfterGroup => drop(child),
+            // Rank 0's destroy refuses (its kernel runs), and it aborts. The other ranks
+            // drop: their plain `destroy()` would wait in NCCL for rank 0's orderly destroy,
+            // which never comes (seen on 4xH100, NCCL 2.32.3: killed after 120 s; see
+            // Comm::destroy).
+            SideStreamEnd::Destroy if rank != 0 => drop(child),
+            SideStreamEnd::Destroy => match child.destroy() {
+                Ok(()) => panic!("rank 0's destroy must refuse"),
+                Err((back, err)) => {
+                    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+                    assert!(err.to_string().contains("streams of rank 0"), "{err}");
+                    back.abort().expect("abort after the refused destroy");
+                }
+            },
+        }
+        start.elapsed()
+    };
+    let meet = || {
+        let mut one = stream.clone_htod(&[1.0f32]).unwrap();
+        parent
+            .all_reduce_in_place(&mut one, ReduceOp::Sum)
+            .and_then(|()| parent.synchronize_timeout(Duration::from_secs(60)))
+            .unwrap_or_else(|e| panic!("rank {rank}: meeting on the parent: {e}"));
+    };
     if let Some((after, lone)) = hung {
+        let took = end_child(child);
+        println!("ENDED rank={rank} took_ms={} end={end:?}", took.as_millis());
+        // Rank 0's side stream: free within seconds once its kernel is stopped.
         if completes_within(&after, Duration::from_secs(10)) {
             println!("FREED rank=0");
             drop(lone);
@@ -660,6 +674,11 @@ fn child_side_stream_kernel() {
             std::mem::forget(lone);
             println!("STILL_BUSY rank=0 after 10 s");
         }
+        meet();
+    } else {
+        meet();
+        let took = end_child(child);
+        println!("ENDED rank={rank} took_ms={} end={end:?}", took.as_millis());
     }
     drop(parent);
 }
