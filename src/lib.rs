@@ -107,6 +107,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod agreement;
 pub mod bootstrap;
 mod calls;
 pub mod coll_config;

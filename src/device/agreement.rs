@@ -22,22 +22,16 @@
 //!   the library, device-API, multicast and GIN support, the counts, the room for the
 //!   struct), and what must match: the library and ABI versions and every requirement field.
 
-use std::time::Duration;
-
 use nccl_sys::ncclDevCommRequirements_t;
 
 use super::requirements::AGREED_FIELDS;
 use super::{DevCommRequirements, DeviceAbi};
+use crate::agreement::{all_gather_rows, Wait};
 use crate::calls;
-use crate::collectives::Operation;
 use crate::comm::Comm;
 use crate::error::{Error, Refusal, Result};
-use crate::group::Group;
 
 const CALL: &str = calls::ncclDevCommCreate.name;
-/// How long the exchanges of the other communicators of one creation still get once one of
-/// them failed (the all-gather of one communicator ends on all its ranks at about once).
-const AFTER_FAILURE: Duration = Duration::from_millis(100);
 
 /// What one rank says in the exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,69 +138,28 @@ pub(super) fn judge(all: &[Entry]) -> Result<()> {
     Ok(())
 }
 
-/// All-gathers `mine[i]` over `comms[i]`, for every `i`, in one group (one thread may drive
-/// several ranks of a communicator), and waits for each, for at most its
-/// [`Comm::ready_timeout`] (blocking communicators too: a peer that cannot take part never
-/// sends its entry). A wait that runs out leaves the exchange queued, where a late rank
-/// would pair with it: that communicator is aborted, and so is every other of `comms`
-/// whose exchange is not done a moment later.
+/// The exchange: every rank's entry, per communicator. Every communicator waits at most its
+/// [`Comm::ready_timeout`], blocking ones too: a peer that cannot take part never sends its
+/// entry.
 fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
-    let mut sends = Vec::with_capacity(comms.len());
-    let mut recvs = Vec::with_capacity(comms.len());
-    for (comm, entry) in comms.iter().zip(mine) {
-        let stream = comm.stream();
-        comm.context().bind_to_thread()?;
-        sends.push(stream.clone_htod(&entry.to_row())?);
-        recvs.push(stream.alloc_zeros::<u64>(WIDTH * comm.size())?);
-    }
-    {
-        let mut group = Group::start()?;
-        for ((comm, send), recv) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
-            group.enqueue(comm, Operation::all_gather(send, recv))?;
-        }
-        group.finish()?;
-    }
-    let mut all = Vec::with_capacity(comms.len());
-    let mut failure = None;
-    for (comm, recv) in comms.iter().zip(&recvs) {
-        // Once one wait failed, the others get only a moment more, but are still looked at:
-        // an exchange not done by then stays queued on its communicator and would pair with
-        // a later collective, so that communicator is aborted too, not left usable.
-        let timeout = match failure {
-            None => comm.ready_timeout(),
-            Some(_) => AFTER_FAILURE,
-        };
-        let waited = comm
-            .wait_stream(comm.stream(), Some(timeout))
-            .map_err(|err| match err {
-                Error::Timeout { waited, .. } => comm.abort_stalled(
-                    "the device communicator's agreement exchange to finish",
-                    "the exchange is still queued and a late rank would pair with it",
-                    Error::Timeout {
-                        what: format!(
-                            "every rank's entry in {CALL}'s agreement on rank {} (a rank that \
-                             never joined was refused before it could: a Group open on its \
-                             thread, or its communicator failed or suspended)",
-                            comm.rank()
-                        ),
-                        waited,
-                    },
-                ),
-                other => other,
-            });
-        match (waited, &failure) {
-            (Err(err), None) => failure = Some(err),
-            (Ok(()), None) => {
-                let rows = comm.stream().clone_dtoh(recv)?;
-                all.push(rows.chunks_exact(WIDTH).map(Entry::from_row).collect());
-            }
-            (_, Some(_)) => {}
-        }
-    }
-    if let Some(err) = failure {
-        return Err(err);
-    }
-    Ok(all)
+    let rows: Vec<Vec<u64>> = mine.iter().map(|entry| entry.to_row().to_vec()).collect();
+    let wait = Wait {
+        limit: |comm| Some(comm.ready_timeout()),
+        what: "the device communicator's agreement exchange to finish",
+        explain: Some(|comm| {
+            format!(
+                "every rank's entry in {CALL}'s agreement on rank {} (a rank that never joined \
+                 was refused before it could: a Group open on its thread, or its communicator \
+                 failed or suspended)",
+                comm.rank()
+            )
+        }),
+    };
+    let all = all_gather_rows(comms, &rows, WIDTH, &wait)?;
+    Ok(all
+        .iter()
+        .map(|rows| rows.chunks_exact(WIDTH).map(Entry::from_row).collect())
+        .collect())
 }
 
 /// The exchange and its verdict for `comms[i]` whose own checks gave `local[i]` (the struct

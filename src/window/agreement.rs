@@ -3,12 +3,11 @@
 //! register or none does. Also where one-sided RMA's setup is settled for the windows.
 
 use super::{rma, WindowFlags, REQUIRED_ALIGNMENT};
+use crate::agreement::{all_gather_rows, Wait};
 use crate::calls;
-use crate::collectives::Operation;
 use crate::comm::Comm;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
-use crate::group::Group;
 use crate::memory::NcclBuffer;
 use crate::release::Version;
 
@@ -111,43 +110,20 @@ fn judge(version: Version, all: &[Entry]) -> Result<()> {
     Ok(())
 }
 
-/// All-gathers `mine[i]` over `comms[i]`, for every `i`, in one group (one thread may drive
-/// several ranks of a communicator), and waits for it: the entries of every rank, per
-/// communicator. Where a wait runs out (nonblocking communicators, [`Comm::ready_timeout`])
-/// the exchange stays queued and a late rank would pair with it: that communicator is
-/// aborted.
+/// The exchange: every rank's entry, per communicator. A nonblocking communicator waits at
+/// most its [`Comm::ready_timeout`]; a blocking one until the exchange ends.
 fn exchange(comms: &[&Comm], mine: &[Entry]) -> Result<Vec<Vec<Entry>>> {
-    let mut sends = Vec::with_capacity(comms.len());
-    let mut recvs = Vec::with_capacity(comms.len());
-    for (comm, entry) in comms.iter().zip(mine) {
-        let stream = comm.stream();
-        comm.context().bind_to_thread()?;
-        sends.push(stream.clone_htod(&entry.to_row())?);
-        recvs.push(stream.alloc_zeros::<u64>(WIDTH * comm.size())?);
-    }
-    {
-        let mut group = Group::start()?;
-        for ((comm, send), recv) in comms.iter().zip(&sends).zip(recvs.iter_mut()) {
-            group.enqueue(comm, Operation::all_gather(send, recv))?;
-        }
-        group.finish()?;
-    }
-    let mut all = Vec::with_capacity(comms.len());
-    for (comm, recv) in comms.iter().zip(&recvs) {
-        let timeout = (!comm.is_blocking()).then(|| comm.ready_timeout());
-        comm.wait_stream(comm.stream(), timeout)
-            .map_err(|err| match err {
-                Error::Timeout { .. } => comm.abort_stalled(
-                    "the window registration's exchange to finish",
-                    "the exchange is still queued and a late rank would pair with it",
-                    err,
-                ),
-                other => other,
-            })?;
-        let rows = comm.stream().clone_dtoh(recv)?;
-        all.push(rows.chunks_exact(WIDTH).map(Entry::from_row).collect());
-    }
-    Ok(all)
+    let rows: Vec<Vec<u64>> = mine.iter().map(|entry| entry.to_row().to_vec()).collect();
+    let wait = Wait {
+        limit: |comm| (!comm.is_blocking()).then(|| comm.ready_timeout()),
+        what: "the window registration's exchange to finish",
+        explain: None,
+    };
+    let all = all_gather_rows(comms, &rows, WIDTH, &wait)?;
+    Ok(all
+        .iter()
+        .map(|rows| rows.chunks_exact(WIDTH).map(Entry::from_row).collect())
+        .collect())
 }
 
 /// What the ranks agreed on for one communicator's registration.
