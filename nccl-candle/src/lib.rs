@@ -11,7 +11,7 @@
 //! no type for (`i16`). nccl-rs's own checks follow (the stream's device against the
 //! communicator's, sizes, the library version for `F8E4M3`).
 //!
-//! **Status: compiled and linted in CI, never run on a GPU yet** (see this crate's README).
+//! **Status: built and checked in CI, never run on a GPU yet** (see this crate's README).
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CudaStorage, CustomOp1, DType, InplaceOp1, Layout, Shape,
