@@ -1,0 +1,166 @@
+//! nccl-candle's collectives on real GPUs: one rank per visible GPU, each on a thread of its
+//! own with a candle device and a communicator on that device's stream, every result checked
+//! against the host's reduction of the same random (integer-valued) data.
+//!
+//! Run on a GPU host: `cargo test --test gpu -- --include-ignored --test-threads=1`.
+
+use candle_core::{DType, Device, Tensor};
+use nccl::{Comm, ReduceOp, UniqueId};
+use nccl_candle::Error;
+
+/// Integer-valued f32 in [-8, 8) from a seed (xorshift), so sums are exact.
+fn data(seed: u64, len: usize) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % 16) as f32 - 8.0
+        })
+        .collect()
+}
+
+/// Runs `body(rank, size, comm, device)` on one thread per visible GPU, or says why not.
+fn on_every_gpu(test: &str, body: impl Fn(usize, usize, &Comm, &Device) + Sync) {
+    let gpus = match nccl::library::cuda_device_count() {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            return;
+        }
+    };
+    let id = UniqueId::new().expect("ncclGetUniqueId");
+    eprintln!("RUNS {test}: {gpus} ranks, one GPU each");
+    std::thread::scope(|scope| {
+        for rank in 0..gpus {
+            let (id, body) = (&id, &body);
+            scope.spawn(move || {
+                let device = Device::new_cuda_with_stream(rank).expect("a candle CUDA device");
+                let stream = device.as_cuda_device().unwrap().cuda_stream();
+                let comm = Comm::init_rank(stream, id, rank, gpus)
+                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+                body(rank, gpus, &comm, &device);
+                comm.synchronize().expect("synchronize");
+            });
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn collectives_on_tensors_match_the_host() {
+    let len = 4096;
+    on_every_gpu(
+        "collectives_on_tensors_match_the_host",
+        |rank, size, comm, device| {
+            let mine = |seed: u64| data(seed * 100 + rank as u64, len);
+            let sum = |seed: u64| {
+                (0..size).fold(vec![0f32; len], |mut acc, r| {
+                    for (a, x) in acc.iter_mut().zip(data(seed * 100 + r as u64, len)) {
+                        *a += x;
+                    }
+                    acc
+                })
+            };
+            // In place, f32 and bf16 (integer values stay exact in bf16 at these sizes).
+            let t = Tensor::from_vec(mine(1), (len / 64, 64), device).unwrap();
+            nccl_candle::all_reduce_in_place(comm, &t, ReduceOp::Sum).unwrap();
+            assert_eq!(
+                t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                sum(1),
+                "rank {rank}"
+            );
+            let t = Tensor::from_vec(mine(2), len, device)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            nccl_candle::all_reduce_in_place(comm, &t, ReduceOp::Sum).unwrap();
+            let got = t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(got, sum(2), "rank {rank}: bf16");
+            // Out of place, from a view that starts inside its storage.
+            let whole = Tensor::from_vec(mine(3), 2 * len, device).unwrap();
+            let view = whole.narrow(0, len, len).unwrap();
+            let out = nccl_candle::all_reduce(comm, &view, ReduceOp::Sum).unwrap();
+            let want: Vec<f32> = (0..size).fold(vec![0f32; len], |mut acc, r| {
+                for (a, x) in acc.iter_mut().zip(&data(300 + r as u64, 2 * len)[len..]) {
+                    *a += x;
+                }
+                acc
+            });
+            assert_eq!(
+                out.to_vec1::<f32>().unwrap(),
+                want,
+                "rank {rank}: out of place"
+            );
+            // All-gather along dimension 0, reduce-scatter back to this rank's block.
+            let t = Tensor::from_vec(mine(4), (2, len / 2), device).unwrap();
+            let gathered = nccl_candle::all_gather(comm, &t).unwrap();
+            assert_eq!(gathered.dims(), &[2 * size, len / 2]);
+            let want: Vec<f32> = (0..size).flat_map(|r| data(400 + r as u64, len)).collect();
+            assert_eq!(
+                gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                want
+            );
+            let t = Tensor::from_vec(mine(5), (size, len), device).unwrap();
+            let block = nccl_candle::reduce_scatter(comm, &t, ReduceOp::Sum).unwrap();
+            assert_eq!(block.dims(), &[1, len]);
+            let full: Vec<f32> = (0..size).fold(vec![0f32; size * len], |mut acc, r| {
+                for (a, x) in acc.iter_mut().zip(data(500 + r as u64, size * len)) {
+                    *a += x;
+                }
+                acc
+            });
+            assert_eq!(
+                block.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                &full[rank * len..(rank + 1) * len],
+                "rank {rank}: reduce-scatter"
+            );
+            // Broadcast from the last rank.
+            let root = size - 1;
+            let t = Tensor::from_vec(mine(6), len, device).unwrap();
+            nccl_candle::broadcast_in_place(comm, &t, root).unwrap();
+            assert_eq!(t.to_vec1::<f32>().unwrap(), data(600 + root as u64, len));
+        },
+    );
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn tensors_nccl_cannot_take_are_refused_before_nccl() {
+    on_every_gpu(
+        "tensors_nccl_cannot_take_are_refused_before_nccl",
+        |rank, size, comm, device| {
+            let cpu = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
+            let err = nccl_candle::all_reduce_in_place(comm, &cpu, ReduceOp::Sum).unwrap_err();
+            assert!(matches!(err, Error::NotCuda { .. }), "rank {rank}: {err}");
+            let t = Tensor::zeros((4, 8), DType::F32, device)
+                .unwrap()
+                .t()
+                .unwrap();
+            let err = nccl_candle::all_reduce(comm, &t, ReduceOp::Sum).unwrap_err();
+            assert!(
+                matches!(err, Error::NotContiguous { .. }),
+                "rank {rank}: {err}"
+            );
+            let t = Tensor::zeros(8, DType::F32, device)
+                .unwrap()
+                .to_dtype(DType::I16)
+                .unwrap();
+            let err = nccl_candle::all_gather(comm, &t).unwrap_err();
+            assert!(
+                matches!(err, Error::UnsupportedDType { .. }),
+                "rank {rank}: {err}"
+            );
+            if size > 1 {
+                let t = Tensor::zeros((size + 1, 2), DType::F32, device).unwrap();
+                let err = nccl_candle::reduce_scatter(comm, &t, ReduceOp::Sum).unwrap_err();
+                assert!(matches!(err, Error::Shape { .. }), "rank {rank}: {err}");
+            }
+            // A root past the ranks: nccl-rs's own typed refusal, through candle's op machinery.
+            let t = Tensor::zeros(8, DType::F32, device).unwrap();
+            let err = nccl_candle::broadcast_in_place(comm, &t, size).unwrap_err();
+            assert!(matches!(err, Error::Nccl(_)), "rank {rank}: {err}");
+        },
+    );
+}
