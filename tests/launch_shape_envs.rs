@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use nccl::bootstrap::{Exchange, Launcher, Placement};
 
-use common::procs::{one_gpu_per_task_env, simulated_node_env, var, wait_children};
+use common::procs::{one_gpu_per_task_env_showing, simulated_node_env_showing, var, wait_children};
 
 /// Looks variables up in `env` only, as a child started with it would see them (the harness
 /// removes the parent's launcher variables).
@@ -33,7 +33,7 @@ fn simulated_nodes_are_one_rank_per_machine_with_a_tcp_rendezvous() {
         let mut host_ids = HashSet::new();
         let mut gpus = HashSet::new();
         for rank in 0..size {
-            let env = simulated_node_env(rank, size, rank, 29512, "run-7");
+            let env = simulated_node_env_showing(rank, size, rank.to_string(), 29512, "run-7");
             let launch = Placement::from_vars(lookup(&env)).unwrap();
             assert_eq!(
                 (launch.rank, launch.world_size, launch.local_rank),
@@ -74,7 +74,7 @@ fn one_gpu_per_task_is_open_mpi_on_one_node_with_one_gpu_visible() {
     let size = 2;
     let mut gpus = HashSet::new();
     for rank in 0..size {
-        let env = one_gpu_per_task_env(rank, size, rank, "4242");
+        let env = one_gpu_per_task_env_showing(rank, size, rank.to_string(), "4242");
         let launch = Placement::from_vars(lookup(&env)).unwrap();
         // Open MPI and PMIx agree; the innermost (Open MPI) is believed.
         assert_eq!(launch.launcher, Launcher::OpenMpi);

@@ -139,6 +139,18 @@ pub fn simulated_node_env(
     master_port: u16,
     run_id: &str,
 ) -> Vec<(String, String)> {
+    simulated_node_env_showing(rank, size, visible_gpu(gpu), master_port, run_id)
+}
+
+/// [`simulated_node_env`] with `CUDA_VISIBLE_DEVICES=visible` as given (the tests of the
+/// environments themselves, which must not depend on the GPUs this process sees).
+pub fn simulated_node_env_showing(
+    rank: usize,
+    size: usize,
+    visible: String,
+    master_port: u16,
+    run_id: &str,
+) -> Vec<(String, String)> {
     vec![
         var("NCCL_HOSTID", format!("{run_id}-node{rank}")),
         var("NCCL_P2P_DISABLE", 1),
@@ -147,7 +159,7 @@ pub fn simulated_node_env(
         var("NCCL_SOCKET_IFNAME", "lo"),
         var("NCCL_NVLS_ENABLE", 0),
         var("NCCL_MNNVL_ENABLE", 0),
-        var("CUDA_VISIBLE_DEVICES", visible_gpu(gpu)),
+        var("CUDA_VISIBLE_DEVICES", visible),
         var("RANK", rank),
         var("WORLD_SIZE", size),
         var("GROUP_RANK", rank),
@@ -170,6 +182,17 @@ pub fn one_gpu_per_task_env(
     gpu: usize,
     job_id: &str,
 ) -> Vec<(String, String)> {
+    one_gpu_per_task_env_showing(rank, size, visible_gpu(gpu), job_id)
+}
+
+/// [`one_gpu_per_task_env`] with `CUDA_VISIBLE_DEVICES=visible` as given (the tests of the
+/// environments themselves, which must not depend on the GPUs this process sees).
+pub fn one_gpu_per_task_env_showing(
+    rank: usize,
+    size: usize,
+    visible: String,
+    job_id: &str,
+) -> Vec<(String, String)> {
     vec![
         var("OMPI_COMM_WORLD_RANK", rank),
         var("OMPI_COMM_WORLD_SIZE", size),
@@ -179,7 +202,7 @@ pub fn one_gpu_per_task_env(
         var("OMPI_MCA_ess_base_jobid", job_id),
         var("PMIX_RANK", rank),
         var("PMIX_NAMESPACE", format!("prterun-{job_id}@1")),
-        var("CUDA_VISIBLE_DEVICES", visible_gpu(gpu)),
+        var("CUDA_VISIBLE_DEVICES", visible),
         var("NCCL_RS_BOOTSTRAP_TIMEOUT", 90),
     ]
 }
