@@ -79,7 +79,8 @@ fn collectives_on_tensors_match_the_host() {
             let got = t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(got, sum(2), "rank {rank}: bf16");
             // Out of place, from a view that starts inside its storage.
-            let whole = Tensor::from_vec(mine(3), 2 * len, device).unwrap();
+            let whole =
+                Tensor::from_vec(data(300 + rank as u64, 2 * len), 2 * len, device).unwrap();
             let view = whole.narrow(0, len, len).unwrap();
             let out = nccl_candle::all_reduce(comm, &view, ReduceOp::Sum).unwrap();
             let want: Vec<f32> = (0..size).fold(vec![0f32; len], |mut acc, r| {
@@ -143,9 +144,10 @@ fn tensors_nccl_cannot_take_are_refused_before_nccl() {
                 matches!(err, Error::NotContiguous { .. }),
                 "rank {rank}: {err}"
             );
-            let t = Tensor::zeros(8, DType::F32, device)
+            // candle has no CUDA cast to i16: made on the CPU and copied over.
+            let t = Tensor::zeros(8, DType::I16, &Device::Cpu)
                 .unwrap()
-                .to_dtype(DType::I16)
+                .to_device(device)
                 .unwrap();
             let err = nccl_candle::all_gather(comm, &t).unwrap_err();
             assert!(
