@@ -11,6 +11,10 @@
 //! no type for (`i16`). nccl-rs's own checks follow (the stream's device against the
 //! communicator's, sizes, the library version for `F8E4M3`).
 //!
+//! [`all_gather_dim`] gathers along any dimension. [`tp`] has tensor parallelism for
+//! inference: column- and row-parallel linear layers and a vocab-parallel embedding, loaded
+//! shard by shard through candle's `ShardedVarBuilder`.
+//!
 //! **Status: built and checked in CI, never run on a GPU yet** (see this crate's README).
 
 use candle_core::{
@@ -18,6 +22,11 @@ use candle_core::{
     Tensor,
 };
 use nccl::{Comm, NcclType, Operation, ReduceOp};
+
+mod gather;
+pub mod tp;
+
+pub use gather::all_gather_dim;
 
 /// What goes wrong in a collective on tensors.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +61,51 @@ pub enum Error {
         /// What is wrong with it.
         why: String,
     },
+    /// A dimension of a tensor to shard over a tensor-parallel group does not split evenly
+    /// over its ranks (found from the layer's arguments, or in the weights file).
+    #[error("{name}: dimension {dim} of {shape:?} does not split over {world_size} ranks")]
+    NotDivisible {
+        /// The tensor's name (the full path in the weights file).
+        name: String,
+        /// Its whole shape.
+        shape: Vec<usize>,
+        /// The dimension sharded.
+        dim: usize,
+        /// The number of ranks.
+        world_size: usize,
+    },
+    /// A tensor loaded from the weights (a rank's shard, or a whole replicated tensor) does
+    /// not have the shape the layer expects.
+    #[error("{name}: loaded a tensor of shape {got:?}, expected {expected:?}")]
+    ShardShape {
+        /// The tensor's name (the full path in the weights file).
+        name: String,
+        /// The shape the layer expects.
+        expected: Vec<usize>,
+        /// The shape loaded.
+        got: Vec<usize>,
+    },
+    /// The ranks of a group hold different fingerprints of something that must be the same
+    /// on all of them (see [`tp::TpGroup::agree`]); every rank gets this error.
+    #[error("{what}: the ranks disagree (fingerprint of each rank: {fingerprints:016x?})")]
+    Disagreement {
+        /// What was compared.
+        what: String,
+        /// Each rank's fingerprint, in rank order.
+        fingerprints: Vec<u64>,
+    },
+    /// A tensor-parallel layer or group was given an argument it cannot work with.
+    #[error("{what}: {why}")]
+    InvalidArgument {
+        /// The layer, group or function.
+        what: &'static str,
+        /// What is wrong.
+        why: String,
+    },
+    /// Ranks simulated on threads ([`tp::ThreadedCollectives`]) could not exchange tensors:
+    /// another rank's thread panicked during an exchange.
+    #[error("threaded collectives: {0}")]
+    Threaded(String),
     /// NCCL or nccl-rs refused or failed the collective.
     #[error(transparent)]
     Nccl(#[from] nccl::Error),

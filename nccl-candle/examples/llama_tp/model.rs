@@ -1,0 +1,392 @@
+//! A Llama-style decoder split over a tensor-parallel group: RMSNorm, rotary attention with
+//! a KV cache (grouped-query when `kv_heads < heads`), SwiGLU MLP, a vocab-parallel
+//! embedding and a column-parallel head whose logits are gathered. Each rank holds
+//! `heads / N` query heads and `kv_heads / N` key/value heads (q, k, v column-parallel, o
+//! row-parallel) and `intermediate / N` MLP features (gate, up column-parallel, down
+//! row-parallel): two all-reduces per layer, one for the embedding, one all-gather for the
+//! logits. With a one-rank group it is the plain model.
+//!
+//! Tensor names follow Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`, ...).
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::kv_cache::KvCache;
+use candle_nn::var_builder::ShardedVarBuilder;
+use nccl_candle::tp::{
+    load_replicated, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
+};
+use nccl_candle::{Error, Result};
+
+/// Rotary embedding base.
+pub const ROPE_THETA: f64 = 10_000.0;
+/// RMSNorm's epsilon.
+pub const RMS_EPS: f32 = 1e-5;
+
+/// A model's sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Config {
+    /// Tokens.
+    pub vocab: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Width of the MLP.
+    pub intermediate: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (a divisor of `heads`; fewer is grouped-query attention).
+    pub kv_heads: usize,
+}
+
+impl Config {
+    /// About 20M parameters: quick to check anywhere, too small for tensor parallelism to
+    /// pay. Grouped-query (16 query heads, 8 key/value heads).
+    pub fn small() -> Self {
+        Self {
+            vocab: 8192,
+            hidden: 512,
+            intermediate: 1408,
+            layers: 4,
+            heads: 16,
+            kv_heads: 8,
+        }
+    }
+
+    /// About 1.9G parameters (Llama-2-7B's widths, 8 layers): where splitting the decode's
+    /// weight reads over GPUs should pay.
+    pub fn large() -> Self {
+        Self {
+            vocab: 32000,
+            hidden: 4096,
+            intermediate: 11008,
+            layers: 8,
+            heads: 32,
+            kv_heads: 32,
+        }
+    }
+
+    /// The width of a head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    /// The number of parameters.
+    pub fn parameters(&self) -> usize {
+        let kv = self.kv_heads * self.head_dim();
+        let attention = 2 * self.hidden * self.hidden + 2 * self.hidden * kv;
+        let mlp = 3 * self.hidden * self.intermediate;
+        let layer = attention + mlp + 2 * self.hidden;
+        2 * self.vocab * self.hidden + self.layers * layer + self.hidden
+    }
+
+    /// Refuses sizes that do not split into whole heads over `world_size` ranks. Depends only
+    /// on the configuration and the world size, so every rank gives the same verdict.
+    pub fn check(&self, world_size: usize) -> Result<()> {
+        let invalid = |why: String| {
+            Err(Error::InvalidArgument {
+                what: "llama config",
+                why,
+            })
+        };
+        if self.heads == 0 || self.kv_heads == 0 || !self.hidden.is_multiple_of(self.heads) {
+            return invalid(format!("{} heads do not split {}", self.heads, self.hidden));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) || !self.head_dim().is_multiple_of(2) {
+            return invalid(format!(
+                "{} heads need a whole number of query heads per key/value head ({}) and an \
+                 even head width",
+                self.heads, self.kv_heads
+            ));
+        }
+        for (what, n) in [
+            ("query heads", self.heads),
+            ("key/value heads", self.kv_heads),
+            ("MLP features", self.intermediate),
+            ("tokens", self.vocab),
+        ] {
+            if !n.is_multiple_of(world_size) {
+                return invalid(format!("{n} {what} do not split over {world_size} ranks"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// RMSNorm with a learned scale, whole on every rank.
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+}
+
+impl RmsNorm {
+    fn load(vb: &ShardedVarBuilder, hidden: usize) -> Result<Self> {
+        Ok(Self {
+            weight: load_replicated(vb, "weight", &[hidden])?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            &self.weight,
+            RMS_EPS,
+        )?)
+    }
+}
+
+/// Repeats each key/value head `n` times, for grouped-query attention.
+fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x);
+    }
+    let (b, heads, seq, dim) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, heads, n, seq, dim))?
+        .reshape((b, heads * n, seq, dim))?)
+}
+
+/// This rank's attention heads.
+#[derive(Debug, Clone)]
+struct Attention {
+    q: ColumnParallelLinear,
+    k: ColumnParallelLinear,
+    v: ColumnParallelLinear,
+    o: RowParallelLinear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    cache: KvCache,
+}
+
+impl Attention {
+    fn load(vb: &ShardedVarBuilder, group: &TpGroup, cfg: &Config, max_seq: usize) -> Result<Self> {
+        let (hidden, head_dim) = (cfg.hidden, cfg.head_dim());
+        let kv = cfg.kv_heads * head_dim;
+        Ok(Self {
+            q: ColumnParallelLinear::load(&vb.pp("q_proj"), group, hidden, hidden, false)?,
+            k: ColumnParallelLinear::load(&vb.pp("k_proj"), group, hidden, kv, false)?,
+            v: ColumnParallelLinear::load(&vb.pp("v_proj"), group, hidden, kv, false)?,
+            o: RowParallelLinear::load(&vb.pp("o_proj"), group, hidden, hidden, false)?,
+            heads: cfg.heads / group.size(),
+            kv_heads: cfg.kv_heads / group.size(),
+            head_dim,
+            cache: KvCache::new(2, max_seq),
+        })
+    }
+
+    /// `x`: `[b, seq, hidden]` at positions `offset..`; `cos`, `sin`: those positions' rows.
+    fn forward(
+        &mut self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (b, seq, _) = x.dims3()?;
+        let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+            Ok(t.reshape((b, seq, n, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let q = heads(self.q.forward(x)?, self.heads)?;
+        let k = heads(self.k.forward(x)?, self.kv_heads)?;
+        let v = heads(self.v.forward(x)?, self.kv_heads)?;
+        let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+        let (k, v) = self.cache.append(&k, &v)?;
+        let rep = self.heads / self.kv_heads;
+        let k = repeat_kv(k, rep)?.contiguous()?;
+        let v = repeat_kv(v, rep)?.contiguous()?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let mut scores = (q.matmul(&k.t()?)? * scale)?;
+        if let Some(mask) = mask {
+            scores = scores.broadcast_add(mask)?;
+        }
+        let weights = candle_nn::ops::softmax_last_dim(&scores)?;
+        let y =
+            weights
+                .matmul(&v)?
+                .transpose(1, 2)?
+                .reshape((b, seq, self.heads * self.head_dim))?;
+        self.o.forward(&y)
+    }
+}
+
+/// This rank's MLP features: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: ColumnParallelLinear,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+}
+
+impl Mlp {
+    fn load(vb: &ShardedVarBuilder, group: &TpGroup, cfg: &Config) -> Result<Self> {
+        let (h, i) = (cfg.hidden, cfg.intermediate);
+        Ok(Self {
+            gate: ColumnParallelLinear::load(&vb.pp("gate_proj"), group, h, i, false)?,
+            up: ColumnParallelLinear::load(&vb.pp("up_proj"), group, h, i, false)?,
+            down: RowParallelLinear::load(&vb.pp("down_proj"), group, i, h, false)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gated = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        self.down.forward(&gated)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attention_norm: RmsNorm,
+    attention: Attention,
+    mlp_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// The decoder, this rank's part of it.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    embed: VocabParallelEmbedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: ColumnParallelLinear,
+    /// Rotary tables, `[max_seq, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+    max_seq: usize,
+    dtype: DType,
+}
+
+impl Llama {
+    /// Loads this rank's part of the model through `vb` (its type and device), with room for
+    /// `max_seq` positions. `cfg` must pass [`Config::check`] for the group's size.
+    pub fn load(
+        vb: &ShardedVarBuilder,
+        group: &TpGroup,
+        cfg: &Config,
+        max_seq: usize,
+    ) -> Result<Self> {
+        cfg.check(group.size())?;
+        let model = vb.pp("model");
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let layer = model.pp("layers").pp(i);
+            blocks.push(Block {
+                attention_norm: RmsNorm::load(&layer.pp("input_layernorm"), cfg.hidden)?,
+                attention: Attention::load(&layer.pp("self_attn"), group, cfg, max_seq)?,
+                mlp_norm: RmsNorm::load(&layer.pp("post_attention_layernorm"), cfg.hidden)?,
+                mlp: Mlp::load(&layer.pp("mlp"), group, cfg)?,
+            });
+        }
+        let (cos, sin) = rope_tables(cfg.head_dim(), max_seq, vb.dtype(), vb.device())?;
+        Ok(Self {
+            embed: VocabParallelEmbedding::load(
+                &model.pp("embed_tokens"),
+                group,
+                cfg.vocab,
+                cfg.hidden,
+            )?,
+            blocks,
+            norm: RmsNorm::load(&model.pp("norm"), cfg.hidden)?,
+            lm_head: ColumnParallelLinear::load(
+                &vb.pp("lm_head"),
+                group,
+                cfg.hidden,
+                cfg.vocab,
+                false,
+            )?,
+            cos,
+            sin,
+            max_seq,
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// The logits of the last position, `[b, vocab]`, the same on every rank, for `ids`
+    /// (`[b, seq]`, `u32`) at positions `offset..offset + seq`, after positions `0..offset`
+    /// went through earlier calls (the KV cache holds them).
+    pub fn forward(&mut self, ids: &Tensor, offset: usize) -> Result<Tensor> {
+        let (_, seq) = ids.dims2()?;
+        if seq == 0 || offset + seq > self.max_seq {
+            return Err(Error::InvalidArgument {
+                what: "Llama::forward",
+                why: format!(
+                    "positions {offset}..{} outside the model's 0..{}",
+                    offset + seq,
+                    self.max_seq
+                ),
+            });
+        }
+        let cos = self.cos.narrow(0, offset, seq)?;
+        let sin = self.sin.narrow(0, offset, seq)?;
+        let mask = match seq {
+            1 => None,
+            _ => Some(causal_mask(seq, offset, self.dtype, ids.device())?),
+        };
+        let mut x = self.embed.forward(ids)?;
+        for block in &mut self.blocks {
+            let attended = block.attention.forward(
+                &block.attention_norm.forward(&x)?,
+                &cos,
+                &sin,
+                mask.as_ref(),
+            )?;
+            x = (x + attended)?;
+            x = (&x + block.mlp.forward(&block.mlp_norm.forward(&x)?)?)?;
+        }
+        let last = self.norm.forward(&x.narrow(1, seq - 1, 1)?)?;
+        Ok(self.lm_head.forward_gathered(&last)?.squeeze(1)?)
+    }
+
+    /// Forgets every position (empties the KV caches).
+    pub fn reset(&mut self) {
+        for block in &mut self.blocks {
+            block.attention.cache.reset();
+        }
+    }
+}
+
+/// Rotary tables for positions `0..max_seq`: `cos` and `sin` of `p * theta^(-2i/head_dim)`,
+/// `[max_seq, head_dim / 2]`, computed in f64 on the host.
+fn rope_tables(
+    head_dim: usize,
+    max_seq: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = head_dim / 2;
+    let angles: Vec<f64> = (0..max_seq)
+        .flat_map(|p| {
+            (0..half).map(move |i| p as f64 * ROPE_THETA.powf(-2.0 * i as f64 / head_dim as f64))
+        })
+        .collect();
+    let table = |f: fn(f64) -> f64| -> Result<Tensor> {
+        let values: Vec<f32> = angles.iter().map(|&a| f(a) as f32).collect();
+        Ok(Tensor::from_vec(values, (max_seq, half), device)?.to_dtype(dtype)?)
+    };
+    Ok((table(f64::cos)?, table(f64::sin)?))
+}
+
+/// `[seq, offset + seq]`: 0 where query `i` (position `offset + i`) may see key `j`, minus
+/// infinity where `j` is later.
+fn causal_mask(seq: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let keys = offset + seq;
+    let values: Vec<f32> = (0..seq)
+        .flat_map(|i| {
+            (0..keys).map(move |j| {
+                if j > offset + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(values, (seq, keys), device)?.to_dtype(dtype)?)
+}
+
+/// Greedy choice per row of `logits` (`[b, vocab]`), on the device.
+pub fn argmax(logits: &Tensor) -> Result<Tensor> {
+    Ok(logits.argmax(D::Minus1)?)
+}

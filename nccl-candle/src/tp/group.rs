@@ -1,0 +1,246 @@
+//! The ranks a tensor-parallel layer is split over, and the collectives that join its parts.
+
+use std::cell::Cell;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::rc::Rc;
+
+use candle_core::{Device, Tensor};
+use nccl::{Comm, ReduceOp};
+
+use crate::gather::gather_along;
+use crate::{Error, Result};
+
+/// The collectives tensor parallelism needs, over the ranks of a group. Implemented for
+/// [`Comm`] (NCCL, CUDA tensors) and [`ThreadedCollectives`](super::ThreadedCollectives)
+/// (ranks on threads of one process, any device).
+///
+/// As with NCCL, every rank must call the same collectives in the same order with tensors
+/// of the same shape and type.
+pub trait Collectives {
+    /// This rank, in `0..size()`.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn size(&self) -> usize;
+    /// The reduction of every rank's `tensor` (contiguous), as a new tensor of its shape.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    /// Every rank's `tensor` (contiguous), concatenated along the first dimension in rank
+    /// order.
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor>;
+}
+
+impl Collectives for Comm {
+    fn rank(&self) -> usize {
+        Comm::rank(self)
+    }
+
+    fn size(&self) -> usize {
+        Comm::size(self)
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        crate::all_reduce(self, tensor, op)
+    }
+
+    fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        crate::all_gather(self, tensor)
+    }
+}
+
+/// A fingerprint of `value` for [`TpGroup::agree`]: std's `DefaultHasher::new()`, whose
+/// keys are fixed, so the same value gives the same fingerprint in every process of one
+/// build (not across Rust versions: all ranks must run the same binary).
+pub fn fingerprint(value: &impl Hash) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    value.hash(&mut hasher);
+    hasher.finish()
+}
+
+struct Shared {
+    /// `None` for a one-rank world without a communicator.
+    collectives: Option<Box<dyn Collectives>>,
+    rank: usize,
+    size: usize,
+    /// Whether the layers leave their collectives out (timing only).
+    skip: Cell<bool>,
+}
+
+/// The ranks of a tensor-parallel group, shared by its layers (cloning is cheap and shares
+/// the group, skip mode included).
+///
+/// Not `Send`: a group and its layers belong to the thread that drives its rank, as a
+/// [`Comm`] is used from one thread at a time.
+#[derive(Clone)]
+pub struct TpGroup {
+    shared: Rc<Shared>,
+}
+
+impl std::fmt::Debug for TpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpGroup")
+            .field("rank", &self.shared.rank)
+            .field("size", &self.shared.size)
+            .field("skip_collectives", &self.shared.skip.get())
+            .finish()
+    }
+}
+
+impl TpGroup {
+    /// The group of `collectives`' ranks (a [`Comm`], or a
+    /// [`ThreadedCollectives`](super::ThreadedCollectives)). Refused when its rank is not
+    /// below its size.
+    pub fn new(collectives: impl Collectives + 'static) -> Result<Self> {
+        let (rank, size) = (collectives.rank(), collectives.size());
+        if rank >= size {
+            return Err(Error::InvalidArgument {
+                what: "TpGroup::new",
+                why: format!("rank {rank} of a group of {size}"),
+            });
+        }
+        Ok(Self::with(Some(Box::new(collectives)), rank, size))
+    }
+
+    /// A one-rank world: layers hold whole tensors and no collective runs (the unsharded
+    /// model, e.g. a single-GPU reference).
+    pub fn single() -> Self {
+        Self::with(None, 0, 1)
+    }
+
+    fn with(collectives: Option<Box<dyn Collectives>>, rank: usize, size: usize) -> Self {
+        Self {
+            shared: Rc::new(Shared {
+                collectives,
+                rank,
+                size,
+                skip: Cell::new(false),
+            }),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    /// Makes the layers of this group leave out their collectives (`true`) or run them
+    /// again (`false`). Skipping gives **WRONG results** (each rank's partial sums, its own
+    /// embedding rows, its block of an all-gather repeated in place of the others'); it
+    /// exists to time a model with and without its collectives, e.g. the share of decode
+    /// latency they take as `(with - without) / with`. Shapes stay as with the
+    /// collectives. The group's own [`TpGroup::all_reduce`], [`TpGroup::all_gather_dim`] and
+    /// [`TpGroup::agree`] always run. Every rank should switch together, or the ranks that
+    /// still run collectives wait for the others.
+    pub fn set_skip_collectives(&self, skip: bool) {
+        self.shared.skip.set(skip);
+    }
+
+    /// Whether the layers leave out their collectives (see
+    /// [`TpGroup::set_skip_collectives`]).
+    pub fn skips_collectives(&self) -> bool {
+        self.shared.skip.get()
+    }
+
+    /// The collectives, when there is more than one rank.
+    fn ranks(&self) -> Option<&dyn Collectives> {
+        match &self.shared.collectives {
+            Some(collectives) if self.shared.size > 1 => Some(collectives.as_ref()),
+            _ => None,
+        }
+    }
+
+    /// The reduction of every rank's `tensor` (`tensor` itself on one rank), always run,
+    /// skip mode or not: for the caller's own exchanges (flags, timings).
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        match self.ranks() {
+            Some(ranks) => ranks.all_reduce(&tensor.contiguous()?, op),
+            None => Ok(tensor.clone()),
+        }
+    }
+
+    /// Every rank's `tensor` concatenated along `dim` in rank order (`tensor` itself on one
+    /// rank), always run, skip mode or not.
+    pub fn all_gather_dim(&self, tensor: &Tensor, dim: usize) -> Result<Tensor> {
+        match self.ranks() {
+            Some(ranks) => gather_along(tensor, dim, self.size(), |t| ranks.all_gather(t)),
+            None => {
+                // The same refusal as with several ranks, so a bad `dim` fails alike.
+                gather_along(tensor, dim, 1, |t| Ok(t.clone()))
+            }
+        }
+    }
+
+    /// Checks that every rank passed the same `fingerprint` (see [`fingerprint`]) of `what`,
+    /// e.g. a model's configuration and its weights file's header, before work whose
+    /// collectives depend on it: fails with [`Error::Disagreement`] on every rank when any
+    /// differs. A collective itself (an all-gather of one `i64` on `device`, which must suit
+    /// the collectives: the rank's GPU for a [`Comm`]); every rank must call it. Nothing to
+    /// compare on one rank.
+    pub fn agree(&self, what: &str, fingerprint: u64, device: &Device) -> Result<()> {
+        let Some(ranks) = self.ranks() else {
+            return Ok(());
+        };
+        // Bit-for-bit as i64: NCCL and candle both have it, unlike u64.
+        let mine = Tensor::new(&[i64::from_ne_bytes(fingerprint.to_ne_bytes())], device)?;
+        let all: Vec<u64> = ranks
+            .all_gather(&mine)?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(|v| u64::from_ne_bytes(v.to_ne_bytes()))
+            .collect();
+        if all.iter().all(|&f| f == fingerprint) && all.len() == self.size() {
+            Ok(())
+        } else {
+            Err(Error::Disagreement {
+                what: what.to_string(),
+                fingerprints: all,
+            })
+        }
+    }
+
+    /// The layers' all-reduce (sum) of their partial results, left out in skip mode.
+    pub(crate) fn layer_sum(&self, partial: Tensor) -> Result<Tensor> {
+        match self.ranks() {
+            Some(ranks) if !self.skips_collectives() => {
+                ranks.all_reduce(&partial.contiguous()?, ReduceOp::Sum)
+            }
+            _ => Ok(partial),
+        }
+    }
+
+    /// The layers' all-gather of their blocks along `dim`; in skip mode this rank's block
+    /// stands in for every rank's (a local copy, for the shape).
+    pub(crate) fn layer_gather(&self, block: &Tensor, dim: usize) -> Result<Tensor> {
+        if self.skips_collectives() && self.size() > 1 {
+            let copies = vec![block.clone(); self.size()];
+            return Ok(Tensor::cat(&copies, dim)?);
+        }
+        self.all_gather_dim(block, dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints_are_fixed_within_a_build() {
+        assert_eq!(fingerprint(&("a", 1u32)), fingerprint(&("a", 1u32)));
+        assert_ne!(fingerprint(&("a", 1u32)), fingerprint(&("a", 2u32)));
+    }
+
+    #[test]
+    fn one_rank_runs_no_collective() {
+        let group = TpGroup::single();
+        assert_eq!((group.rank(), group.size()), (0, 1));
+        let t = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let sum = group.layer_sum(t.clone()).unwrap();
+        assert_eq!(sum.to_vec1::<f32>().unwrap(), [1.0, 2.0]);
+        let gathered = group.layer_gather(&t, 0).unwrap();
+        assert_eq!(gathered.to_vec1::<f32>().unwrap(), [1.0, 2.0]);
+        group.agree("anything", 7, &Device::Cpu).unwrap();
+    }
+}
