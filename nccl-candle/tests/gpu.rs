@@ -103,7 +103,8 @@ fn collectives_on_tensors_match_the_host() {
                 gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                 want
             );
-            let t = Tensor::from_vec(mine(5), (size, len), device).unwrap();
+            let t =
+                Tensor::from_vec(data(500 + rank as u64, size * len), (size, len), device).unwrap();
             let block = nccl_candle::reduce_scatter(comm, &t, ReduceOp::Sum).unwrap();
             assert_eq!(block.dims(), &[1, len]);
             let full: Vec<f32> = (0..size).fold(vec![0f32; size * len], |mut acc, r| {

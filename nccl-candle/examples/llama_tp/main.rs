@@ -329,6 +329,9 @@ fn check(
     all_ok(group, device, passed)
 }
 
+/// How many times each batch's decode is timed with and without the collectives, in turn.
+const TIMING_ROUNDS: usize = 5;
+
 /// One row of the timing table: the slowest rank's prefill ms, decode ms per token, and
 /// decode ms per token without the collectives.
 fn time_batch(
@@ -356,12 +359,19 @@ fn time_batch(
         group.set_skip_collectives(false);
         Ok(run?)
     };
-    let with = timed(false)?;
-    let without = timed(true)?;
+    // Alternated, several times over, and pooled: one run after the other showed order
+    // effects of +-40% between identical runs on one rank (2xH100, 2026-11-26).
+    let (mut with, mut without, mut prefill) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..TIMING_ROUNDS {
+        let run = timed(false)?;
+        prefill.push(run.prefill);
+        with.extend(run.steps.into_iter().skip(options.warmup));
+        without.extend(timed(true)?.steps.into_iter().skip(options.warmup));
+    }
     let mine = [
-        with.prefill.as_secs_f64() * 1e3,
-        median_ms(&with.steps, options.warmup),
-        median_ms(&without.steps, options.warmup),
+        median_ms(&prefill, 0),
+        median_ms(&with, 0),
+        median_ms(&without, 0),
     ];
     let slowest = group
         .all_reduce(&Tensor::new(&mine, device)?, ReduceOp::Max)?
@@ -472,15 +482,20 @@ fn run(options: &Options) -> Result<(), AnyError> {
             "world | batch | prefill ms | decode ms/token | tokens/s | no-collectives ms/token | collective share"
         );
         for (batch, [prefill, decode, without]) in rows {
+            // One rank runs no collective: its two columns differ by noise alone.
+            let share = match world {
+                1 => "none".to_string(),
+                _ => format!("{:.1}%", 100.0 * (decode - without) / decode),
+            };
             println!(
-                "{world:>5} | {batch:>5} | {prefill:>10.2} | {decode:>15.3} | {:>8.0} | {without:>23.3} | {:>15.1}%",
+                "{world:>5} | {batch:>5} | {prefill:>10.2} | {decode:>15.3} | {:>8.0} | {without:>23.3} | {share:>16}",
                 batch as f64 * 1e3 / decode,
-                100.0 * (decode - without) / decode
             );
         }
         println!(
-            "(slowest rank; median over decode steps after {} warm-up steps; no-collectives runs \
-             compute wrong tokens and only time the rest)",
+            "(slowest rank; medians over {TIMING_ROUNDS} decodes with and {TIMING_ROUNDS} without the \
+             collectives, in turn, each after {} warm-up steps; the runs without compute wrong \
+             tokens and only time the rest)",
             options.warmup
         );
     }
