@@ -19,6 +19,8 @@ use candle_core::{
 };
 use nccl::{Comm, NcclType, Operation, ReduceOp};
 
+pub mod ddp;
+
 /// What goes wrong in a collective on tensors.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -51,6 +53,46 @@ pub enum Error {
         op: &'static str,
         /// What is wrong with it.
         why: String,
+    },
+    /// An argument is outside what the call accepts (a root past the ranks, a rank past
+    /// the world size, a global batch that does not split).
+    #[error("{op}: {why}")]
+    Argument {
+        /// The call.
+        op: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A variable cannot take part in a data-parallel call on this rank (on the CPU or on
+    /// another GPU than the communicator's, not contiguous, an element type NCCL lacks, a
+    /// name given twice, a gradient of another shape or type than its variable).
+    #[error("{op}: variable {name:?}: {why}")]
+    Variable {
+        /// The call.
+        op: &'static str,
+        /// The variable's name.
+        name: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The ranks disagree on what must be the same on all of them (the variables' names,
+    /// shapes and element types, a bucket size, a root). Every rank returns this error, found
+    /// by an exchange of fingerprints before any collective that depends on it.
+    #[error("{what} differ between the ranks: rank(s) {ranks:?} disagree with rank 0")]
+    Mismatch {
+        /// What was compared.
+        what: &'static str,
+        /// The ranks whose fingerprint differs from rank 0's.
+        ranks: Vec<usize>,
+    },
+    /// Other ranks failed their own checks before a data-parallel call (their error says
+    /// why), so this rank refused it too rather than wait for them.
+    #[error("{op}: rank(s) {ranks:?} refused the call (their error says why)")]
+    PeerRefused {
+        /// The call.
+        op: &'static str,
+        /// The ranks that refused.
+        ranks: Vec<usize>,
     },
     /// NCCL or nccl-rs refused or failed the collective.
     #[error(transparent)]
