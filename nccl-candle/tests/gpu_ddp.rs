@@ -282,13 +282,13 @@ fn ranks_that_differ_get_an_error_on_every_rank() {
             }
             match GradientAverager::new(comm, &var_map(vars), 1024) {
                 Err(Error::Mismatch { ranks, .. }) => assert_eq!(ranks, [last], "rank {rank}"),
-                other => panic!("rank {rank}: {:?}", other.map(|_| ())),
+                other => panic!("rank {rank}: {other:?}"),
             }
             // Another bucket size on the last rank.
             let bytes = if rank == last { 2048 } else { 1024 };
             match GradientAverager::new(comm, &var_map(base()), bytes) {
                 Err(Error::Mismatch { ranks, .. }) => assert_eq!(ranks, [last], "rank {rank}"),
-                other => panic!("rank {rank}: {:?}", other.map(|_| ())),
+                other => panic!("rank {rank}: {other:?}"),
             }
             // A variable on the CPU on the last rank: its own error there, a refusal elsewhere.
             let mut vars = base();

@@ -62,6 +62,19 @@ pub struct GradientAverager<'c> {
     timing: Cell<Option<AverageTiming>>,
 }
 
+impl std::fmt::Debug for GradientAverager<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradientAverager")
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .field("vars", &self.vars.len())
+            .field("buckets", &self.buckets.len())
+            .field("bucket_bytes", &self.bucket_bytes)
+            .field("timing", &self.timing.get())
+            .finish()
+    }
+}
+
 impl<'c> GradientAverager<'c> {
     /// An averager for the variables of `vars`, in buckets of at most `bucket_bytes`
     /// ([`DEFAULT_BUCKET_BYTES`] is PyTorch's default; 0 gives one bucket per variable).

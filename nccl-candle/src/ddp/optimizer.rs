@@ -19,6 +19,15 @@ pub struct DistributedOptimizer<'c, O> {
     averager: GradientAverager<'c>,
 }
 
+impl<O: std::fmt::Debug> std::fmt::Debug for DistributedOptimizer<'_, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedOptimizer")
+            .field("inner", &self.inner)
+            .field("averager", &self.averager)
+            .finish()
+    }
+}
+
 impl<'c, O: Optimizer> DistributedOptimizer<'c, O> {
     /// Wraps `inner`, averaging the gradients of `vars` in buckets of
     /// [`DEFAULT_BUCKET_BYTES`]. Every rank calls this together ([`GradientAverager::new`]
