@@ -23,9 +23,12 @@ use candle_core::{
 };
 use nccl::{Comm, NcclType, Operation, ReduceOp};
 
+mod agree;
+pub mod ddp;
 mod gather;
 pub mod tp;
 
+pub use agree::fingerprint;
 pub use gather::all_gather_dim;
 
 /// What goes wrong in a collective on tensors.
@@ -61,6 +64,46 @@ pub enum Error {
         /// What is wrong with it.
         why: String,
     },
+    /// An argument is outside what the call accepts (a root past the ranks, a rank past
+    /// the world size, a global batch that does not split, a group's rank past its size).
+    #[error("{op}: {why}")]
+    Argument {
+        /// The call.
+        op: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A variable cannot take part in a data-parallel call on this rank (on the CPU or on
+    /// another GPU than the communicator's, not contiguous, an element type NCCL lacks, a
+    /// name given twice, a gradient of another shape or type than its variable).
+    #[error("{op}: variable {name:?}: {why}")]
+    Variable {
+        /// The call.
+        op: &'static str,
+        /// The variable's name.
+        name: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The ranks disagree on what must be the same on all of them (the variables' names,
+    /// shapes and element types, a bucket size, a root). Every rank returns this error, found
+    /// by an exchange of fingerprints before any collective that depends on it.
+    #[error("{what} differ between the ranks: rank(s) {ranks:?} disagree with rank 0")]
+    Mismatch {
+        /// What was compared.
+        what: &'static str,
+        /// The ranks whose fingerprint differs from rank 0's.
+        ranks: Vec<usize>,
+    },
+    /// Other ranks failed their own checks before a data-parallel call (their error says
+    /// why), so this rank refused it too rather than wait for them.
+    #[error("{op}: rank(s) {ranks:?} refused the call (their error says why)")]
+    PeerRefused {
+        /// The call.
+        op: &'static str,
+        /// The ranks that refused.
+        ranks: Vec<usize>,
+    },
     /// A dimension of a tensor to shard over a tensor-parallel group does not split evenly
     /// over its ranks (found from the layer's arguments, or in the weights file).
     #[error("{name}: dimension {dim} of {shape:?} does not split over {world_size} ranks")]
@@ -84,23 +127,6 @@ pub enum Error {
         expected: Vec<usize>,
         /// The shape loaded.
         got: Vec<usize>,
-    },
-    /// The ranks of a group hold different fingerprints of something that must be the same
-    /// on all of them (see [`tp::TpGroup::agree`]); every rank gets this error.
-    #[error("{what}: the ranks disagree (fingerprint of each rank: {fingerprints:016x?})")]
-    Disagreement {
-        /// What was compared.
-        what: String,
-        /// Each rank's fingerprint, in rank order.
-        fingerprints: Vec<u64>,
-    },
-    /// A tensor-parallel layer or group was given an argument it cannot work with.
-    #[error("{what}: {why}")]
-    InvalidArgument {
-        /// The layer, group or function.
-        what: &'static str,
-        /// What is wrong.
-        why: String,
     },
     /// Ranks simulated on threads ([`tp::ThreadedCollectives`]) could not exchange tensors:
     /// another rank's thread panicked during an exchange.

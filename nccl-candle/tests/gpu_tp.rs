@@ -196,8 +196,8 @@ fn gathers_along_any_dimension_and_agreement() {
             }
             group.agree("same", 7, device).unwrap();
             match group.agree("differs", r as u64, device) {
-                Err(Error::Disagreement { fingerprints, .. }) => {
-                    assert_eq!(fingerprints, (0..n as u64).collect::<Vec<_>>())
+                Err(Error::Mismatch { ranks, .. }) => {
+                    assert_eq!(ranks, (1..n).collect::<Vec<_>>())
                 }
                 other => panic!("rank {r}: {other:?}"),
             }

@@ -247,9 +247,9 @@ fn ranks_with_different_fingerprints_all_fail() {
     for (same, differs, gathered, total) in results {
         same.unwrap();
         match differs.unwrap_err() {
-            Error::Disagreement { what, fingerprints } => {
+            Error::Mismatch { what, ranks } => {
                 assert_eq!(what, "differs");
-                assert_eq!(fingerprints, [0, 1, 0]);
+                assert_eq!(ranks, [1]);
             }
             other => panic!("{other}"),
         }

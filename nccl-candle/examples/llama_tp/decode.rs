@@ -80,8 +80,8 @@ pub fn decode(
             Feed::Forced(tokens) => match tokens.get(step - 1) {
                 Some(row) if row.len() == batch => row.clone(),
                 _ => {
-                    return Err(Error::InvalidArgument {
-                        what: "decode",
+                    return Err(Error::Argument {
+                        op: "decode",
                         why: format!("no forced tokens for step {step} of {batch} rows"),
                     })
                 }

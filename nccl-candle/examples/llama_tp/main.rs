@@ -48,7 +48,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::var_builder::ShardedSafeTensors;
 use nccl::bootstrap::spawn_local;
 use nccl::ReduceOp;
-use nccl_candle::tp::{fingerprint, TpGroup};
+use nccl_candle::fingerprint;
+use nccl_candle::tp::TpGroup;
 
 use decode::{compare, decode, median_ms, non_finite, prompt, Feed, Run};
 use model::{Config, Llama};

@@ -83,8 +83,8 @@ impl Config {
     /// on the configuration and the world size, so every rank gives the same verdict.
     pub fn check(&self, world_size: usize) -> Result<()> {
         let invalid = |why: String| {
-            Err(Error::InvalidArgument {
-                what: "llama config",
+            Err(Error::Argument {
+                op: "llama config",
                 why,
             })
         };
@@ -309,8 +309,8 @@ impl Llama {
     pub fn forward(&mut self, ids: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, seq) = ids.dims2()?;
         if seq == 0 || offset + seq > self.max_seq {
-            return Err(Error::InvalidArgument {
-                what: "Llama::forward",
+            return Err(Error::Argument {
+                op: "Llama::forward",
                 why: format!(
                     "positions {offset}..{} outside the model's 0..{}",
                     offset + seq,

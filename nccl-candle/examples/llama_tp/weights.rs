@@ -15,7 +15,7 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use half::bf16;
-use nccl_candle::tp::fingerprint;
+use nccl_candle::fingerprint;
 
 use crate::model::Config;
 

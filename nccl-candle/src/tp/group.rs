@@ -1,12 +1,12 @@
 //! The ranks a tensor-parallel layer is split over, and the collectives that join its parts.
 
 use std::cell::Cell;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::rc::Rc;
 
 use candle_core::{Device, Tensor};
 use nccl::{Comm, ReduceOp};
 
+use crate::agree::{judge, Verdict};
 use crate::gather::gather_along;
 use crate::{Error, Result};
 
@@ -46,15 +46,6 @@ impl Collectives for Comm {
     }
 }
 
-/// A fingerprint of `value` for [`TpGroup::agree`]: std's `DefaultHasher::new()`, whose
-/// keys are fixed, so the same value gives the same fingerprint in every process of one
-/// build (not across Rust versions: all ranks must run the same binary).
-pub fn fingerprint(value: &impl Hash) -> u64 {
-    let mut hasher = DefaultHasher::new();
-    value.hash(&mut hasher);
-    hasher.finish()
-}
-
 struct Shared {
     /// `None` for a one-rank world without a communicator.
     collectives: Option<Box<dyn Collectives>>,
@@ -91,8 +82,8 @@ impl TpGroup {
     pub fn new(collectives: impl Collectives + 'static) -> Result<Self> {
         let (rank, size) = (collectives.rank(), collectives.size());
         if rank >= size {
-            return Err(Error::InvalidArgument {
-                what: "TpGroup::new",
+            return Err(Error::Argument {
+                op: "TpGroup::new",
                 why: format!("rank {rank} of a group of {size}"),
             });
         }
@@ -173,31 +164,29 @@ impl TpGroup {
         }
     }
 
-    /// Checks that every rank passed the same `fingerprint` (see [`fingerprint`]) of `what`,
-    /// e.g. a model's configuration and its weights file's header, before work whose
-    /// collectives depend on it: fails with [`Error::Disagreement`] on every rank when any
-    /// differs. A collective itself (an all-gather of one `i64` on `device`, which must suit
-    /// the collectives: the rank's GPU for a [`Comm`]); every rank must call it. Nothing to
-    /// compare on one rank.
-    pub fn agree(&self, what: &str, fingerprint: u64, device: &Device) -> Result<()> {
+    /// Checks that every rank passed the same `fingerprint` (see
+    /// [`fingerprint`](crate::fingerprint)) of `what`, e.g. a model's configuration and its
+    /// weights file's header, before work whose collectives depend on it: fails with
+    /// [`Error::Mismatch`] on every rank when any differs from rank 0's. A collective itself
+    /// (an all-gather of one row of `i64` on `device`, which must suit the collectives: the
+    /// rank's GPU for a [`Comm`]); every rank must call it. Nothing to compare on one rank.
+    pub fn agree(&self, what: &'static str, fingerprint: u64, device: &Device) -> Result<()> {
         let Some(ranks) = self.ranks() else {
             return Ok(());
         };
-        // Bit-for-bit as i64: NCCL and candle both have it, unlike u64.
-        let mine = Tensor::new(&[i64::from_ne_bytes(fingerprint.to_ne_bytes())], device)?;
-        let all: Vec<u64> = ranks
-            .all_gather(&mine)?
+        // The crate's agreement row, [fingerprint, refused], bit for bit as i64: NCCL and
+        // candle both have it, unlike u64. No rank refuses here.
+        let row = [i64::from_ne_bytes(fingerprint.to_ne_bytes()), 0];
+        let table: Vec<u64> = ranks
+            .all_gather(&Tensor::new(&row, device)?)?
             .to_vec1::<i64>()?
             .into_iter()
             .map(|v| u64::from_ne_bytes(v.to_ne_bytes()))
             .collect();
-        if all.iter().all(|&f| f == fingerprint) && all.len() == self.size() {
-            Ok(())
-        } else {
-            Err(Error::Disagreement {
-                what: what.to_string(),
-                fingerprints: all,
-            })
+        match judge(&table) {
+            Verdict::Agreed => Ok(()),
+            Verdict::Mismatch(ranks) => Err(Error::Mismatch { what, ranks }),
+            Verdict::Refused(ranks) => Err(Error::PeerRefused { op: what, ranks }),
         }
     }
 
@@ -225,12 +214,6 @@ impl TpGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fingerprints_are_fixed_within_a_build() {
-        assert_eq!(fingerprint(&("a", 1u32)), fingerprint(&("a", 1u32)));
-        assert_ne!(fingerprint(&("a", 1u32)), fingerprint(&("a", 2u32)));
-    }
 
     #[test]
     fn one_rank_runs_no_collective() {

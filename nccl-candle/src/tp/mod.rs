@@ -32,7 +32,7 @@
 //! [`Error::ShardShape`](crate::Error::ShardShape)); these refusals come out the same on
 //! every rank as long as every rank passes the same arguments and reads the same file, so
 //! they need no exchange. That the arguments and files are the same is the caller's to
-//! make sure of, before loading: [`TpGroup::agree`] compares a [`fingerprint`] (of a
+//! make sure of, before loading: [`TpGroup::agree`] compares a [`fingerprint`](crate::fingerprint) (of a
 //! configuration, of a file's header) over the ranks and fails on every rank when one
 //! differs.
 //!
@@ -46,7 +46,7 @@ mod shard;
 mod threaded;
 
 pub use embedding::{masked_lookup, VocabParallelEmbedding};
-pub use group::{fingerprint, Collectives, TpGroup};
+pub use group::{Collectives, TpGroup};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use shard::{load_replicated, shard_range};
 pub use threaded::ThreadedCollectives;

@@ -61,8 +61,8 @@ pub(crate) fn load_block(
         Some(dim) if world_size > 1 => {
             // candle's ShardedSafeTensors shards the first two dimensions only.
             if dim >= shape.len() || dim > 1 {
-                return Err(Error::InvalidArgument {
-                    what: "tensor-parallel load",
+                return Err(Error::Argument {
+                    op: "tensor-parallel load",
                     why: format!(
                         "{full_name}: cannot shard dimension {dim} of {shape:?} (only 0 or 1)"
                     ),

@@ -36,8 +36,8 @@ impl ThreadedCollectives {
     /// Refused for no rank at all.
     pub fn group(size: usize) -> Result<Vec<ThreadedCollectives>> {
         if size == 0 {
-            return Err(Error::InvalidArgument {
-                what: "ThreadedCollectives::group",
+            return Err(Error::Argument {
+                op: "ThreadedCollectives::group",
                 why: "a group needs at least one rank".into(),
             });
         }
@@ -139,7 +139,7 @@ mod tests {
     fn no_rank_is_refused() {
         assert!(matches!(
             ThreadedCollectives::group(0),
-            Err(Error::InvalidArgument { .. })
+            Err(Error::Argument { .. })
         ));
     }
 }
