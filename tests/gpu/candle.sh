@@ -8,6 +8,12 @@ for x in .gpu/candle/*.xz; do n=${x##*/}; n=${n%.xz}; [[ -x $bin/$n ]] || { xz -
 cuda=$(dirname "$(ls /usr/local/cuda/lib64/libcublas.so.13 /usr/local/cuda/targets/x86_64-linux/lib/libcublas.so.13 2>/dev/null | head -1)")
 export LD_LIBRARY_PATH=$cuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 eval "$(.gpu/run env 2>/dev/null | sed 's/^/export /')"
+# CANDLE_MPI=N: the binary under Open MPI's mpirun with N ranks, the NCCL settings passed on.
+if (( $# )) && [[ -n ${CANDLE_MPI:-} ]]; then
+  n=$1; shift
+  exec mpirun --allow-run-as-root --bind-to none -np "$CANDLE_MPI" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE \
+    -x NCCL_LIBRARY -x NCCL_HOME -x RUST_BACKTRACE $bin/$n "$@"
+fi
 if (( $# )); then n=$1; shift; exec $bin/$n "$@"; fi
 rc=0
 for t in $bin/gpu $bin/gpu_*; do [[ -x $t ]] || continue; echo "=== ${t##*/}"; $t --include-ignored --test-threads=1 || rc=1; done
