@@ -57,12 +57,14 @@ use model::{Config, Llama};
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
 const USAGE: &str = "\
-usage: llama_tp [--model small|large] [--dtype bf16|f32] [--prompt-len N] [--new-tokens N]
+usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--new-tokens N]
                 [--batch 1,8] [--seed N] [--warmup N] [--weights FILE] [--no-check]
 
   --model       small: vocab 8192, hidden 512, 4 layers, 16 heads (8 key/value), MLP 1408,
                 ~20M parameters (default); large: vocab 32000, hidden 4096, 8 layers,
-                32 heads, MLP 11008, ~1.9G parameters (3.8 GB in bf16)
+                32 heads, MLP 11008, ~1.9G parameters (3.8 GB in bf16); xl: vocab 32000,
+                hidden 8192, 8 layers, 64 heads (8 key/value), MLP 28672, ~7.4G parameters
+                (14.8 GB in bf16)
   --dtype       type on the GPU (default bf16); the file holds bf16 either way
   --prompt-len  prompt tokens per row (default 32)
   --new-tokens  tokens generated per row, the first from the prompt's pass (default 32)
@@ -73,12 +75,12 @@ usage: llama_tp [--model small|large] [--dtype bf16|f32] [--prompt-len N] [--new
                 instead of drawing the weights
   --no-check    skip the comparison with the single-GPU model
 
-Each rank writes its weights (3.8 GB for large) under $TMPDIR (default /tmp), removed at the
-end. One rank per visible GPU; NCCL_RS_LOCAL_RANKS=N forces N ranks.";
+Each rank writes its weights (3.8 GB for large, 14.8 GB for xl) under $TMPDIR (default
+/tmp), removed at the end. One rank per visible GPU; NCCL_RS_LOCAL_RANKS=N forces N ranks.";
 
 #[derive(Debug, Clone)]
 struct Options {
-    large: bool,
+    model: &'static str,
     dtype: DType,
     prompt_len: usize,
     new_tokens: usize,
@@ -91,9 +93,10 @@ struct Options {
 
 impl Options {
     fn config(&self) -> Config {
-        match self.large {
-            true => Config::large(),
-            false => Config::small(),
+        match self.model {
+            "large" => Config::large(),
+            "xl" => Config::xl(),
+            _ => Config::small(),
         }
     }
 }
@@ -101,7 +104,7 @@ impl Options {
 /// The options, or `None` after printing the usage for `--help`.
 fn parse_options() -> Result<Option<Options>, String> {
     let mut options = Options {
-        large: false,
+        model: "small",
         dtype: DType::BF16,
         prompt_len: 32,
         new_tokens: 32,
@@ -119,10 +122,11 @@ fn parse_options() -> Result<Option<Options>, String> {
         };
         match arg.as_str() {
             "--model" => {
-                options.large = match value("--model")?.as_str() {
-                    "small" => false,
-                    "large" => true,
-                    other => return Err(format!("--model {other:?}: small or large")),
+                options.model = match value("--model")?.as_str() {
+                    "small" => "small",
+                    "large" => "large",
+                    "xl" => "xl",
+                    other => return Err(format!("--model {other:?}: small, large or xl")),
                 }
             }
             "--dtype" => {
@@ -403,7 +407,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
         println!(
             "llama_tp: {} model ({:.2}G parameters) in {dtype}, {world} ranks ({launcher}), \
              prompt {} tokens, {} new tokens, NCCL {}",
-            if options.large { "large" } else { "small" },
+            options.model,
             cfg.parameters() as f64 / 1e9,
             options.prompt_len,
             options.new_tokens,
