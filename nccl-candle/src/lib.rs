@@ -15,7 +15,8 @@
 //! inference: column- and row-parallel linear layers and a vocab-parallel embedding, loaded
 //! shard by shard through candle's `ShardedVarBuilder`.
 //!
-//! **Status: built and checked in CI, never run on a GPU yet** (see this crate's README).
+//! Run on 2×H100 with NCCL 2.32.3, with the data- and tensor-parallel modules ([`ddp`],
+//! [`tp`]) and their examples (see this crate's README).
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CudaStorage, CustomOp1, DType, InplaceOp1, Layout, Shape,
