@@ -34,9 +34,12 @@ pub(crate) fn gather_along(
             why: format!("dimension {dim} is past the last of {dims:?}"),
         });
     }
-    let stacked = gather(&tensor.unsqueeze(0)?.contiguous()?)?;
     let mut merged = dims.clone();
-    merged[dim] *= size;
+    merged[dim] = merged[dim].checked_mul(size).ok_or_else(|| Error::Shape {
+        op: "all_gather_dim",
+        why: format!("{dims:?} gathered over {size} ranks overflows"),
+    })?;
+    let stacked = gather(&tensor.unsqueeze(0)?.contiguous()?)?;
     if dim == 0 {
         return Ok(stacked.reshape(merged)?);
     }

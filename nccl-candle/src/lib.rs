@@ -3,12 +3,20 @@
 //! candle keeps a CUDA tensor's data in a cudarc `CudaSlice` (`candle_core::CudaStorage`),
 //! the same cudarc nccl-rs takes, so a collective runs on the tensor's own memory, with no
 //! copy, on the stream of the tensor's device (`CudaDevice::cuda_stream`), ordered after the
-//! candle work that produced it. Every rank calls the same functions in the same order, as
-//! with NCCL itself.
+//! candle work that produced it when both ran from the same host thread (candle's
+//! `Device::new_cuda` uses CUDA's per-thread default stream; a tensor made on one thread and
+//! reduced from another is ordered only by the caller, e.g. with `Device::new_cuda_with_stream`
+//! shared by both). Every rank calls the same functions in the same order, as with NCCL itself.
+//!
+//! The in-place collectives write the tensor's storage, which candle shares between a
+//! tensor and its clones, views, `detach`, and `contiguous()` or same-type `to_dtype` of an
+//! already contiguous tensor: all of them see the result, as with candle's own in-place ops.
 //!
 //! Refused before NCCL, with [`Error`]: tensors not on a CUDA device, tensors that are not
 //! contiguous (a view with strides; call `.contiguous()` first), and element types NCCL has
-//! no type for (`i16`). nccl-rs's own checks follow (the stream's device against the
+//! no type for (`i16`). These refusals are this rank's alone, as NCCL's own argument errors
+//! are: a peer that passed a good tensor waits in the collective (the watchdog or an
+//! `AbortHandle` of nccl-rs ends it), so every rank must pass tensors of the same kind. nccl-rs's own checks follow (the stream's device against the
 //! communicator's, sizes, the library version for `F8E4M3`).
 //!
 //! [`all_gather_dim`] gathers along any dimension. [`tp`] has tensor parallelism for
@@ -275,7 +283,9 @@ impl InPlace<'_> {
     ) -> candle_core::Result<()> {
         let stream = storage.device.cuda_stream();
         let slice = storage.as_cuda_slice_mut::<T>()?;
-        let mut view = slice.slice_mut(start..end);
+        let mut view = slice
+            .try_slice_mut(start..end)
+            .ok_or_else(|| self.failure.record(Error::NotContiguous { op: self.op() }))?;
         let call = match self.kind {
             InPlaceKind::AllReduce(op) => Operation::all_reduce_in_place(&mut view, op),
             InPlaceKind::Broadcast(root) => Operation::broadcast_in_place(&mut view, root),
@@ -338,7 +348,11 @@ impl OutOfPlace<'_> {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let device = storage.device.clone();
         let stream = device.cuda_stream();
-        let send = storage.as_cuda_slice::<T>()?.slice(start..end);
+        // Outside the storage only if candle's layout were inconsistent: refused, not a panic.
+        let send = storage
+            .as_cuda_slice::<T>()?
+            .try_slice(start..end)
+            .ok_or_else(|| self.failure.record(Error::NotContiguous { op: self.op() }))?;
         // SAFETY: NCCL writes every element of the output before anything can read it: the
         // shape was computed for this collective (all-reduce: the input's count; all-gather:
         // size times it; reduce-scatter: a size-th of it), and on failure the slice is
@@ -418,7 +432,16 @@ pub fn all_reduce(comm: &Comm, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> 
 pub fn all_gather(comm: &Comm, tensor: &Tensor) -> Result<Tensor> {
     let mut dims = tensor.dims().to_vec();
     match dims.first_mut() {
-        Some(first) => *first *= comm.size(),
+        Some(first) => {
+            *first = first.checked_mul(comm.size()).ok_or_else(|| Error::Shape {
+                op: "all_gather",
+                why: format!(
+                    "{:?} gathered over {} ranks overflows",
+                    tensor.dims(),
+                    comm.size()
+                ),
+            })?
+        }
         None => dims.push(comm.size()),
     }
     let call = OutOfPlace {

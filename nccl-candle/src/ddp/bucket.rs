@@ -116,7 +116,9 @@ pub(crate) fn pack(
         parts.push(part);
     }
     match parts.as_slice() {
-        [one] => one.copy(),
+        // A copy of the view alone (`copy` would clone a gradient's whole storage, e.g. an
+        // earlier bucket the gradient is a view of).
+        [one] => one.force_contiguous(),
         _ => Tensor::cat(&parts, 0),
     }
 }

@@ -15,6 +15,13 @@
 //! ([`Error::Mismatch`](crate::Error::Mismatch)) rather than a hang. Variables are visited
 //! in name order everywhere ([`sorted_vars`]).
 //!
+//! What stays the caller's: every rank must reach each of these calls (the agreement waits
+//! for all ranks without a timeout, as a collective does: a rank that failed before it
+//! leaves the others waiting; use nccl-rs's watchdog or `AbortHandle` to bound it), and a
+//! CUDA failure on one rank while it prepares the agreement's buffers (out of memory) fails
+//! that rank alone. The per-step gradient checks of [`GradientAverager::average`] are
+//! rank-local too (candle's `backward` never makes gradients that fail them).
+//!
 //! ```rust,ignore
 //! let varmap = candle_nn::VarMap::new();
 //! let model = build(candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &device))?;

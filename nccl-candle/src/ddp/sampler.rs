@@ -24,6 +24,11 @@ fn check_rank(op: &'static str, rank: usize, world_size: usize) -> Result<()> {
 /// on every rank, or `0..len`) is dealt out round-robin, rank `r` taking positions
 /// `r, r + world_size, ...`.
 ///
+/// The counts are equal only when every rank passes the same `len`, world size and
+/// `drop_last` (nothing compares them across ranks: the caller's to make sure of, e.g. with
+/// [`fingerprint`](crate::fingerprint) and a [`TpGroup::agree`](crate::tp::TpGroup::agree)-like
+/// exchange of its own).
+///
 /// **Every rank gets the same number of indices** ([`Self::num_samples`]): without
 /// `drop_last` the order is padded by wrapping around to its start (a few samples then
 /// appear twice in the epoch), with it the tail that does not split evenly is dropped. Equal

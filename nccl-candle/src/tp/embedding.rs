@@ -33,18 +33,26 @@ pub fn masked_lookup(table: &Tensor, ids: &Tensor, start: usize) -> Result<Tenso
         op: OP,
         why: format!("{rows} rows do not fit an i64"),
     })?;
+    let mut shape = ids.dims().to_vec();
+    shape.push(hidden);
+    if rows == 0 {
+        // Nothing to look up, and index 0 of an empty table is outside its memory (candle's
+        // CUDA gather does not check bounds).
+        return Ok(Tensor::zeros(shape, table.dtype(), table.device())?);
+    }
     // i64 so that ids below the block's start go negative rather than wrap.
     let local = ids.to_dtype(DType::I64)?.affine(1.0, -(start as f64))?;
     let inside = local.ge(0i64)?.mul(&local.lt(rows_i64)?)?;
     let safe = inside.where_cond(&local, &local.zeros_like()?)?;
     let found = table.index_select(&safe.flatten_all()?, 0)?;
+    // Selected, not multiplied by 0: row 0 may hold an infinity, and 0 * inf is NaN.
     let keep = inside
         .flatten_all()?
-        .to_dtype(table.dtype())?
-        .unsqueeze(1)?;
-    let mut shape = ids.dims().to_vec();
-    shape.push(hidden);
-    Ok(found.broadcast_mul(&keep)?.reshape(shape)?)
+        .unsqueeze(1)?
+        .broadcast_as(found.shape())?;
+    Ok(keep
+        .where_cond(&found, &found.zeros_like()?)?
+        .reshape(shape)?)
 }
 
 /// An embedding table `[vocab, hidden]` split by rows over the group: rank `r` holds tokens
@@ -155,6 +163,20 @@ mod tests {
             .map(|r| r[0])
             .collect();
         assert_eq!(rows, [11.0, 0.0, 5.0, 0.0, 0.0, 6.0]);
+    }
+
+    #[test]
+    fn infinities_in_the_table_stay_in_their_rows() {
+        let table = Tensor::new(&[[f32::INFINITY, 1.0], [2.0, 3.0]], &Device::Cpu).unwrap();
+        let ids = Tensor::new(&[0u32, 5, 11], &Device::Cpu).unwrap();
+        let got = masked_lookup(&table, &ids, 10).unwrap();
+        assert_eq!(
+            got.to_vec2::<f32>().unwrap(),
+            [[0.0, 0.0], [0.0, 0.0], [2.0, 3.0]]
+        );
+        let empty = Tensor::zeros((0, 2), DType::F32, &Device::Cpu).unwrap();
+        let got = masked_lookup(&empty, &ids, 0).unwrap();
+        assert_eq!(got.to_vec2::<f32>().unwrap(), [[0.0, 0.0]; 3]);
     }
 
     #[test]

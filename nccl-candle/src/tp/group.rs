@@ -170,6 +170,10 @@ impl TpGroup {
     /// [`Error::Mismatch`] on every rank when any differs from rank 0's. A collective itself
     /// (an all-gather of one row of `i64` on `device`, which must suit the collectives: the
     /// rank's GPU for a [`Comm`]); every rank must call it. Nothing to compare on one rank.
+    ///
+    /// A `device` that does not suit fails on that rank alone, and the wait for the result is
+    /// candle's stream synchronisation, which does not watch for NCCL's asynchronous errors:
+    /// both are the caller's (pass the device the layers use).
     pub fn agree(&self, what: &'static str, fingerprint: u64, device: &Device) -> Result<()> {
         let Some(ranks) = self.ranks() else {
             return Ok(());

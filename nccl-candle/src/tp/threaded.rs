@@ -1,7 +1,7 @@
 //! Ranks simulated on threads of one process, exchanging candle tensors through shared
 //! memory: tensor-parallel code runs and is tested with CPU tensors, without GPUs or NCCL.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use candle_core::Tensor;
 use nccl::ReduceOp;
@@ -9,12 +9,23 @@ use nccl::ReduceOp;
 use super::Collectives;
 use crate::{Error, Result};
 
+/// What the ranks of one simulated group share, under one lock.
+struct State {
+    /// Each rank's tensor of the exchange in progress.
+    slots: Vec<Option<Tensor>>,
+    /// Ranks at the current meeting point.
+    arrived: usize,
+    /// Meeting points passed so far.
+    generation: u64,
+    /// A rank's handle was dropped (its thread ended or panicked): no meeting can complete.
+    departed: bool,
+}
+
 /// What the ranks of one simulated group share.
 struct Hub {
     size: usize,
-    /// Each rank's tensor of the exchange in progress.
-    slots: Mutex<Vec<Option<Tensor>>>,
-    barrier: Barrier,
+    state: Mutex<State>,
+    met: Condvar,
 }
 
 /// One rank of a group simulated on threads ([`ThreadedCollectives::group`]), one thread per
@@ -23,12 +34,17 @@ struct Hub {
 /// each step as NCCL does, so low-precision results resemble NCCL's without matching them
 /// bit for bit (NCCL's order depends on its algorithm).
 ///
-/// As with NCCL, every rank must make the same calls in the same order: a rank that never
-/// comes leaves the others waiting forever. Ranks that pass tensors of different shapes all
-/// get the same error.
+/// As with NCCL, every rank must make the same calls in the same order; ranks that pass
+/// tensors of different shapes or types all get the same error. Unlike NCCL, a rank whose
+/// handle is dropped (its thread ended, or panicked while unwinding) makes every later
+/// exchange fail with [`Error::Threaded`] on the others instead of leaving them waiting.
 pub struct ThreadedCollectives {
     hub: Arc<Hub>,
     rank: usize,
+}
+
+fn broken(why: &str) -> Error {
+    Error::Threaded(why.to_string())
 }
 
 impl ThreadedCollectives {
@@ -43,8 +59,13 @@ impl ThreadedCollectives {
         }
         let hub = Arc::new(Hub {
             size,
-            slots: Mutex::new(vec![None; size]),
-            barrier: Barrier::new(size),
+            state: Mutex::new(State {
+                slots: vec![None; size],
+                arrived: 0,
+                generation: 0,
+                departed: false,
+            }),
+            met: Condvar::new(),
         });
         Ok((0..size)
             .map(|rank| ThreadedCollectives {
@@ -54,21 +75,85 @@ impl ThreadedCollectives {
             .collect())
     }
 
-    /// Every rank's `tensor`, in rank order, on this rank's tensor's device.
-    fn exchange(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
-        let poisoned = |_| Error::Threaded("a rank's thread panicked during an exchange".into());
-        self.hub.slots.lock().map_err(poisoned)?[self.rank] = Some(tensor.clone());
-        self.hub.barrier.wait();
-        let all: Vec<Option<Tensor>> = self.hub.slots.lock().map_err(poisoned)?.clone();
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.hub
+            .state
+            .lock()
+            .map_err(|_| broken("a rank's thread panicked during an exchange"))
+    }
+
+    /// Waits until every rank has reached this meeting point, holding `state`.
+    fn meet<'h>(&'h self, mut state: MutexGuard<'h, State>) -> Result<MutexGuard<'h, State>> {
+        if state.departed {
+            return Err(broken("a rank of the group has left"));
+        }
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.hub.size {
+            state.arrived = 0;
+            state.generation += 1;
+            self.hub.met.notify_all();
+            return Ok(state);
+        }
+        loop {
+            state = self
+                .hub
+                .met
+                .wait(state)
+                .map_err(|_| broken("a rank's thread panicked during an exchange"))?;
+            // Passed (checked first: a rank may leave right after the last meeting).
+            if state.generation != generation {
+                return Ok(state);
+            }
+            if state.departed {
+                return Err(broken("a rank of the group left during an exchange"));
+            }
+        }
+    }
+
+    /// Every rank's `tensor`, in rank order, on this rank's tensor's device; refused alike on
+    /// every rank when their shapes or types differ.
+    fn exchange(&self, op: &'static str, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        let mut state = self.lock()?;
+        state.slots[self.rank] = Some(tensor.clone());
+        let state = self.meet(state)?;
+        let all: Vec<Option<Tensor>> = state.slots.clone();
         // No rank writes the next exchange's tensor before every rank has read this one's.
-        self.hub.barrier.wait();
-        all.into_iter()
+        let mut state = self.meet(state)?;
+        state.slots[self.rank] = None;
+        drop(state);
+        let all: Vec<Tensor> = all
+            .into_iter()
             .enumerate()
-            .map(|(rank, slot)| match slot {
-                Some(t) => Ok(t.to_device(tensor.device())?),
-                None => Err(Error::Threaded(format!("rank {rank} left no tensor"))),
-            })
+            .map(|(rank, slot)| slot.ok_or_else(|| broken(&format!("rank {rank} left no tensor"))))
+            .collect::<Result<_>>()?;
+        if let Some(first) = all.first() {
+            if all
+                .iter()
+                .any(|t| t.dims() != first.dims() || t.dtype() != first.dtype())
+            {
+                let shapes: Vec<_> = all.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect();
+                return Err(Error::Shape {
+                    op,
+                    why: format!("the ranks passed different tensors: {shapes:?}"),
+                });
+            }
+        }
+        all.into_iter()
+            .map(|t| Ok(t.to_device(tensor.device())?))
             .collect()
+    }
+}
+
+impl Drop for ThreadedCollectives {
+    fn drop(&mut self) {
+        // Poisoned or not, the flag must reach the ranks still waiting.
+        let mut state = match self.hub.state.lock() {
+            Ok(state) => state,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        state.departed = true;
+        self.hub.met.notify_all();
     }
 }
 
@@ -82,7 +167,14 @@ impl Collectives for ThreadedCollectives {
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let mut all = self.exchange(tensor)?.into_iter();
+        if op == ReduceOp::Avg && !tensor.dtype().is_float() {
+            // candle's integer scaling by 1/size would give zeros, not NCCL's quotient.
+            return Err(Error::UnsupportedDType {
+                op: "ThreadedCollectives::all_reduce (Avg on integers is not simulated)",
+                dtype: tensor.dtype(),
+            });
+        }
+        let mut all = self.exchange("all_reduce", tensor)?.into_iter();
         let Some(mut acc) = all.next() else {
             return Err(Error::Threaded("a group without ranks".into()));
         };
@@ -101,7 +193,7 @@ impl Collectives for ThreadedCollectives {
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        let all = self.exchange(tensor)?;
+        let all = self.exchange("all_gather", tensor)?;
         Ok(Tensor::cat(&all, 0)?)
     }
 }
@@ -130,6 +222,41 @@ mod tests {
                         all.to_vec1::<f32>().unwrap(),
                         [0.0, 0.0, 1.0, 10.0, 2.0, 20.0]
                     );
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_others_instead_of_stranding_them() {
+        let mut ranks = ThreadedCollectives::group(3).unwrap();
+        let gone = ranks.pop().unwrap();
+        drop(gone);
+        std::thread::scope(|scope| {
+            for rank in ranks {
+                scope.spawn(move || {
+                    let t = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+                    let err = rank.all_reduce(&t, ReduceOp::Sum).unwrap_err();
+                    assert!(matches!(err, Error::Threaded(_)), "{err}");
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn tensors_that_differ_are_refused_on_every_rank() {
+        let ranks = ThreadedCollectives::group(2).unwrap();
+        std::thread::scope(|scope| {
+            for rank in ranks {
+                scope.spawn(move || {
+                    let t = Tensor::zeros(1 + rank.rank(), candle_core::DType::F32, &Device::Cpu)
+                        .unwrap();
+                    let err = rank.all_gather(&t).unwrap_err();
+                    assert!(matches!(err, Error::Shape { .. }), "{err}");
+                    // The group stays usable.
+                    let one = Tensor::new(&[1u32], &Device::Cpu).unwrap();
+                    let sum = rank.all_reduce(&one, ReduceOp::Sum).unwrap();
+                    assert_eq!(sum.to_vec1::<u32>().unwrap(), [2]);
                 });
             }
         });
