@@ -128,6 +128,8 @@ mod args;
 mod coll;
 #[path = "bench/elem.rs"]
 mod elem;
+#[path = "bench/lsa.rs"]
+mod lsa;
 #[path = "bench/measure.rs"]
 mod measure;
 #[path = "bench/ops.rs"]
@@ -430,6 +432,11 @@ fn benchmark_registered(
         Apis::Safe => "the safe API",
         Apis::Raw => "raw nccl-sys calls",
         Apis::Compare => "the safe API and raw nccl-sys calls",
+        Apis::Lsa(algorithm) => match lsa::name(algorithm) {
+            "flags" => "NCCL (safe API) and nccl-rs's one-shot flags kernel",
+            "barrier" => "NCCL (safe API) and nccl-rs's one-shot LSA-barrier kernel",
+            _ => "NCCL (safe API) and nccl-rs's kernels chosen by size",
+        },
     };
     if me == 0 {
         println!(
@@ -637,6 +644,9 @@ impl TypeVisitor for TypeRun<'_> {
             (RegisterMode::Window, _) => Buffers::windows(&rank.comm, buffer_len)?,
             _ => Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?,
         };
+        if let Apis::Lsa(_) = options.apis {
+            bufs.lsa = Some(T::lsa_all_reduce(&rank.comm, buffer_len)?);
+        }
         measure::fill(rank, &mut bufs, &Pattern::new(n, None, 0))?;
 
         let apis = options.apis.list();

@@ -35,6 +35,8 @@ pub enum Apis {
     Raw,
     /// Both, side by side (`--compare`).
     Compare,
+    /// NCCL's all-reduce through the safe API beside the kernels nccl-rs ships (`--lsa`).
+    Lsa(nccl::device::LsaAlgorithm),
 }
 
 impl Apis {
@@ -44,6 +46,22 @@ impl Apis {
             Apis::Safe => &[Api::Safe],
             Apis::Raw => &[Api::Raw],
             Apis::Compare => &[Api::Safe, Api::Raw],
+            Apis::Lsa(algorithm) => {
+                use nccl::device::LsaAlgorithm as A;
+                match algorithm {
+                    A::OneShotFlags => &[Api::Safe, Api::Lsa(A::OneShotFlags)],
+                    A::OneShotBarrier => &[Api::Safe, Api::Lsa(A::OneShotBarrier)],
+                    _ => &[Api::Safe, Api::Lsa(A::Auto)],
+                }
+            }
+        }
+    }
+
+    /// The two APIs of a side-by-side report.
+    pub fn pair(self) -> Option<(Api, Api)> {
+        match self.list() {
+            [first, second] => Some((*first, *second)),
+            _ => None,
         }
     }
 }
@@ -319,6 +337,12 @@ this benchmark's own:
       --compare                issue through both and print them side by side
       --rounds <n>             with --compare: measurements per API, median reported, and
                                the median of the per-round ratios (default 1)
+      --lsa <flags|barrier|auto>
+                               all_reduce (sum) through the kernels nccl-rs ships
+                               (nccl::device::LsaAllReduce: one-shot with flags, one-shot
+                               with NCCL's LSA barrier, or chosen by size) beside NCCL's
+                               own through the safe API, in the same run; f32, bf16, f16;
+                               every rank in one LSA team; NCCL 2.29.2+
       --control                with --compare: both columns issue raw calls, which shows how
                                far apart the comparison puts two identical paths
       --simulate               after each row, a comment line with NCCL's own estimate of
@@ -503,6 +527,12 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
                 };
             }
             "--rounds" => options.rounds = number(&name, &value()?)?,
+            "--lsa" => {
+                let text = value()?;
+                options.apis = Apis::Lsa(crate::lsa::parse(&text).ok_or_else(|| {
+                    format!("{name}: expected flags, barrier or auto, got {text:?}")
+                })?);
+            }
             "--ranks" => options.ranks = Some(number(&name, &value()?)?),
             "--event-tracking" => options.event_tracking = flag(&name, &value()?)?,
             "--stream" => {
@@ -585,6 +615,11 @@ fn validate(options: &Options) -> Result<(), String> {
     }
     if options.rounds == 0 {
         return Err("--rounds must be at least 1".into());
+    }
+    if let Apis::Lsa(_) = options.apis {
+        if options.coll != Coll::AllReduce || options.ops != [ReduceOp::Sum] {
+            return Err("--lsa runs all_reduce with -o sum only".into());
+        }
     }
     if options.control && options.apis != Apis::Compare {
         return Err("--control only makes sense with --compare".into());

@@ -12,6 +12,13 @@ pub trait Elem: NcclType + ValidAsZeroBits + Default + std::fmt::Debug {
     fn from_f64(v: f64) -> Self;
     /// The value as an `f64` (exact for every value the check produces).
     fn to_f64(self) -> f64;
+    /// The shipped all-reduce kernels for this type (`--lsa`): f32, bf16 and f16 only.
+    fn lsa_all_reduce(
+        _comm: &nccl::Comm,
+        _max_count: usize,
+    ) -> crate::BenchResult<Box<dyn crate::lsa::LsaIssue<Self> + '_>> {
+        Err("--lsa runs the kernels nccl-rs ships, which sum f32, bf16 and f16 only".into())
+    }
 }
 
 macro_rules! int_elem {
@@ -35,7 +42,7 @@ int_elem!(i8, u8, i32, u32, i64, u64);
 // `v.to_f64()` would resolve to `Elem::to_f64` itself (by-value receivers are probed before
 // the inherent `&self` method) and recurse forever.
 macro_rules! float_elem {
-    ($($t:ty: $eps:expr, $from:expr, $to:expr);* $(;)?) => {$(
+    ($($t:ty: $eps:expr, $from:expr, $to:expr $(, $lsa:ident)?);* $(;)?) => {$(
         impl Elem for $t {
             const EPS: f64 = $eps;
             fn from_f64(v: f64) -> Self {
@@ -44,14 +51,22 @@ macro_rules! float_elem {
             fn to_f64(self) -> f64 {
                 $to(self)
             }
+            $(
+            fn $lsa(
+                comm: &nccl::Comm,
+                max_count: usize,
+            ) -> crate::BenchResult<Box<dyn crate::lsa::LsaIssue<Self> + '_>> {
+                crate::lsa::create(comm, max_count)
+            }
+            )?
         }
     )*};
 }
 float_elem! {
-    f32: f32::EPSILON as f64, |v: f64| v as f32, |v: f32| v as f64;
+    f32: f32::EPSILON as f64, |v: f64| v as f32, |v: f32| v as f64, lsa_all_reduce;
     f64: f64::EPSILON, |v: f64| v, |v: f64| v;
-    half::f16: 1.0 / 1024.0, half::f16::from_f64, half::f16::to_f64;
-    half::bf16: 1.0 / 128.0, half::bf16::from_f64, half::bf16::to_f64;
+    half::f16: 1.0 / 1024.0, half::f16::from_f64, half::f16::to_f64, lsa_all_reduce;
+    half::bf16: 1.0 / 128.0, half::bf16::from_f64, half::bf16::to_f64, lsa_all_reduce;
     float8::F8E4M3: 1.0 / 8.0, float8::F8E4M3::from_f64, |v| float8::F8E4M3::to_f64(&v);
     float8::F8E5M2: 1.0 / 4.0, float8::F8E5M2::from_f64, |v| float8::F8E5M2::to_f64(&v);
 }

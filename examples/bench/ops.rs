@@ -29,6 +29,8 @@ pub enum Api {
     Safe,
     /// Raw nccl-sys calls on `Comm::as_raw`.
     Raw,
+    /// The kernels nccl-rs ships (`--lsa`): `LsaAllReduce` with this algorithm.
+    Lsa(nccl::device::LsaAlgorithm),
 }
 
 impl Api {
@@ -37,6 +39,7 @@ impl Api {
         match self {
             Api::Safe => "safe",
             Api::Raw => "raw",
+            Api::Lsa(algorithm) => crate::lsa::name(algorithm),
         }
     }
 }
@@ -258,6 +261,8 @@ pub struct Buffers<'c, T: Elem> {
     recv_ptr: CUdeviceptr,
     /// The receive window's handle with `-R 2`: where the raw path's puts go.
     recv_window: Option<sys::ncclWindow_t>,
+    /// The shipped all-reduce kernels (`--lsa`).
+    pub lsa: Option<Box<dyn crate::lsa::LsaIssue<T> + 'c>>,
 }
 
 impl<'c, T: Elem> Buffers<'c, T> {
@@ -307,6 +312,7 @@ impl<'c, T: Elem> Buffers<'c, T> {
             send_ptr,
             recv_ptr,
             recv_window: None,
+            lsa: None,
         }
     }
 
@@ -395,6 +401,15 @@ impl Issuer {
         match api {
             Api::Safe if !self.control => self.issue_safe(comm, bufs, in_place, shift),
             Api::Safe | Api::Raw => self.issue_raw(bufs, in_place, shift),
+            Api::Lsa(algorithm) => {
+                let count = self.layout.count;
+                let Buffers {
+                    send, recv, lsa, ..
+                } = bufs;
+                let lsa = lsa.as_mut().ok_or("--lsa: no LsaAllReduce was created")?;
+                let send = (!in_place).then(|| send.part(shift, count)).transpose()?;
+                lsa.issue(algorithm, send.as_ref(), &mut recv.part_mut(shift, count)?)
+            }
         }
     }
 

@@ -175,6 +175,23 @@ const COMPARE: &[Column] = &[
     ("busbw", "raw", 6),
     ("#wrong", "", 6),
 ];
+const LSA: &[Column] = &[
+    ("nccl time", "(us)", 9),
+    ("kernel time", "(us)", 11),
+    ("diff", "(%)", 7),
+    ("busbw", "nccl", 6),
+    ("busbw", "kernel", 6),
+    ("#wrong", "", 6),
+];
+const LSA_LATENCY: &[Column] = &[
+    ("nccl p50", "(us)", 8),
+    ("kernel p50", "(us)", 10),
+    ("diff", "(%)", 7),
+    ("nccl p99", "(us)", 8),
+    ("kernel p99", "(us)", 10),
+    ("busbw", "(GB/s)", 6),
+    ("#wrong", "", 6),
+];
 const LATENCY: &[Column] = &[
     ("p50", "(us)", 7),
     ("p99", "(us)", 7),
@@ -222,6 +239,8 @@ impl Report {
         match (self.apis, self.mode) {
             (Apis::Compare, Mode::Latency) => COMPARE_LATENCY,
             (Apis::Compare, _) => COMPARE,
+            (Apis::Lsa(_), Mode::Latency) => LSA_LATENCY,
+            (Apis::Lsa(_), _) => LSA,
             (_, Mode::Latency) => LATENCY,
             _ => TIMED,
         }
@@ -234,7 +253,7 @@ impl Report {
         };
         let columns = self.columns();
         let title = match (self.apis, self.mode) {
-            (Apis::Compare, _) => {
+            (Apis::Compare | Apis::Lsa(_), _) => {
                 let width: usize = columns.iter().map(|(_, _, width)| width + 2).sum();
                 format!("{:^width$}{:^width$}", "out-of-place", "in-place")
             }
@@ -279,8 +298,10 @@ impl Report {
         let find = |api| cell.iter().find(|m| m.api == api);
         let latency = self.mode == Mode::Latency;
         let p99 = |m: &Measured| time_str(m.p99_us.unwrap_or(f64::NAN));
-        let values: Vec<String> = match (self.apis, find(Api::Safe), find(Api::Raw)) {
-            (Apis::Compare, Some(safe), Some(raw)) => {
+        let (first, second) = self.apis.pair().unwrap_or((Api::Safe, Api::Raw));
+        let paired = self.apis.pair().is_some();
+        let values: Vec<String> = match (paired, find(first), find(second)) {
+            (true, Some(safe), Some(raw)) => {
                 let (ts, tr) = (self.shown_time(safe), self.shown_time(raw));
                 let mut values = vec![
                     time_str(ts),
@@ -301,7 +322,7 @@ impl Report {
                 values
             }
             // The difference column stays empty.
-            (Apis::Compare, ..) => (0..columns.len())
+            (true, ..) => (0..columns.len())
                 .map(|i| if i == 2 { "" } else { "N/A" }.to_string())
                 .collect(),
             _ => match cell.first() {

@@ -16,6 +16,10 @@
 //!   alone, or requirements that differ, give every rank a typed error instead of leaving
 //!   its peers in NCCL's collective creation.
 //! * `team.rs`: [`Team`] and the host-side team queries and rank translation.
+//! * `all_reduce.rs`: [`LsaAllReduce`], the all-reduce kernels this crate ships (one-shot,
+//!   with flags or with NCCL's LSA barrier), for small messages inside one LSA team.
+//! * `shipped/`: those kernels' CUDA source, its generator and the checked-in cubin and PTX
+//!   (no CUDA toolkit needed to build or use them).
 //! * [`kernel`]: the toolchain that turns CUDA C++ into a loaded module: `nvcc` at run time
 //!   with the headers of the loaded NCCL, or a cubin/PTX the user built.
 //!
@@ -84,11 +88,14 @@
 //!   ([`DeviceAbi::check`]).
 
 mod agreement;
+mod all_reduce;
 mod dev_comm;
 pub mod kernel;
 mod requirements;
+mod shipped;
 mod team;
 
+pub use all_reduce::{LsaAlgorithm, LsaAllReduce, LsaElem};
 pub use dev_comm::DevComm;
 pub use requirements::{DevCommRequirements, GIN_CONNECTION_SINCE};
 pub use team::Team;

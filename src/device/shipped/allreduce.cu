@@ -1,0 +1,314 @@
+// The all-reduce kernels nccl-rs ships (src/device/shipped/mod.rs): sum over the ranks of one
+// LSA team, f32/bf16/f16, accumulated in f32 in rank order, so every rank gets the same bits.
+// Compiled ahead of time by generate.sh against NCCL 2.29.2's headers (the oldest versioned
+// device ABI; LSA code runs on every later library). Peers never touch the caller's buffers:
+// each rank copies its input into its own scratch window, and peers read or receive only that.
+//
+// Two schemes, one per kernel family:
+// * one-shot "flags" (Lamport): a rank stores its input straight into every peer's scratch
+//   slot; a receiver spins on its own slots until no element holds the sentinel (negative
+//   zero, which inputs never carry: it is written as +0, which sums the same). Three buffers
+//   rotate by call: a call clears the buffer of the call before it, which no peer can write
+//   again before it has this rank's data of the call after. No barrier at all.
+// * one-shot "barrier": a rank copies its input into its scratch slot, meets its peers at
+//   NCCL's LSA barrier (CTA b of every rank at barrier b), and reads every peer's slot. Two
+//   buffers alternate by call, so no second barrier is needed: a rank writes a buffer again
+//   only after its peers' kernels of the call in between started, so they finished this one.
+//
+// A scratch window serves one element type (the sentinel is the type's negative zero).
+// Every kernel runs the same grid on every rank (a function of the count only: the host
+// computes it), keeps its call counters in a small State in device memory (so CUDA graphs can
+// replay it), and gives up waiting after `timeout_ns` (setting State::timed_out) instead of
+// spinning forever when a peer never comes.
+#include <nccl_device.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+// Mirrored by `State` in src/device/shipped/mod.rs (64 bytes, zeroed at creation).
+struct State {
+  unsigned long long flags_call;
+  unsigned long long barrier_call;
+  unsigned long long flags_bytes[3];  // bytes per slot the flags call that used buffer i wrote
+  unsigned int flags_done;            // blocks of the current flags call that have finished
+  unsigned int barrier_done;
+  unsigned int timed_out;
+  unsigned int pad[3];
+};
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+  static constexpr int kWidth = 4;
+  static constexpr uint32_t kSentinelWord = 0x80000000u;
+  __device__ static float widen(float x) { return x; }
+  __device__ static float narrow(float x) { return x; }
+};
+template <> struct Elem<__nv_bfloat16> {
+  static constexpr int kWidth = 2;
+  static constexpr uint32_t kSentinelWord = 0x80008000u;
+  __device__ static float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct Elem<__half> {
+  static constexpr int kWidth = 2;
+  static constexpr uint32_t kSentinelWord = 0x80008000u;
+  __device__ static float widen(__half x) { return __half2float(x); }
+  __device__ static __half narrow(float x) { return __float2half_rn(x); }
+};
+
+union Vec {
+  uint4 v;
+  uint32_t w[4];
+  unsigned char b[16];
+};
+
+template <typename T> __device__ __forceinline__ bool holds_sentinel(const Vec& x) {
+  bool hit = false;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    if (Elem<T>::kWidth == 4) {
+      hit |= x.w[i] == 0x80000000u;
+    } else {
+      hit |= (x.w[i] & 0xffffu) == 0x8000u || (x.w[i] >> 16) == 0x8000u;
+    }
+  }
+  return hit;
+}
+
+// Negative zero (the sentinel) becomes +0: the same in any sum.
+template <typename T> __device__ __forceinline__ void scrub(Vec& x) {
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    if (Elem<T>::kWidth == 4) {
+      if (x.w[i] == 0x80000000u) x.w[i] = 0;
+    } else {
+      uint32_t lo = x.w[i] & 0xffffu, hi = x.w[i] >> 16;
+      if (lo == 0x8000u) lo = 0;
+      if (hi == 0x8000u) hi = 0;
+      x.w[i] = lo | (hi << 16);
+    }
+  }
+}
+
+__device__ __forceinline__ Vec load_volatile(const void* p) {
+  Vec x;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(x.w[0]), "=r"(x.w[1]), "=r"(x.w[2]), "=r"(x.w[3])
+               : "l"(p)
+               : "memory");
+  return x;
+}
+
+__device__ __forceinline__ void store_volatile(void* p, const Vec& x) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(x.w[0]),
+               "r"(x.w[1]), "r"(x.w[2]), "r"(x.w[3])
+               : "memory");
+}
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Vector `v` (16 bytes) of `in`, zero past `count`; element-wise where `in` is not aligned.
+template <typename T>
+__device__ __forceinline__ Vec load_input(const T* in, size_t v, size_t count, bool aligned) {
+  constexpr int n = 16 / sizeof(T);
+  const size_t first = v * n;
+  Vec x;
+  if (aligned && first + n <= count) {
+    x.v = *(const uint4*)(in + first);
+    return x;
+  }
+  x.v = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int i = 0; i < n; i++) {
+    if (first + i < count) {
+      T e = in[first + i];
+      memcpy(x.b + i * sizeof(T), &e, sizeof(T));
+    }
+  }
+  return x;
+}
+
+template <typename T> __device__ __forceinline__ void accumulate(float (&acc)[16 / sizeof(T)], const Vec& x) {
+  constexpr int n = 16 / sizeof(T);
+#pragma unroll
+  for (int i = 0; i < n; i++) {
+    T e;
+    memcpy(&e, x.b + i * sizeof(T), sizeof(T));
+    acc[i] += Elem<T>::widen(e);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_output(T* out, size_t v, size_t count, bool aligned,
+                                             const float (&acc)[16 / sizeof(T)]) {
+  constexpr int n = 16 / sizeof(T);
+  const size_t first = v * n;
+  Vec x;
+#pragma unroll
+  for (int i = 0; i < n; i++) {
+    T e = Elem<T>::narrow(acc[i]);
+    memcpy(x.b + i * sizeof(T), &e, sizeof(T));
+  }
+  if (aligned && first + n <= count) {
+    *(uint4*)(out + first) = x.v;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < n; i++) {
+    if (first + i < count) memcpy(out + first + i, x.b + i * sizeof(T), sizeof(T));
+  }
+}
+
+// The last block of a call to finish advances the call counter for the next launch.
+__device__ __forceinline__ void finish_call(unsigned int* done, unsigned long long* call) {
+  __syncthreads();
+  if (gridDim.x == 1) {
+    // One block (every small message): no other block to count.
+    if (threadIdx.x == 0) *call += 1;
+    return;
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      *done = 0;
+      *call += 1;
+      __threadfence();
+    }
+  }
+}
+
+// Scratch layout (bytes, per rank): flags buffers [3][lsaSize][slot], then barrier buffers [2][slot].
+template <typename T>
+__device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
+                              const T* in, T* out, size_t count, State* st,
+                              unsigned long long timeout_ns) {
+  constexpr int n = 16 / sizeof(T);
+  const int peers = comm->lsaSize, me = comm->lsaRank;
+  const unsigned long long call = st->flags_call;
+  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
+  const size_t vecs = (count + n - 1) / n;
+  const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+  const size_t mine = ((size_t)buf * peers + me) * slot;
+
+  // Push: this rank's slot of every peer's current buffer.
+  for (size_t v = first; v < vecs; v += step) {
+    Vec x = load_input(in, v, count, aligned);
+    scrub<T>(x);
+    for (int p = 0; p < peers; p++) {
+      store_volatile((char*)ncclGetLsaPointer(scratch, mine + v * 16, p), x);
+    }
+  }
+
+  // Pull: wait for every slot of the local buffer, sum in rank order.
+  char* local = (char*)ncclGetLocalPointer(scratch, 0);
+  bool gave_up = false;
+  unsigned long long start = 0;
+  for (size_t v = first; v < vecs; v += step) {
+    float acc[n];
+#pragma unroll
+    for (int i = 0; i < n; i++) acc[i] = 0.f;
+    for (int p = 0; p < peers; p++) {
+      const char* at = local + ((size_t)buf * peers + p) * slot + v * 16;
+      Vec x = load_volatile(at);
+      unsigned int spins = 0;
+      while (holds_sentinel<T>(x) && !gave_up) {
+        if ((++spins & 1023u) == 0) {
+          const unsigned long long t = now_ns();
+          if (start == 0) start = t;
+          if (t - start > timeout_ns || *(volatile unsigned int*)&st->timed_out) {
+            atomicExch(&st->timed_out, 1u);
+            gave_up = true;
+          }
+        }
+        x = load_volatile(at);
+      }
+      accumulate<T>(acc, x);
+    }
+    store_output(out, v, count, aligned, acc);
+  }
+
+  // Clear the previous call's buffer (every slot, as far as that call wrote) for the call
+  // after next.
+  const size_t prev_vecs = st->flags_bytes[prev] / 16;
+  Vec sentinel;
+  sentinel.v = make_uint4(Elem<T>::kSentinelWord, Elem<T>::kSentinelWord,
+                          Elem<T>::kSentinelWord, Elem<T>::kSentinelWord);
+  for (size_t i = first; i < prev_vecs * peers; i += step) {
+    const size_t p = i / prev_vecs, v = i % prev_vecs;
+    store_volatile(local + ((size_t)prev * peers + p) * slot + v * 16, sentinel);
+  }
+  // Another entry than the one read above (buf != prev); read by the next call.
+  if (blockIdx.x == 0 && threadIdx.x == 0) st->flags_bytes[buf] = vecs * 16;
+  finish_call(&st->flags_done, &st->flags_call);
+}
+
+template <typename T>
+__device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
+                                const T* in, T* out, size_t count, State* st) {
+  constexpr int n = 16 / sizeof(T);
+  const int peers = comm->lsaSize;
+  const unsigned long long call = st->barrier_call;
+  const size_t base = (size_t)3 * peers * slot + (size_t)(call & 1) * slot;
+  const size_t vecs = (count + n - 1) / n;
+  const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+
+  char* mine = (char*)ncclGetLocalPointer(scratch, base);
+  for (size_t v = first; v < vecs; v += step) {
+    *(uint4*)(mine + v * 16) = load_input(in, v, count, aligned).v;
+  }
+  {
+    // CTA b of every rank meets at barrier b: their slots (written just above) are visible.
+    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), *comm, ncclTeamLsa(*comm),
+                                           comm->lsaBarrier, blockIdx.x};
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  }
+  for (size_t v = first; v < vecs; v += step) {
+    float acc[n];
+#pragma unroll
+    for (int i = 0; i < n; i++) acc[i] = 0.f;
+    for (int p = 0; p < peers; p++) {
+      Vec x;
+      x.v = *(const uint4*)ncclGetLsaPointer(scratch, base + v * 16, p);
+      accumulate<T>(acc, x);
+    }
+    store_output(out, v, count, aligned, acc);
+  }
+  finish_call(&st->barrier_done, &st->barrier_call);
+}
+
+}  // namespace
+
+#define NCCL_RS_ALLREDUCE(NAME, T)                                                            \
+  extern "C" __global__ void nccl_rs_oneshot_flags_##NAME(                                    \
+      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
+      size_t count, State* st, unsigned long long timeout_ns) {                               \
+    oneshot_flags<T>(comm, scratch, slot, in, out, count, st, timeout_ns);                    \
+  }                                                                                           \
+  extern "C" __global__ void nccl_rs_oneshot_barrier_##NAME(                                  \
+      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
+      size_t count, State* st, unsigned long long timeout_ns) {                               \
+    (void)timeout_ns;                                                                         \
+    oneshot_barrier<T>(comm, scratch, slot, in, out, count, st);                              \
+  }
+
+NCCL_RS_ALLREDUCE(f32, float)
+NCCL_RS_ALLREDUCE(bf16, __nv_bfloat16)
+NCCL_RS_ALLREDUCE(f16, __half)
+
+// Fills `words` 32-bit words at `p` with `value`: the flags buffers start as sentinels.
+extern "C" __global__ void nccl_rs_fill_u32(uint32_t* p, size_t words, uint32_t value) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < words;
+       i += (size_t)gridDim.x * blockDim.x) {
+    p[i] = value;
+  }
+}

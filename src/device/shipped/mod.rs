@@ -1,0 +1,71 @@
+//! The device code this crate ships: kernels compiled ahead of time from `allreduce.cu` by
+//! `generate.sh` (a cubin for sm_90 and PTX for compute_80, checked in as `nccl-sys`'s
+//! bindings are), so that using them needs no CUDA toolkit, and building the crate none
+//! either. [`load`] picks the image for a context's GPU; [`ABI`] is the NCCL header version
+//! they were compiled against, which the device communicator they read is created for.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use super::kernel::DeviceModule;
+use super::DeviceAbi;
+use crate::error::{Error, Result};
+use crate::release::Version;
+
+/// The NCCL headers the shipped kernels were compiled against: 2.29.2, the first versioned
+/// device communicator, whose LSA layout every later library keeps.
+pub(crate) const ABI: DeviceAbi = DeviceAbi::new(Version::new(2, 29, 2));
+
+/// The cubin for Hopper (sm_90), loaded as is.
+const CUBIN_SM_90: &[u8] = include_bytes!("allreduce.sm_90.cubin");
+/// PTX for Ampere and later (compute_80), JIT-compiled by the driver on other GPUs.
+const PTX_COMPUTE_80: &str = include_str!("allreduce.compute_80.ptx");
+
+/// Loads the shipped kernels into `ctx`: the cubin on sm_90, the PTX on any other GPU from
+/// sm_80 on; older GPUs get [`Error::Unavailable`].
+pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<DeviceModule> {
+    let (major, minor) = ctx.compute_capability()?;
+    let module = match (major, minor) {
+        (9, 0) => DeviceModule::from_cubin(ctx, CUBIN_SM_90.to_vec(), ABI),
+        (m, _) if m >= 8 => DeviceModule::from_ptx(ctx, PTX_COMPUTE_80, ABI),
+        _ => {
+            return Err(Error::Unavailable {
+                api: "nccl-rs's shipped device kernels",
+                reason: format!(
+                    "they are built for compute capability 8.0 and later; this GPU is \
+                     {major}.{minor}"
+                ),
+            })
+        }
+    };
+    Ok(module?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_images_hold_every_kernel() {
+        for name in ["flags", "barrier"] {
+            for elem in ["f32", "bf16", "f16"] {
+                let kernel = format!("nccl_rs_oneshot_{name}_{elem}");
+                assert!(
+                    PTX_COMPUTE_80.contains(&format!(".entry {kernel}(")),
+                    "{kernel}"
+                );
+                let bytes = kernel.as_bytes();
+                assert!(
+                    CUBIN_SM_90.windows(bytes.len()).any(|w| w == bytes),
+                    "{kernel} in the cubin"
+                );
+            }
+        }
+        assert!(PTX_COMPUTE_80.contains(".entry nccl_rs_fill_u32("));
+        assert!(PTX_COMPUTE_80.contains(".target sm_80"));
+        // An ELF for sm_90: the cubin's machine is CUDA (190).
+        assert_eq!(&CUBIN_SM_90[..4], b"\x7fELF");
+        assert_eq!(u16::from_le_bytes([CUBIN_SM_90[18], CUBIN_SM_90[19]]), 190);
+    }
+}

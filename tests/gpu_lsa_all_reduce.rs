@@ -1,0 +1,439 @@
+//! The all-reduce kernels nccl-rs ships (`nccl::device::LsaAllReduce`) on real GPUs: each
+//! scheme (flags, LSA barrier, NCCL, chosen by size), f32/bf16/f16, sizes from one element to
+//! the scratch's capacity, aligned and unaligned, in and out of place, checked exactly against
+//! a host reference on random integer-valued data (with negative zeros, the flags scheme's
+//! sentinel, among the inputs) on every rank; calls of differing sizes and schemes in a row
+//! (the flags buffers' rotation and clearing); CUDA-graph replay (the call counters live on
+//! the device); the ranks' agreement at creation; typed refusals; a rank that skips a call
+//! (the peers' flags kernel gives up, `check` says so); NCCL before 2.29.2 refused on every
+//! rank.
+//!
+//! Ranks are threads of one process: one GPU each, or two sharing GPU 0 (NCCL 2.30+). Run on
+//! a GPU host with `cargo test --test gpu_lsa_all_reduce -- --include-ignored
+//! --test-threads=1` (or `.gpu/run tests`), with NCCL 2.32.3 and the system's 2.28.3.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::shape::skip;
+use common::threaded::{per_rank, Deadline};
+use common::Rng;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, CudaStream};
+use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaElem, DEV_COMM_SINCE};
+use nccl::{Comm, Error};
+
+const LIMIT: Duration = Duration::from_secs(240);
+/// The scratch's capacity in the tests: 16 KiB of f32, 32 KiB of 16-bit types.
+const MAX: usize = 4096 + 3;
+
+/// A test element: conversions from the small integers the data holds.
+trait TestElem: LsaElem + Default + std::fmt::Debug {
+    fn from_i64(v: i64) -> Self;
+    fn to_f64(self) -> f64;
+    fn negative_zero() -> Self;
+}
+impl TestElem for f32 {
+    fn from_i64(v: i64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn negative_zero() -> Self {
+        -0.0
+    }
+}
+impl TestElem for half::bf16 {
+    fn from_i64(v: i64) -> Self {
+        half::bf16::from_f64(v as f64)
+    }
+    fn to_f64(self) -> f64 {
+        half::bf16::to_f64(self)
+    }
+    fn negative_zero() -> Self {
+        half::bf16::NEG_ZERO
+    }
+}
+impl TestElem for half::f16 {
+    fn from_i64(v: i64) -> Self {
+        half::f16::from_f64(v as f64)
+    }
+    fn to_f64(self) -> f64 {
+        half::f16::to_f64(self)
+    }
+    fn negative_zero() -> Self {
+        half::f16::NEG_ZERO
+    }
+}
+
+/// Rank `rank`'s input: integers in [-16, 16] (every sum of up to 8 ranks is exact in bf16),
+/// one in eight a negative zero.
+fn input<T: TestElem>(rank: usize, len: usize, seed: u64) -> Vec<T> {
+    let mut rng = Rng::new(seed ^ ((rank as u64 + 1) * 0x9e37_79b9));
+    (0..len)
+        .map(|_| match rng.range(0, 7) {
+            0 => T::negative_zero(),
+            _ => T::from_i64(rng.range(-16, 16)),
+        })
+        .collect()
+}
+
+fn skip_before_device_api(test: &str) -> bool {
+    let lib = nccl::library::get().expect("NCCL loads");
+    if lib.version() < DEV_COMM_SINCE {
+        skip(
+            test,
+            &format!(
+                "the shipped kernels need NCCL {DEV_COMM_SINCE}+, loaded {} (see \
+                 refused_before_2_29_2)",
+                lib.version()
+            ),
+        );
+        return true;
+    }
+    false
+}
+
+/// The communicators of a threaded layout (one GPU per rank, or two ranks on GPU 0).
+fn comms(test: &str) -> Option<Vec<Comm>> {
+    common::shape::setup();
+    let layout = common::shape::threaded(test)?;
+    Some(Comm::init_all(&layout.streams()).expect("ncclCommInitAll"))
+}
+
+/// One all-reduce of `count` elements starting `shift` elements into the buffers, checked
+/// against the host's sum of every rank's input; returns the algorithm run.
+#[allow(clippy::too_many_arguments)]
+fn check_one<T: TestElem>(
+    ar: &mut LsaAllReduce<'_, T>,
+    stream: &Arc<CudaStream>,
+    send: &mut CudaSlice<T>,
+    recv: &mut CudaSlice<T>,
+    count: usize,
+    shift: usize,
+    in_place: bool,
+    algorithm: LsaAlgorithm,
+    seed: u64,
+) -> LsaAlgorithm {
+    let (rank, size) = (ar.comm().rank(), ar.comm().size());
+    let mine = input::<T>(rank, count, seed);
+    let want: Vec<f64> = (0..count)
+        .map(|i| {
+            (0..size)
+                .map(|r| input::<T>(r, count, seed)[i].to_f64())
+                .sum()
+        })
+        .collect();
+    let target = if in_place { &mut *recv } else { &mut *send };
+    stream
+        .memcpy_htod(&mine, &mut target.slice_mut(shift..shift + count))
+        .expect("copy the input");
+    if !in_place {
+        stream.memset_zeros(recv).expect("zero the output");
+    }
+    let ran = if in_place {
+        ar.all_reduce_in_place(&mut recv.slice_mut(shift..shift + count), algorithm)
+    } else {
+        ar.all_reduce(
+            &send.slice(shift..shift + count),
+            &mut recv.slice_mut(shift..shift + count),
+            algorithm,
+        )
+    }
+    .unwrap_or_else(|e| panic!("rank {rank}: {count} elements {algorithm:?}: {e}"));
+    let got = stream
+        .clone_dtoh(&recv.slice(shift..shift + count))
+        .expect("read");
+    ar.check().expect("no kernel gave up");
+    let wrong: Vec<usize> = (0..count).filter(|&i| got[i].to_f64() != want[i]).collect();
+    assert!(
+        wrong.is_empty(),
+        "rank {rank}: {count} elements (shift {shift}, in place {in_place}, {algorithm:?} ran \
+         {ran:?}): {} wrong, first at {}: {:?} want {}",
+        wrong.len(),
+        wrong[0],
+        got[wrong[0]],
+        want[wrong[0]]
+    );
+    ran
+}
+
+fn exact_for<T: TestElem>(comm: Comm) {
+    let stream = comm.stream().clone();
+    let mut ar = LsaAllReduce::<T>::new(&comm, MAX).expect("LsaAllReduce::new");
+    // Buffers first: with two ranks on one GPU an allocation can wait for the GPU while the
+    // other rank's kernel spins there.
+    let mut send = stream.alloc_zeros::<T>(MAX + 8).expect("send");
+    let mut recv = stream.alloc_zeros::<T>(MAX + 8).expect("recv");
+    let mut big = stream.alloc_zeros::<T>(MAX + 1).expect("big");
+    let mut seed = 1;
+    for algorithm in [
+        LsaAlgorithm::OneShotFlags,
+        LsaAlgorithm::OneShotBarrier,
+        LsaAlgorithm::Auto,
+    ] {
+        for count in [1, 2, 3, 7, 8, 9, 64, 1000, 2048, 4096, MAX] {
+            for (shift, in_place) in [(0, false), (1, false), (0, true), (3, true)] {
+                seed += 1;
+                let ran = check_one(
+                    &mut ar, &stream, &mut send, &mut recv, count, shift, in_place, algorithm, seed,
+                );
+                assert_ne!(ran, LsaAlgorithm::Auto);
+            }
+        }
+    }
+    // Sizes and schemes mixed call after call: each flags call clears the buffer its
+    // predecessor used, of that predecessor's size.
+    for (i, count) in [MAX, 5, 4096, 1, 333, MAX, 2, 2, 4000]
+        .into_iter()
+        .enumerate()
+    {
+        let algorithm = if i % 3 == 2 {
+            LsaAlgorithm::OneShotBarrier
+        } else {
+            LsaAlgorithm::OneShotFlags
+        };
+        seed += 1;
+        check_one(
+            &mut ar, &stream, &mut send, &mut recv, count, 0, false, algorithm, seed,
+        );
+    }
+    // Past the scratch: Auto goes to NCCL, a forced kernel is refused (on every rank alike).
+    assert_eq!(
+        ar.all_reduce_in_place(&mut big, LsaAlgorithm::Auto)
+            .expect("auto past max"),
+        LsaAlgorithm::Nccl
+    );
+    match ar.all_reduce_in_place(&mut big, LsaAlgorithm::OneShotFlags) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("max_count"), "{msg}"),
+        other => panic!("a forced kernel past max_count: {other:?}"),
+    }
+    match ar.all_reduce(
+        &send.slice(0..4),
+        &mut recv.slice_mut(0..5),
+        LsaAlgorithm::Auto,
+    ) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("holds 5"), "{msg}"),
+        other => panic!("lengths that differ: {other:?}"),
+    }
+    ar.check().expect("still in step");
+    stream.synchronize().expect("sync");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn sums_are_exact_for_every_scheme_type_and_size() {
+    const TEST: &str = "sums_are_exact_for_every_scheme_type_and_size";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    let _deadline = Deadline::new(TEST, LIMIT);
+    // Each type on communicators of its own (per_rank takes them).
+    for name in ["f32", "bf16", "f16"] {
+        let Some(comms) = comms(TEST) else {
+            return;
+        };
+        per_rank(comms, |comm, _| match name {
+            "f32" => exact_for::<f32>(comm),
+            "bf16" => exact_for::<half::bf16>(comm),
+            _ => exact_for::<half::f16>(comm),
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn graph_replays_advance_the_device_counters() {
+    const TEST: &str = "graph_replays_advance_the_device_counters";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    let Some(comms) = comms(TEST) else {
+        return;
+    };
+    let _deadline = Deadline::new(TEST, LIMIT);
+    per_rank(comms, |comm, barrier| {
+        let stream = comm.stream().clone();
+        // Capture needs no cross-stream events: this test's work is all on this stream.
+        // SAFETY: every buffer below is used on `stream` only.
+        unsafe { stream.context().disable_event_tracking() };
+        let (rank, size) = (comm.rank(), comm.size());
+        let count = 1000;
+        let mut send = stream.alloc_zeros::<f32>(count).expect("send");
+        let mut recv = stream.alloc_zeros::<f32>(count).expect("recv");
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
+        for algorithm in [LsaAlgorithm::OneShotFlags, LsaAlgorithm::OneShotBarrier] {
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .expect("begin capture");
+            let issued = ar.all_reduce(&send, &mut recv, algorithm);
+            let graph = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .expect("end capture")
+                .expect("a graph");
+            issued.expect("captured all-reduce");
+            // Both ranks' graphs instantiated before either replays: with two ranks on one
+            // GPU, instantiation can wait for the GPU while the other rank's kernel spins.
+            barrier.wait();
+            // Five replays, each on new data: the rotation advances on the device.
+            for replay in 0..5u64 {
+                let seed = 100 + replay;
+                stream
+                    .memcpy_htod(&input::<f32>(rank, count, seed), &mut send)
+                    .expect("input");
+                graph.launch().expect("replay");
+                let got = stream.clone_dtoh(&recv).expect("read");
+                for (i, g) in got.iter().enumerate() {
+                    let want: f64 = (0..size)
+                        .map(|r| input::<f32>(r, count, seed)[i] as f64)
+                        .sum();
+                    assert_eq!(
+                        *g as f64, want,
+                        "rank {rank} {algorithm:?} replay {replay} at {i}"
+                    );
+                }
+            }
+            barrier.wait();
+            drop(graph);
+            barrier.wait();
+        }
+        ar.check().expect("in step");
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn creation_is_agreed_on_every_rank() {
+    const TEST: &str = "creation_is_agreed_on_every_rank";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    let Some(comms) = comms(TEST) else {
+        return;
+    };
+    let _deadline = Deadline::new(TEST, LIMIT);
+    per_rank(comms, |comm, _| {
+        let rank = comm.rank();
+        // Rank 1 asks for nothing: it refuses alone, the others hear so.
+        let max = if rank == 1 { 0 } else { 64 };
+        match LsaAllReduce::<f32>::new(&comm, max) {
+            Err(Error::InvalidArgument(msg)) if rank == 1 => assert!(msg.contains("max_count")),
+            Err(Error::RankRefused { rank: 1, .. }) if rank != 1 => {}
+            other => panic!("rank {rank}: one rank refusing: {other:?}"),
+        }
+        // Sizes that differ: a mismatch everywhere.
+        match LsaAllReduce::<f32>::new(&comm, 64 + rank) {
+            Err(Error::RankMismatch {
+                field: "max_count",
+                rank: 1,
+                ..
+            }) => {}
+            other => panic!("rank {rank}: differing max_count: {other:?}"),
+        }
+        // Element types that differ: f32 on rank 0, bf16 elsewhere.
+        let mixed = if rank == 0 {
+            LsaAllReduce::<f32>::new(&comm, 64).map(drop)
+        } else {
+            LsaAllReduce::<half::bf16>::new(&comm, 64).map(drop)
+        };
+        match mixed {
+            Err(Error::RankMismatch {
+                field: "element size",
+                ..
+            }) => {}
+            other => panic!("rank {rank}: differing element types: {other:?}"),
+        }
+        // And then one that works.
+        let mut buf = comm
+            .stream()
+            .clone_htod(&[rank as f32 + 1.0; 64])
+            .expect("buf");
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 64).expect("agreed");
+        ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+            .expect("sum");
+        let got = comm.stream().clone_dtoh(&buf).expect("read");
+        let n = comm.size() as f32;
+        assert!(
+            got.iter().all(|&g| g == n * (n + 1.0) / 2.0),
+            "rank {rank}: {got:?}"
+        );
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_rank_that_skips_a_call_makes_its_peers_give_up() {
+    const TEST: &str = "a_rank_that_skips_a_call_makes_its_peers_give_up";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    let Some(comms) = comms(TEST) else {
+        return;
+    };
+    let _deadline = Deadline::new(TEST, LIMIT);
+    per_rank(comms, |comm, barrier| {
+        let rank = comm.rank();
+        let mut buf = comm.stream().alloc_zeros::<f32>(256).expect("buf");
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 256).expect("new");
+        ar.set_timeout(Duration::from_millis(300));
+        ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+            .expect("first");
+        ar.check().expect("the first call completes");
+        barrier.wait();
+        if rank != 0 {
+            // Everyone but rank 0 makes a second call; rank 0 skips it.
+            ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                .expect("second");
+            let started = std::time::Instant::now();
+            match ar.check() {
+                Err(Error::Timeout { .. }) => {}
+                other => panic!("rank {rank}: expected the kernel to give up: {other:?}"),
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "gave up in time"
+            );
+        } else {
+            ar.check().expect("rank 0 enqueued nothing more");
+        }
+        barrier.wait();
+        // Dropping the out-of-step instances on every rank frees everything.
+        drop(ar);
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn refused_before_2_29_2() {
+    const TEST: &str = "refused_before_2_29_2";
+    let lib = nccl::library::get().expect("NCCL loads");
+    if lib.version() >= DEV_COMM_SINCE {
+        skip(
+            TEST,
+            &format!(
+                "needs an NCCL older than {DEV_COMM_SINCE}, loaded {}",
+                lib.version()
+            ),
+        );
+        return;
+    }
+    let Some(comms) = comms(TEST) else {
+        return;
+    };
+    let _deadline = Deadline::new(TEST, LIMIT);
+    per_rank(comms, |comm, _| {
+        let rank = comm.rank();
+        match LsaAllReduce::<f32>::new(&comm, 64) {
+            Err(Error::Unsupported { needs, .. }) => assert_eq!(needs, DEV_COMM_SINCE),
+            // Every rank refuses on its own here; a rank may hear of a lower one's first.
+            Err(Error::RankRefused {
+                reason: nccl::Refusal::Unsupported,
+                ..
+            }) => {}
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    });
+}
