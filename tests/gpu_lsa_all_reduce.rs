@@ -437,3 +437,136 @@ fn refused_before_2_29_2() {
         }
     });
 }
+
+/// The host's epilogue of rank-order sums, rounding where the kernels do: the residual
+/// exactly, the normalised output as `f32` (the device's block sum may differ in order).
+fn epilogue_reference(
+    xs: &[Vec<half::bf16>],
+    residual: &[half::bf16],
+    weight: &[half::bf16],
+    hidden: usize,
+) -> (Vec<half::bf16>, Vec<f32>) {
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    let h: Vec<f32> = (0..residual.len())
+        .map(|i| {
+            let sum: f32 = xs.iter().map(|x| x[i].to_f32()).sum();
+            round(round(sum) + residual[i].to_f32())
+        })
+        .collect();
+    let mut out = vec![0f32; h.len()];
+    for (row, chunk) in h.chunks(hidden).enumerate() {
+        let mean = chunk.iter().map(|v| v * v).sum::<f32>() / hidden as f32;
+        let inv = 1.0 / (mean + 1e-5).sqrt();
+        for (j, v) in chunk.iter().enumerate() {
+            out[row * hidden + j] = v * inv * weight[j].to_f32();
+        }
+    }
+    (h.iter().map(|&v| half::bf16::from_f32(v)).collect(), out)
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn fused_epilogue_matches_the_separate_one_and_the_host() {
+    const TEST: &str = "fused_epilogue_matches_the_separate_one_and_the_host";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    let Some(comms) = comms(TEST) else {
+        return;
+    };
+    let _deadline = Deadline::new(TEST, LIMIT);
+    const SHAPES: [(usize, usize); 5] = [(1, 8), (3, 4096), (1, 8192), (17, 1024), (2, 16384)];
+    per_rank(comms, |comm, _| {
+        use nccl::device::LsaEpilogue;
+        let stream = comm.stream().clone();
+        let (rank, size) = (comm.rank(), comm.size());
+        let most = SHAPES.iter().map(|(r, h)| r * h).max().unwrap();
+        let mut x = stream.alloc_zeros::<half::bf16>(most).expect("x");
+        let mut residual = stream.alloc_zeros::<half::bf16>(most).expect("residual");
+        let mut out = stream.alloc_zeros::<half::bf16>(most).expect("out");
+        let mut weight = stream.alloc_zeros::<half::bf16>(16384).expect("weight");
+        let mut ar = LsaAllReduce::<half::bf16>::new(&comm, most).expect("new");
+        let small = |seed: u64, rank: usize, len: usize| -> Vec<half::bf16> {
+            let mut rng = Rng::new(seed ^ ((rank as u64 + 7) << 20));
+            (0..len)
+                .map(|_| half::bf16::from_f32(rng.range(-64, 64) as f32 / 16.0))
+                .collect()
+        };
+        for (i, &(rows, hidden)) in SHAPES.iter().enumerate() {
+            let len = rows * hidden;
+            let seed = 1000 + i as u64;
+            let xs: Vec<Vec<half::bf16>> = (0..size).map(|r| small(seed, r, len)).collect();
+            let res0 = small(seed + 1, 99, len);
+            let w = small(seed + 2, 98, hidden);
+            let (want_res, want_out) = epilogue_reference(&xs, &res0, &w, hidden);
+            let mut results = Vec::new();
+            for how in [
+                LsaEpilogue::Fused,
+                LsaEpilogue::Separate(LsaAlgorithm::OneShotFlags),
+                LsaEpilogue::Separate(LsaAlgorithm::Nccl),
+            ] {
+                let mut xv = x.slice_mut(0..len);
+                stream.memcpy_htod(&xs[rank], &mut xv).expect("x");
+                let mut rv = residual.slice_mut(0..len);
+                stream.memcpy_htod(&res0, &mut rv).expect("residual");
+                let mut wv = weight.slice_mut(0..hidden);
+                stream.memcpy_htod(&w, &mut wv).expect("weight");
+                let wv = weight.slice(0..hidden);
+                ar.all_reduce_add_rms_norm(
+                    &mut x.slice_mut(0..len),
+                    &mut residual.slice_mut(0..len),
+                    &wv,
+                    1e-5,
+                    &mut out.slice_mut(0..len),
+                    how,
+                )
+                .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} {how:?}: {e}"));
+                let got_res = stream.clone_dtoh(&residual.slice(0..len)).expect("read");
+                let got_out = stream.clone_dtoh(&out.slice(0..len)).expect("read");
+                ar.check().expect("in step");
+                let res_wrong = (0..len).filter(|&j| got_res[j] != want_res[j]).count();
+                assert_eq!(
+                    res_wrong, 0,
+                    "rank {rank} {rows}x{hidden} {how:?}: residual"
+                );
+                let out_wrong = (0..len)
+                    .filter(|&j| {
+                        let (g, w) = (got_out[j].to_f32(), want_out[j]);
+                        (g - w).abs() > 0.01 * w.abs() + 1e-3
+                    })
+                    .count();
+                assert_eq!(out_wrong, 0, "rank {rank} {rows}x{hidden} {how:?}: output");
+                results.push(got_out);
+            }
+            assert_eq!(
+                results[0], results[1],
+                "rank {rank} {rows}x{hidden}: fused vs separate"
+            );
+        }
+        // Refusals, alike on every rank.
+        let refused = ar.all_reduce_add_rms_norm(
+            &mut x.slice_mut(0..24),
+            &mut residual.slice_mut(0..24),
+            &weight.slice(0..12),
+            1e-5,
+            &mut out.slice_mut(0..24),
+            LsaEpilogue::Fused,
+        );
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "hidden 12: {refused:?}"
+        );
+        let refused = ar.all_reduce_add_rms_norm(
+            &mut x.slice_mut(1..17),
+            &mut residual.slice_mut(0..16),
+            &weight.slice(0..16),
+            1e-5,
+            &mut out.slice_mut(0..16),
+            LsaEpilogue::Fused,
+        );
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "unaligned: {refused:?}"
+        );
+    });
+}

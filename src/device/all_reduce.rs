@@ -81,6 +81,21 @@ pub enum LsaAlgorithm {
     Nccl,
 }
 
+/// How [`LsaAllReduce::all_reduce_add_rms_norm`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LsaEpilogue {
+    /// One kernel: the flags all-reduce, the residual add and the norm (each rank reduces
+    /// a row, adds, normalises, with no second pass over memory and no second launch).
+    Fused,
+    /// The all-reduce with this algorithm (in place on the input), then a second kernel for
+    /// the residual add and the norm: what a program without the fused kernel does.
+    Separate(LsaAlgorithm),
+}
+
+/// The most 16-byte vectors of a row one thread of the norm keeps (the kernels' registers).
+const NORM_VECTORS_PER_THREAD: usize = 4;
+
 /// The all-reduce (sum) of the kernels this crate ships, for small messages on one
 /// communicator whose ranks form one LSA team (one host's NVLink, or ranks sharing a GPU),
 /// where NCCL's own kernels spend most of their time on synchronisation.
@@ -132,6 +147,8 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     dev_comm: DevComm<'c>,
     flags: CudaFunction,
     barrier: CudaFunction,
+    fused_norm: CudaFunction,
+    add_norm: CudaFunction,
     scratch: Window<'c, u32>,
     state: CudaSlice<u64>,
     /// Bytes of one rank's slot of one buffer: `max_count` elements, rounded up to 16.
@@ -157,6 +174,8 @@ impl<T: LsaElem> std::fmt::Debug for LsaAllReduce<'_, T> {
 struct Prepared {
     flags: CudaFunction,
     barrier: CudaFunction,
+    fused_norm: CudaFunction,
+    add_norm: CudaFunction,
     scratch: NcclBuffer<u32>,
     state: CudaSlice<u64>,
     slot_bytes: usize,
@@ -221,6 +240,8 @@ fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepared> {
     let module = shipped::load(ctx)?;
     let flags = module.function(&format!("nccl_rs_oneshot_flags_{}", T::SUFFIX))?;
     let barrier = module.function(&format!("nccl_rs_oneshot_barrier_{}", T::SUFFIX))?;
+    let fused_norm = module.function(&format!("nccl_rs_fused_add_rms_norm_{}", T::SUFFIX))?;
+    let add_norm = module.function(&format!("nccl_rs_add_rms_norm_{}", T::SUFFIX))?;
     let fill = module.function("nccl_rs_fill_u32")?;
     let stream = comm.stream();
     let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;
@@ -255,6 +276,8 @@ fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepared> {
     Ok(Prepared {
         flags,
         barrier,
+        fused_norm,
+        add_norm,
         scratch,
         state,
         slot_bytes,
@@ -337,6 +360,8 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             dev_comm,
             flags: prepared.flags,
             barrier: prepared.barrier,
+            fused_norm: prepared.fused_norm,
+            add_norm: prepared.add_norm,
             scratch,
             state: prepared.state,
             slot_bytes: prepared.slot_bytes,
@@ -425,6 +450,159 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let (ptr, _written) = buf.device_ptr_mut(stream);
         self.launch(chosen, ptr, ptr, count)?;
         Ok(chosen)
+    }
+
+    /// The tensor-parallel epilogue of a row-parallel layer, on `rows × hidden` elements
+    /// (`hidden` = `weight.len()`): `x` holds this rank's partial sums; afterwards `residual`
+    /// holds `T(T(Σ x) + residual)` and `out` that row-normalised,
+    /// `T(h · rsqrt(mean(h²) + eps) · weight)` (RMSNorm, accumulated in `f32`), the same on
+    /// every rank. With [`LsaEpilogue::Fused`] in one kernel; with
+    /// [`LsaEpilogue::Separate`] as an all-reduce in place on `x`, then a second kernel. Both
+    /// round where the separate sequence rounds, so they agree bit for bit where the
+    /// all-reduce sums alike (two ranks, or the shipped kernels: every rank in rank order).
+    ///
+    /// `hidden` must be a multiple of 16 bytes' worth of elements and at most 2 048 of
+    /// those vectors (16 384 16-bit elements); every buffer must start 16-byte aligned;
+    /// `x`, `residual` and `out` hold the same whole number of rows; fused, at most
+    /// [`max_count`](Self::max_count) elements. Every rank makes the same call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_add_rms_norm(
+        &mut self,
+        x: &mut impl DevicePtrMut<T>,
+        residual: &mut impl DevicePtrMut<T>,
+        weight: &impl DevicePtr<T>,
+        eps: f32,
+        out: &mut impl DevicePtrMut<T>,
+        how: LsaEpilogue,
+    ) -> Result<()> {
+        let (len, hidden) = (x.len(), weight.len());
+        let per_vector = VECTOR / std::mem::size_of::<T>();
+        let refuse = |why: String| {
+            Err(Error::invalid(format!(
+                "LsaAllReduce::all_reduce_add_rms_norm: {why}"
+            )))
+        };
+        if hidden == 0 || !hidden.is_multiple_of(per_vector) {
+            return refuse(format!(
+                "the hidden size (weight's length) {hidden} is not a positive multiple of \
+                 {per_vector} elements (16 bytes)"
+            ));
+        }
+        if hidden / per_vector > NORM_VECTORS_PER_THREAD * THREADS as usize {
+            return refuse(format!(
+                "the hidden size {hidden} is past the kernels' {} elements",
+                NORM_VECTORS_PER_THREAD * THREADS as usize * per_vector
+            ));
+        }
+        if residual.len() != len || out.len() != len || !len.is_multiple_of(hidden) {
+            return refuse(format!(
+                "x, residual and out hold {len}, {} and {} elements, not the same whole number \
+                 of rows of {hidden}",
+                residual.len(),
+                out.len()
+            ));
+        }
+        if !(eps.is_finite() && eps >= 0.0) {
+            return refuse(format!("eps {eps} is not a finite non-negative number"));
+        }
+        if how == LsaEpilogue::Fused && len > self.max_count {
+            return refuse(format!(
+                "{len} elements fused, past max_count {}",
+                self.max_count
+            ));
+        }
+        self.check_buffer(x.stream().context(), "x")?;
+        self.check_buffer(residual.stream().context(), "the residual")?;
+        self.check_buffer(weight.stream().context(), "the weight")?;
+        self.check_buffer(out.stream().context(), "the output")?;
+        if let LsaEpilogue::Separate(algorithm) = how {
+            self.all_reduce_in_place(x, algorithm)?;
+        }
+        let rows = len / hidden;
+        let stream = self.comm.stream();
+        let (x, _x) = x.device_ptr_mut(stream);
+        let (residual, _residual) = residual.device_ptr_mut(stream);
+        let (weight, _weight) = weight.device_ptr(stream);
+        let (out, _out) = out.device_ptr_mut(stream);
+        if [x, residual, weight, out]
+            .iter()
+            .any(|p| p % VECTOR as u64 != 0)
+        {
+            return refuse("a buffer does not start 16-byte aligned".into());
+        }
+        self.launch_norm(how, [x, residual, weight, out], rows, hidden, eps)
+    }
+
+    fn launch_norm(
+        &mut self,
+        how: LsaEpilogue,
+        [x, residual, weight, out]: [u64; 4],
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        thread_group::ensure_outside("LsaAllReduce::all_reduce_add_rms_norm")?;
+        let _usable = self.comm.usable(&calls::ncclAllReduce)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let vectors = hidden * std::mem::size_of::<T>() / VECTOR;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.min(MAX_CTAS as usize) as u32, 1, 1),
+            block_dim: (
+                vectors.next_multiple_of(32).clamp(32, THREADS as usize) as u32,
+                1,
+                1,
+            ),
+            shared_mem_bytes: 0,
+        };
+        let stream = self.comm.stream();
+        if let LsaEpilogue::Separate(_) = how {
+            // SAFETY: nccl_rs_add_rms_norm_T(const T* sums, T* residual, const T* weight, T* out,
+            // size_t rows, size_t hidden, float eps): `x`, `residual` and `out` hold
+            // rows × hidden elements and `weight` hidden, 16-byte aligned (checked), on this
+            // context, ordered on this stream by the caller's guards; a CTA handles whole rows
+            // of at most NORM_VECTORS_PER_THREAD vectors per thread (checked).
+            unsafe {
+                stream
+                    .launch_builder(&self.add_norm)
+                    .arg(&x)
+                    .arg(&residual)
+                    .arg(&weight)
+                    .arg(&out)
+                    .arg(&rows)
+                    .arg(&hidden)
+                    .arg(&eps)
+                    .launch(cfg)?;
+            }
+            return Ok(());
+        }
+        let scratch = self.scratch.as_raw() as u64;
+        let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
+        let (state, _state) = self.state.device_ptr_mut(stream);
+        // SAFETY: nccl_rs_fused_add_rms_norm_T(const ncclDevComm*, ncclWindow_t, size_t slot,
+        // const T* in, T* residual, const T* weight, T* out, size_t rows, size_t hidden,
+        // float eps, State*, unsigned long long timeout_ns), in that order. The buffers are
+        // as for the separate kernel above; the scratch is used as by the flags all-reduce of
+        // rows × hidden <= max_count elements (checked); the grid is at most MAX_CTAS CTAs.
+        unsafe {
+            stream
+                .launch_builder(&self.fused_norm)
+                .arg(&self.dev_comm)
+                .arg(&scratch)
+                .arg(&self.slot_bytes)
+                .arg(&x)
+                .arg(&residual)
+                .arg(&weight)
+                .arg(&out)
+                .arg(&rows)
+                .arg(&hidden)
+                .arg(&eps)
+                .arg(&state)
+                .arg(&timeout_ns)
+                .launch(cfg)?;
+        }
+        Ok(())
     }
 
     /// Waits for the calls enqueued so far and reports whether a flags kernel gave up

@@ -95,7 +95,7 @@ mod requirements;
 mod shipped;
 mod team;
 
-pub use all_reduce::{LsaAlgorithm, LsaAllReduce, LsaElem};
+pub use all_reduce::{LsaAlgorithm, LsaAllReduce, LsaElem, LsaEpilogue};
 pub use dev_comm::DevComm;
 pub use requirements::{DevCommRequirements, GIN_CONNECTION_SINCE};
 pub use team::Team;

@@ -286,6 +286,163 @@ __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, s
   finish_call(&st->barrier_done, &st->barrier_call);
 }
 
+
+// ---- All-reduce + residual add + RMSNorm (the tensor-parallel epilogue) -------------------
+//   s   = T(sum over ranks of x)       (what an all-reduce of T gives, rounded once)
+//   h   = T(s + residual)              (written back to `residual`)
+//   out = T(h * rsqrt(mean(h^2) + eps) * weight)
+// over `rows` rows of `hidden` elements (hidden a multiple of the vector, at most
+// kMaxPerThread vectors per thread), one CTA per row in turn.
+constexpr int kMaxPerThread = 4;
+
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();  // `shared` free from the previous row
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < warps; w++) total += shared[w];
+  return total;
+}
+
+// The norm of one row whose sums (as T, widened) are in `h`, vectors `k * blockDim + tid`.
+template <typename T>
+__device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T)], T* residual,
+                                         const T* weight, T* out, size_t row, size_t hidden,
+                                         float eps, float* shared) {
+  constexpr int n = 16 / sizeof(T);
+  const size_t vpr = hidden / n;
+  float squares = 0.f;
+#pragma unroll
+  for (int k = 0; k < kMaxPerThread; k++) {
+    const size_t v = k * blockDim.x + threadIdx.x;
+    if (v >= vpr) continue;
+    Vec r;
+    r.v = *(const uint4*)(residual + row * hidden + v * n);
+#pragma unroll
+    for (int i = 0; i < n; i++) {
+      T e;
+      memcpy(&e, r.b + i * sizeof(T), sizeof(T));
+      // The sum as T, plus the residual, as T: the unfused sequence's two roundings.
+      const float x = Elem<T>::widen(Elem<T>::narrow(h[k][i])) + Elem<T>::widen(e);
+      h[k][i] = Elem<T>::widen(Elem<T>::narrow(x));
+      squares += h[k][i] * h[k][i];
+    }
+  }
+  const float inv = rsqrtf(block_sum(squares, shared) / (float)hidden + eps);
+#pragma unroll
+  for (int k = 0; k < kMaxPerThread; k++) {
+    const size_t v = k * blockDim.x + threadIdx.x;
+    if (v >= vpr) continue;
+    Vec w, hr, o;
+    w.v = *(const uint4*)(weight + v * n);
+#pragma unroll
+    for (int i = 0; i < n; i++) {
+      T we, he = Elem<T>::narrow(h[k][i]);
+      memcpy(&we, w.b + i * sizeof(T), sizeof(T));
+      T oe = Elem<T>::narrow(h[k][i] * inv * Elem<T>::widen(we));
+      memcpy(hr.b + i * sizeof(T), &he, sizeof(T));
+      memcpy(o.b + i * sizeof(T), &oe, sizeof(T));
+    }
+    *(uint4*)(residual + row * hidden + v * n) = hr.v;
+    *(uint4*)(out + row * hidden + v * n) = o.v;
+  }
+}
+
+template <typename T>
+__device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
+                            const T* in, T* residual, const T* weight, T* out, size_t rows,
+                            size_t hidden, float eps, State* st, unsigned long long timeout_ns) {
+  constexpr int n = 16 / sizeof(T);
+  __shared__ float shared[32];
+  const int peers = comm->lsaSize, me = comm->lsaRank;
+  const unsigned long long call = st->flags_call;
+  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
+  const size_t vpr = hidden / n, vecs = rows * vpr;
+  const size_t mine = ((size_t)buf * peers + me) * slot;
+  char* local = (char*)ncclGetLocalPointer(scratch, 0);
+
+  // Push every row of this CTA first, then wait: a CTA never waits before its peers' CTAs
+  // of the same index have had all they need.
+  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (size_t v = threadIdx.x; v < vpr; v += blockDim.x) {
+      Vec x;
+      x.v = *(const uint4*)(in + row * hidden + v * n);
+      scrub<T>(x);
+      for (int p = 0; p < peers; p++) {
+        store_volatile((char*)ncclGetLsaPointer(scratch, mine + (row * vpr + v) * 16, p), x);
+      }
+    }
+  }
+  bool gave_up = false;
+  unsigned long long start = 0;
+  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float h[kMaxPerThread][n];
+#pragma unroll
+    for (int k = 0; k < kMaxPerThread; k++) {
+#pragma unroll
+      for (int i = 0; i < n; i++) h[k][i] = 0.f;
+      const size_t v = k * blockDim.x + threadIdx.x;
+      if (v >= vpr) continue;
+      for (int p = 0; p < peers; p++) {
+        const char* at = local + ((size_t)buf * peers + p) * slot + (row * vpr + v) * 16;
+        Vec x = load_volatile(at);
+        unsigned int spins = 0;
+        while (holds_sentinel<T>(x) && !gave_up) {
+          if ((++spins & 1023u) == 0) {
+            const unsigned long long t = now_ns();
+            if (start == 0) start = t;
+            if (t - start > timeout_ns || *(volatile unsigned int*)&st->timed_out) {
+              atomicExch(&st->timed_out, 1u);
+              gave_up = true;
+            }
+          }
+          x = load_volatile(at);
+        }
+        accumulate<T>(h[k], x);
+      }
+    }
+    norm_row<T>(h, residual, weight, out, row, hidden, eps, shared);
+  }
+
+  const size_t prev_vecs = st->flags_bytes[prev] / 16;
+  Vec sentinel;
+  sentinel.v = make_uint4(Elem<T>::kSentinelWord, Elem<T>::kSentinelWord,
+                          Elem<T>::kSentinelWord, Elem<T>::kSentinelWord);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < prev_vecs * peers;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t p = i / prev_vecs, v = i % prev_vecs;
+    store_volatile(local + ((size_t)prev * peers + p) * slot + v * 16, sentinel);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) st->flags_bytes[buf] = vecs * 16;
+  finish_call(&st->flags_done, &st->flags_call);
+}
+
+// The unfused epilogue, after an all-reduce that left the sums in `sums`: the same math as
+// fused_flags from there on.
+template <typename T>
+__device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out, size_t rows,
+                             size_t hidden, float eps) {
+  constexpr int n = 16 / sizeof(T);
+  __shared__ float shared[32];
+  const size_t vpr = hidden / n;
+  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float h[kMaxPerThread][n];
+#pragma unroll
+    for (int k = 0; k < kMaxPerThread; k++) {
+#pragma unroll
+      for (int i = 0; i < n; i++) h[k][i] = 0.f;
+      const size_t v = k * blockDim.x + threadIdx.x;
+      if (v >= vpr) continue;
+      Vec x;
+      x.v = *(const uint4*)(sums + row * hidden + v * n);
+      accumulate<T>(h[k], x);
+    }
+    norm_row<T>(h, residual, weight, out, row, hidden, eps, shared);
+  }
+}
 }  // namespace
 
 #define NCCL_RS_ALLREDUCE(NAME, T)                                                            \
@@ -301,9 +458,26 @@ __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, s
     oneshot_barrier<T>(comm, scratch, slot, in, out, count, st);                              \
   }
 
+#define NCCL_RS_NORM(NAME, T)                                                                 \
+  extern "C" __global__ void nccl_rs_fused_add_rms_norm_##NAME(                               \
+      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* residual,   \
+      const T* weight, T* out, size_t rows, size_t hidden, float eps, State* st,              \
+      unsigned long long timeout_ns) {                                                        \
+    fused_flags<T>(comm, scratch, slot, in, residual, weight, out, rows, hidden, eps, st,     \
+                   timeout_ns);                                                               \
+  }                                                                                           \
+  extern "C" __global__ void nccl_rs_add_rms_norm_##NAME(const T* sums, T* residual,          \
+                                                         const T* weight, T* out, size_t rows,\
+                                                         size_t hidden, float eps) {          \
+    add_rms_norm<T>(sums, residual, weight, out, rows, hidden, eps);                          \
+  }
+
 NCCL_RS_ALLREDUCE(f32, float)
 NCCL_RS_ALLREDUCE(bf16, __nv_bfloat16)
 NCCL_RS_ALLREDUCE(f16, __half)
+NCCL_RS_NORM(f32, float)
+NCCL_RS_NORM(bf16, __nv_bfloat16)
+NCCL_RS_NORM(f16, __half)
 
 // Fills `words` 32-bit words at `p` with `value`: the flags buffers start as sentinels.
 extern "C" __global__ void nccl_rs_fill_u32(uint32_t* p, size_t words, uint32_t value) {

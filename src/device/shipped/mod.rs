@@ -62,6 +62,12 @@ mod tests {
                 );
             }
         }
+        for elem in ["f32", "bf16", "f16"] {
+            for kernel in ["fused_add_rms_norm", "add_rms_norm"] {
+                let kernel = format!(".entry nccl_rs_{kernel}_{elem}(");
+                assert!(PTX_COMPUTE_80.contains(&kernel), "{kernel}");
+            }
+        }
         assert!(PTX_COMPUTE_80.contains(".entry nccl_rs_fill_u32("));
         assert!(PTX_COMPUTE_80.contains(".target sm_80"));
         // An ELF for sm_90: the cubin's machine is CUDA (190).
