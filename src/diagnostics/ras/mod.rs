@@ -1,0 +1,1 @@
+//! RAS (in progress).
