@@ -546,6 +546,9 @@ pub enum RasOutcome {
     NotAnswered(String),
     /// RAS was not asked, for the reason given.
     NotAsked(String),
+    /// Being asked now (the watchdog asks after it acted; see
+    /// [`Watchdog::trip_report`](crate::Watchdog::trip_report)).
+    Pending,
 }
 
 impl fmt::Display for RasOutcome {
@@ -554,6 +557,7 @@ impl fmt::Display for RasOutcome {
             RasOutcome::Answered(status) => write!(f, "{status}"),
             RasOutcome::NotAnswered(why) => writeln!(f, "NCCL RAS did not answer: {why}"),
             RasOutcome::NotAsked(why) => writeln!(f, "NCCL RAS not asked: {why}"),
+            RasOutcome::Pending => writeln!(f, "NCCL RAS: being asked"),
         }
     }
 }
