@@ -56,9 +56,33 @@
 //! # Comparing ranks
 //!
 //! [`compare`] takes the records of the ranks of one communicator and names the first
-//! collective where they diverge and what each odd rank did (skipped it, stalled before it,
-//! issued something else); see [`compare`]'s module for the rules, and
-//! `examples/flight_compare.rs` for a command that compares dump files.
+//! collective where they diverge and what each odd rank did; `examples/flight_compare.rs` is
+//! a command that compares dump files.
+//!
+//! Ranks are compared by their collectives, in order ([`FlightEntry::collective_seq`]):
+//! every rank must issue the same collectives in the same order, while sends and receives
+//! legitimately differ between ranks and are not compared. At the first collective number
+//! `n` where the ranks do not all hold the same operation, the ranks are split by what they
+//! hold there; the largest group is the reference (on a tie, the group whose later
+//! operations explain the other's: see below), and every other rank gets a [`Finding`]:
+//!
+//! * its collective `n` is the reference's `n + k`, and its later ones follow shifted alike:
+//!   it **skipped** `k` collectives ([`Finding::Skipped`]);
+//! * the reference's `n` is its `n + k`: it issued `k` **extra** collectives
+//!   ([`Finding::Extra`]);
+//! * it never issued a collective `n` at all, while others did: it **stalled**
+//!   ([`Finding::Stalled`]), stuck outside NCCL if all it issued completed, or inside its
+//!   last collective if that did not;
+//! * anything else is a plain **mismatch** ([`Finding::Mismatch`]).
+//!
+//! Where all ranks agree on every collective, the first one not seen complete on some rank
+//! is reported ([`Finding::NotCompleted`]): a hang inside NCCL with no rank out of step (a
+//! dead peer, a network failure).
+//!
+//! A skip is only visible when the skipped collective differs from the ones after it (in
+//! kind, type, count, root or reduction): a rank that skips one of several identical
+//! all-reduces looks, in every record, exactly like a rank that stalled before the last of
+//! them, since NCCL pairs its later all-reduces with the others' earlier ones.
 
 mod compare;
 mod json;
