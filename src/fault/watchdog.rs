@@ -1,5 +1,9 @@
 //! The watchdog: a thread that watches one nonblocking communicator and aborts, revokes or
-//! marks it failed when it reports an error or stops making progress.
+//! marks it failed when it reports an error or stops making progress, and reports what the
+//! diagnostics knew then (the flight record, NCCL's RAS verdict).
+//!
+//! Past 600 lines on purpose: the trip's report (flight record, RAS) is part of tripping and
+//! stays beside it; the decisions themselves are in `Monitor`, tested on their own.
 
 use std::fmt;
 use std::path::PathBuf;

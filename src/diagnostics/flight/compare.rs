@@ -1,6 +1,9 @@
 //! The analyser: given the flight records of the ranks of one communicator, where do they
 //! diverge, and which rank is to blame
 //! (the rules are in the [flight module docs](super#comparing-ranks)).
+//!
+//! Past 600 lines on purpose: half of it is the tests on synthetic records (skips, stalls,
+//! extras, mismatches, partial rings, bad input), which belong next to the rules they pin.
 
 use std::collections::BTreeMap;
 use std::fmt;
