@@ -240,6 +240,8 @@ macro_rules! config_fields {
             $( $name: Option<$ty>, )*
             /// See [`CommConfig::ready_timeout`].
             pub(crate) ready_timeout: Duration,
+            /// See [`CommConfig::flight_recorder`]; `None`: the default.
+            pub(crate) flight_recorder: Option<usize>,
         }
 
         impl Default for CommConfig {
@@ -247,6 +249,7 @@ macro_rules! config_fields {
                 Self {
                     $( $name: None, )*
                     ready_timeout: DEFAULT_READY_TIMEOUT,
+                    flight_recorder: None,
                 }
             }
         }
@@ -377,6 +380,24 @@ impl CommConfig {
     pub fn ready_timeout(mut self, timeout: Duration) -> Self {
         self.ready_timeout = timeout;
         self
+    }
+
+    /// How many of its last operations the communicator's flight recorder keeps (see
+    /// [`crate::diagnostics::flight`]); 0 turns the recorder off. Not an NCCL field. Default
+    /// [`DEFAULT_FLIGHT_ENTRIES`](crate::diagnostics::flight::DEFAULT_FLIGHT_ENTRIES); at
+    /// most [`MAX_FLIGHT_ENTRIES`](crate::diagnostics::flight::MAX_FLIGHT_ENTRIES) (larger
+    /// values are cut to it). `NCCL_RS_FLIGHT_RECORDER=<entries>` in the environment
+    /// overrides it. Communicators split or shrunk from this one without a configuration of
+    /// their own get the default, not this value.
+    #[must_use]
+    pub fn flight_recorder(mut self, entries: usize) -> Self {
+        self.flight_recorder = Some(entries);
+        self
+    }
+
+    /// The communicator's name ([`CommConfig::comm_name`]), if set.
+    pub(crate) fn name(&self) -> Option<String> {
+        self.comm_name.clone()
     }
 
     /// Whether the communicator will be blocking (unset means blocking, NCCL's default).

@@ -280,6 +280,54 @@ pub enum Error {
     /// ground-floor type does not name a layer above it.
     #[error(transparent)]
     Kernel(BoxedError),
+
+    /// A flight record could not be read (not JSON, a field missing or of the wrong type),
+    /// or records given to the analyser do not belong together; see
+    /// [`crate::diagnostics::flight`].
+    #[error("flight record: {0}")]
+    FlightRecordFormat(String),
+
+    /// Reading or writing a file failed (a flight record's, for example).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, with the path.
+        what: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Nothing answers NCCL's RAS queries at `addr`: nothing listens there (an NCCL older
+    /// than 2.24, `NCCL_RAS_ENABLE=0`, no communicator created yet in any process of the
+    /// job on this host, or another `NCCL_RAS_ADDR`), or the address does not resolve. See
+    /// [`crate::diagnostics::ras`].
+    #[error("NCCL RAS is not available at {addr}: {reason}")]
+    RasUnavailable {
+        /// The address asked.
+        addr: String,
+        /// Why not.
+        reason: String,
+    },
+
+    /// NCCL's RAS server at `addr` answered something this client does not understand, or
+    /// closed the connection early.
+    #[error("NCCL RAS at {addr}: {reason}")]
+    RasProtocol {
+        /// The address asked.
+        addr: String,
+        /// What went wrong.
+        reason: String,
+    },
+
+    /// NCCL's RAS server at `addr` did not answer within `waited` (its status query gathers
+    /// data from every process of the job, which takes longer when some are unresponsive).
+    #[error("NCCL RAS at {addr} did not answer within {waited:?}")]
+    RasTimeout {
+        /// The address asked.
+        addr: String,
+        /// How long this client waited.
+        waited: Duration,
+    },
 }
 
 fn last_error_suffix(last: &Option<String>) -> String {

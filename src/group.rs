@@ -230,6 +230,7 @@ impl<'g> Group<'g> {
         library::get()?.require_call(&calls::ncclGroupSimulateEnd)?;
         let mut group = Group::start()?;
         group.ending = Ending::Simulate { estimate: None };
+        group.membership.simulate();
         Ok(Simulation {
             group,
             broadcast_roots: Vec::new(),

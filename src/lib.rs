@@ -49,6 +49,7 @@
 //! | point-to-point | [`p2p`] | [`Comm::send`], [`Comm::recv`] |
 //! | groups, simulated groups | [`group`] | [`Group`], [`Group::simulate`] |
 //! | failures: abort, watchdog, revoke, shrink, grow | [`fault`] (`abort`, `watchdog`, `resize`) | [`AbortHandle`], [`Watchdog`], [`Comm::shrink`], [`Comm::recover`] |
+//! | finding the rank that hangs a job: flight recorder, NCCL's RAS, preflight diagnostics | [`diagnostics`] (`flight`, `ras`) | [`Comm::flight_record`], [`diagnostics::flight::compare`], [`diagnostics::ras::query`] |
 //! | NCCL memory, registration | [`memory`] | [`NcclBuffer`], [`Comm::register`] |
 //! | windows, one-sided RMA | [`window`] | [`Window`], [`Comm::register_window`], [`Window::put_signal`] |
 //! | communicator properties | [`properties`] | [`Comm::properties`], [`CommProperties`] |
@@ -115,6 +116,7 @@ pub mod collectives;
 pub mod comm;
 pub mod config;
 pub mod device;
+pub mod diagnostics;
 pub mod dtype;
 pub mod encryption;
 pub mod error;

@@ -19,6 +19,7 @@ use super::rules::{check_config_kind, check_plan, check_self_p2p, Plan, Ptr};
 use crate::calls::Call;
 use crate::coll_config::CollConfig;
 use crate::comm::Comm;
+use crate::diagnostics::flight::{OpKind, RawKind, RawOp, NO_RANK};
 use crate::dtype::NcclType;
 use crate::error::Result;
 
@@ -224,8 +225,10 @@ fn check_buffer_contexts<T: NcclType>(
     Ok(())
 }
 
-/// Calls NCCL through `entry` under the communicator's lock, then completes the call (in a
-/// group, an in-progress result is left for the group's end, which also notes the stream).
+/// Calls NCCL through `entry` under the communicator's lock, records the operation in the
+/// communicator's flight recorder while still holding it (the recorder's only hook: every
+/// operation handed to NCCL passes here exactly once), then completes the call (in a group,
+/// an in-progress result is left for the group's end, which also notes the stream).
 ///
 /// Outside a group, a stream other than the communicator's own is noted once the call is
 /// complete (launched, for a nonblocking communicator too), also after an error, which may
@@ -242,7 +245,7 @@ fn call_nccl(
 ) -> Result<()> {
     let lib = comm.library();
     let row = entry.call(kind);
-    let state = comm.usable(row)?;
+    let mut state = comm.usable(row)?;
     // SAFETY: every pointer lies inside a buffer on the communicator's device whose length
     // was checked against `count` and the rank/root offsets (`validate_and_call`); the
     // buffers stay borrowed (and alive) at least until the work is enqueued, and their
@@ -250,6 +253,11 @@ fn call_nccl(
     // lock, held until NCCL has returned; a configuration is `Configured`'s, whose raw
     // struct `dispatch_configured` keeps alive across this call.
     let status = unsafe { invoke(lib.api(), kind, args, state.ptr, entry.config()) };
+    let refused = !matches!(
+        status,
+        Ok(ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress)
+    );
+    state.record_op(flight_op(kind, &args, in_group, refused));
     drop(state);
     if in_group {
         return lib.check_pending(row.name, status).map(drop);
@@ -257,6 +265,38 @@ fn call_nccl(
     let completed = comm.complete(row, status);
     comm.note_stream(stream);
     completed
+}
+
+/// The flight recorder's view of an operation (see [`crate::diagnostics::flight`]).
+#[inline(always)]
+fn flight_op(kind: Kind, args: &Args, in_group: bool, refused: bool) -> RawOp {
+    // Roots and peers were checked against the communicator size, which fits a C int.
+    let (op_kind, rank) = match kind {
+        Kind::AllReduce => (OpKind::AllReduce, NO_RANK),
+        Kind::Broadcast { root } => (OpKind::Broadcast, root as u32),
+        Kind::Reduce { root } => (OpKind::Reduce, root as u32),
+        Kind::AllGather => (OpKind::AllGather, NO_RANK),
+        Kind::ReduceScatter => (OpKind::ReduceScatter, NO_RANK),
+        Kind::AllToAll => (OpKind::AllToAll, NO_RANK),
+        Kind::Gather { root } => (OpKind::Gather, root as u32),
+        Kind::Scatter { root } => (OpKind::Scatter, root as u32),
+        Kind::Send { peer } => (OpKind::Send, peer as u32),
+        Kind::Recv { peer } => (OpKind::Recv, peer as u32),
+    };
+    RawOp {
+        kind: RawKind {
+            tag: op_kind.tag(),
+            rank,
+        },
+        collective: op_kind.is_collective(),
+        count: args.count,
+        // Data types number 0 to 11; any larger raw value reads back as unknown.
+        dtype: args.datatype.0.min(255) as u8,
+        op: args.op.0.min(255) as u8,
+        stream: args.stream as u64,
+        in_group,
+        refused,
+    }
 }
 
 /// The arguments every NCCL operation call shares.

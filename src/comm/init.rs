@@ -14,6 +14,7 @@ use super::state::Shared;
 use super::{Comm, ContextId, Siblings, DEFAULT_DROP_TIMEOUT};
 use crate::calls::{self, Call};
 use crate::config::CommConfig;
+use crate::diagnostics::flight::{self, FlightRing};
 use crate::error::{Error, Result, ResultCode};
 use crate::id::UniqueId;
 use crate::library::{self, Library};
@@ -309,7 +310,15 @@ impl Comm {
         config: &CommConfig,
     ) -> Comm {
         Comm {
-            shared: Arc::new(Shared::new(raw, config.is_blocking())),
+            shared: Arc::new(Shared::new(
+                raw,
+                config.is_blocking(),
+                FlightRing::new(
+                    flight::capacity(config.flight_recorder),
+                    stream.cu_stream() as u64,
+                    config.name(),
+                ),
+            )),
             context: ContextId::of(stream.context()),
             stream,
             lib,

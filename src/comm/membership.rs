@@ -14,6 +14,9 @@ pub(crate) struct Membership<'c> {
     comms: InlineList<&'c Comm, 8>,
     /// Until `leave`: the communicators are still marked as members.
     entered: bool,
+    /// The group is only simulated (`ncclGroupSimulateEnd`): its members' flight recorders
+    /// record nothing of it.
+    simulated: bool,
 }
 
 impl<'c> Membership<'c> {
@@ -21,11 +24,17 @@ impl<'c> Membership<'c> {
         let mut membership = Self {
             comms: InlineList::new(),
             entered: true,
+            simulated: false,
         };
         for comm in comms {
             membership.add(comm);
         }
         membership
+    }
+
+    /// Marks the group as simulated, before any communicator joins it.
+    pub(crate) fn simulate(&mut self) {
+        self.simulated = true;
     }
 
     /// Adds `comm` unless it is already a member.
@@ -35,7 +44,7 @@ impl<'c> Membership<'c> {
             .iter()
             .any(|c| c.shared_ptr() == comm.shared_ptr())
         {
-            comm.group_enter();
+            comm.group_enter(self.simulated);
             self.comms.push(comm);
         }
     }
@@ -68,10 +77,16 @@ impl Drop for Membership<'_> {
 }
 
 impl Comm {
-    /// Marks this communicator as part of a group open on this thread.
-    pub(crate) fn group_enter(&self) {
+    /// Marks this communicator as part of a group open on this thread (`simulated`: one
+    /// that runs nothing); the first such group starts a group in its flight recorder.
+    pub(crate) fn group_enter(&self, simulated: bool) {
         let mut state = self.shared.lock();
         state.open_groups = state.open_groups.saturating_add(1);
+        if state.open_groups == 1 {
+            if let Some(ring) = state.flight.as_deref_mut() {
+                ring.group_opened(simulated);
+            }
+        }
     }
 
     /// Ends a group membership; runs an abort or revoke deferred meanwhile. Returns the
@@ -80,6 +95,9 @@ impl Comm {
         let mut state = self.shared.lock();
         state.open_groups = state.open_groups.saturating_sub(1);
         if state.open_groups == 0 {
+            if let Some(ring) = state.flight.as_deref_mut() {
+                ring.group_closed();
+            }
             if let Some(action) = state.deferred.take() {
                 // The failure was recorded when the action was requested; keep it.
                 let failure = state

@@ -15,6 +15,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::streams::ForeignStreams;
 use crate::calls::{self, Call};
+use crate::diagnostics::flight::{FlightRing, RawOp};
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
 
@@ -42,10 +43,13 @@ unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
-    /// The shared state of a live handle, which it now owns.
-    pub(crate) fn new(raw: ncclComm_t, blocking: bool) -> Self {
+    /// The shared state of a live handle, which it now owns, recording its operations in
+    /// `flight` (none: the recorder is off).
+    pub(crate) fn new(raw: ncclComm_t, blocking: bool, flight: Option<Box<FlightRing>>) -> Self {
+        let mut state = State::new(raw);
+        state.flight = flight;
         Self {
-            state: Mutex::new(State::new(raw)),
+            state: Mutex::new(state),
             blocking,
         }
     }
@@ -79,6 +83,10 @@ pub(crate) struct State {
     /// recorded after the last one on each (see `streams.rs`). Boxed, and made at the first
     /// such stream, so a communicator that only uses its own stream keeps the small state.
     pub(crate) foreign: Option<Box<ForeignStreams>>,
+    /// The flight recorder's ring of the last operations (see
+    /// [`crate::diagnostics::flight`]); `None` when it is off. Kept after the handle is
+    /// released, so a failed or aborted communicator's last operations can still be read.
+    pub(crate) flight: Option<Box<FlightRing>>,
 }
 
 impl State {
@@ -90,6 +98,15 @@ impl State {
             failure: None,
             suspended: false,
             foreign: None,
+            flight: None,
+        }
+    }
+
+    /// Records an operation just handed to NCCL in the flight recorder, if it is on.
+    #[inline(always)]
+    pub(crate) fn record_op(&mut self, op: RawOp) {
+        if let Some(ring) = self.flight.as_deref_mut() {
+            ring.record(op);
         }
     }
 

@@ -163,6 +163,9 @@ impl Comm {
         if code != ResultCode::Success {
             return Err(self.lib.error("ncclCommGetAsyncError", code));
         }
+        // What the event completes after, for the flight recorder: every operation recorded
+        // so far (this thread is the only one that enqueues on the communicator).
+        let covers = self.shared.lock().flight.as_deref().map(|r| r.next_seq());
         let done = stream.record_event(None)?;
         let check = |call| {
             let state = self.shared.lock();
@@ -175,8 +178,12 @@ impl Comm {
         loop {
             if done.try_is_complete()? && (!others || self.foreign_streams_done()?) {
                 // Work cut short by an abort from another thread also completes: report the
-                // abort rather than success.
-                return check("Comm::synchronize");
+                // abort rather than success (and do not take it for completed work).
+                check("Comm::synchronize")?;
+                if let Some(covers) = covers {
+                    self.mark_completed_before(stream, covers);
+                }
+                return Ok(());
             }
             check("Comm::synchronize")?;
             let code = self.async_code_raw()?;
@@ -195,6 +202,22 @@ impl Comm {
                 });
             }
             backoff.wait();
+        }
+    }
+
+    /// The flight recorder learns that `stream` ran past every operation numbered below
+    /// `seq`; only the communicator's own stream counts (see [`crate::diagnostics::flight`]),
+    /// and only while nothing stopped its kernels (a revoke or an abort also drains it).
+    fn mark_completed_before(&self, stream: &CudaStream, seq: u64) {
+        if stream.cu_stream() != self.stream.cu_stream() {
+            return;
+        }
+        let mut state = self.shared.lock();
+        if state.ptr.is_null() || state.failure.is_some() {
+            return;
+        }
+        if let Some(ring) = state.flight.as_deref_mut() {
+            ring.completed_before(seq);
         }
     }
 

@@ -8,6 +8,8 @@ use cudarc::driver::CudaContext;
 use super::require_nonblocking;
 use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
 use crate::comm::{Comm, Shared};
+use crate::diagnostics::flight::{self, FlightRecord, Who};
+use crate::diagnostics::record_of;
 use crate::error::Result;
 use crate::library::Library;
 
@@ -90,6 +92,8 @@ pub struct AbortHandle {
     lib: &'static Library,
     ctx: Arc<CudaContext>,
     rank: usize,
+    /// Whose flight record it takes.
+    who: Who,
 }
 
 impl std::fmt::Debug for AbortHandle {
@@ -108,7 +112,23 @@ impl AbortHandle {
     /// If its owner has it in a [`Group`](crate::Group) that is still open, the abort is
     /// [deferred](AbortOutcome::Deferred) to the end of that group. An error means NCCL
     /// reported one while aborting; the communicator is released either way.
+    ///
+    /// Where `NCCL_RS_FLIGHT_RECORDER_DIR` is set and the communicator was still live, its
+    /// flight record is written there first (see [`crate::diagnostics::flight`]); the record
+    /// stays readable afterwards through [`AbortHandle::flight_record`].
     pub fn abort(&self) -> Result<AbortOutcome> {
+        let record = {
+            let state = self.shared.lock();
+            if state.ptr.is_null() {
+                None
+            } else {
+                record_of(&state, self.who.clone(), "AbortHandle::abort")
+            }
+        };
+        // Off the lock: file work. Best effort: the abort matters more than the dump.
+        if let Some(record) = &record {
+            let _ = flight::write_to_env_dir(record);
+        }
         let mut state = self.shared.lock();
         act(
             &mut state,
@@ -132,6 +152,13 @@ impl AbortHandle {
     pub fn rank(&self) -> usize {
         self.rank
     }
+
+    /// The communicator's flight record (see [`Comm::flight_record`]), from any thread, also
+    /// after it was aborted; `None` where the recorder is off.
+    pub fn flight_record(&self) -> Option<FlightRecord> {
+        let state = self.shared.lock();
+        record_of(&state, self.who.clone(), "AbortHandle::flight_record")
+    }
 }
 
 impl Comm {
@@ -146,6 +173,7 @@ impl Comm {
             lib: self.library(),
             ctx: self.context().clone(),
             rank: self.rank(),
+            who: self.who(),
         })
     }
 

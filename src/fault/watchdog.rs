@@ -1,6 +1,12 @@
 //! The watchdog: a thread that watches one nonblocking communicator and aborts, revokes or
-//! marks it failed when it reports an error or stops making progress.
+//! marks it failed when it reports an error or stops making progress, and reports what the
+//! diagnostics knew then (the flight record, NCCL's RAS verdict).
+//!
+//! Past 600 lines on purpose: the trip's report (flight record, RAS) is part of tripping and
+//! stays beside it; the decisions themselves are in `Monitor`, tested on their own.
 
+use std::fmt;
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -12,6 +18,9 @@ use super::require_nonblocking;
 use crate::calls;
 use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
 use crate::comm::{Comm, Shared};
+use crate::diagnostics::flight::{self, FlightRecord, Who};
+use crate::diagnostics::ras::{RasOutcome, RasQuery};
+use crate::diagnostics::record_of;
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
 
@@ -48,6 +57,7 @@ pub struct WatchdogOptions {
     action: WatchdogAction,
     poll_interval: Duration,
     probe_stream: bool,
+    ras_query: bool,
 }
 
 impl WatchdogOptions {
@@ -60,6 +70,7 @@ impl WatchdogOptions {
             poll_interval: (timeout / 20)
                 .clamp(Duration::from_millis(1), Duration::from_millis(100)),
             probe_stream: true,
+            ras_query: true,
         }
     }
 
@@ -88,13 +99,23 @@ impl WatchdogOptions {
         self
     }
 
+    /// Whether to ask NCCL's RAS for its verdict when tripping (default `true`; see
+    /// [`WatchdogTrip::ras`]). The query is made after the watchdog acted, from its own
+    /// thread, and takes at most [`DEFAULT_RAS_TIMEOUT`](crate::diagnostics::ras::DEFAULT_RAS_TIMEOUT);
+    /// dropping the watchdog meanwhile waits for it.
+    pub fn ras_query(mut self, ask: bool) -> Self {
+        self.ras_query = ask;
+        self
+    }
+
     /// The timeout.
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
 }
 
-/// Why and when a [`Watchdog`] tripped.
+/// Why and when a [`Watchdog`] tripped, with what the diagnostics knew then (see
+/// [`crate::diagnostics`]); `Display` writes the whole report.
 #[derive(Debug, Clone)]
 pub struct WatchdogTrip {
     /// What the watchdog saw, as the error the owner's calls now get.
@@ -105,12 +126,44 @@ pub struct WatchdogTrip {
     pub at: Instant,
     /// Whether the action itself failed (an error from `ncclCommAbort`, for example).
     pub action_error: Option<String>,
+    /// The communicator's flight record, taken before the watchdog acted; `None` where the
+    /// recorder is off.
+    pub flight_record: Option<FlightRecord>,
+    /// Where the flight record was written (`NCCL_RS_FLIGHT_RECORDER_DIR`), or why it could
+    /// not be; `None` where that variable is not set (or the recorder is off).
+    pub flight_record_file: Option<std::result::Result<PathBuf, String>>,
+    /// NCCL's RAS verdict, asked after the watchdog acted (so with
+    /// [`WatchdogAction::Abort`] this rank's communicator may already be missing from it:
+    /// [`WatchdogAction::Report`] leaves it for RAS to see), or why RAS did not answer.
+    /// [`RasOutcome::Pending`] while being asked: see [`Watchdog::trip_report`].
+    pub ras: RasOutcome,
+}
+
+impl fmt::Display for WatchdogTrip {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "watchdog tripped ({:?}): {}", self.action, self.reason)?;
+        if let Some(err) = &self.action_error {
+            writeln!(f, "the action failed: {err}")?;
+        }
+        match &self.flight_record {
+            Some(record) => write!(f, "{record}")?,
+            None => writeln!(f, "no flight record (the recorder is off)")?,
+        }
+        match &self.flight_record_file {
+            Some(Ok(path)) => writeln!(f, "flight record written to {}", path.display())?,
+            Some(Err(why)) => writeln!(f, "the flight record could not be written: {why}")?,
+            None => {}
+        }
+        write!(f, "{}", self.ras)
+    }
 }
 
 struct WatchdogShared {
     stop: Mutex<bool>,
     wake: Condvar,
     trip: Mutex<Option<WatchdogTrip>>,
+    /// Signalled when the trip is stored, and when its RAS verdict is in.
+    reported: Condvar,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -139,9 +192,32 @@ impl std::fmt::Debug for Watchdog {
 }
 
 impl Watchdog {
-    /// The trip, if the watchdog has tripped.
+    /// The trip, if the watchdog has tripped. Its [`WatchdogTrip::ras`] may still be
+    /// [`RasOutcome::Pending`]; [`Watchdog::trip_report`] waits for it.
     pub fn trip(&self) -> Option<WatchdogTrip> {
         lock(&self.shared.trip).clone()
+    }
+
+    /// The trip once it is complete (RAS answered, failed to, or was not asked), waiting up
+    /// to `wait` for the watchdog to trip and for RAS; what there is when `wait` runs out.
+    pub fn trip_report(&self, wait: Duration) -> Option<WatchdogTrip> {
+        let deadline = Instant::now() + wait;
+        let mut trip = lock(&self.shared.trip);
+        loop {
+            let settled = trip
+                .as_ref()
+                .is_some_and(|t| !matches!(t.ras, RasOutcome::Pending));
+            let left = deadline.saturating_duration_since(Instant::now());
+            if settled || left.is_zero() {
+                return trip.clone();
+            }
+            trip = self
+                .shared
+                .reported
+                .wait_timeout(trip, left)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
     }
 
     /// Whether its thread is still watching (it ends after tripping, or once the
@@ -170,12 +246,14 @@ impl Watchdog {
             stop: Mutex::new(false),
             wake: Condvar::new(),
             trip: Mutex::new(None),
+            reported: Condvar::new(),
         });
         let worker = Worker {
             comm: comm.shared().clone(),
             lib: comm.library(),
             stream: comm.stream().clone(),
             rank: comm.rank(),
+            who: comm.who(),
             options: options.clone(),
             shared: shared.clone(),
         };
@@ -211,6 +289,8 @@ struct Worker {
     lib: &'static Library,
     stream: Arc<CudaStream>,
     rank: usize,
+    /// Whose flight record it takes.
+    who: Who,
     options: WatchdogOptions,
     shared: Arc<WatchdogShared>,
 }
@@ -232,7 +312,7 @@ impl Worker {
 
     fn run(self) {
         let mut monitor = Monitor::new(self.options.timeout);
-        let mut probe: Option<CudaEvent> = None;
+        let mut probe: Option<Probe> = None;
         while !self.sleep() {
             let mut state = self.comm.lock();
             if state.ptr.is_null() || state.failure.is_some() {
@@ -252,6 +332,9 @@ impl Worker {
             };
             if let Verdict::Trip(cause) = verdict {
                 self.trip(&mut state, cause);
+                drop(state);
+                // Off the communicator's lock: the slow parts of the report.
+                self.complete_report();
                 return;
             }
         }
@@ -261,7 +344,7 @@ impl Worker {
     fn observe(
         &self,
         state: &mut State,
-        probe: &mut Option<CudaEvent>,
+        probe: &mut Option<Probe>,
         monitor: &mut Monitor,
         now: Instant,
     ) -> std::result::Result<Verdict, Cause> {
@@ -275,14 +358,17 @@ impl Worker {
             Err(_) => Seen::Error(ResultCode::InternalError),
         };
         let probe_done = match probe {
-            Some(event) if self.options.probe_stream => {
-                Some(event.try_is_complete().map_err(Cause::Cuda)?)
+            Some(probe) if self.options.probe_stream => {
+                Some(probe.event.try_is_complete().map_err(Cause::Cuda)?)
             }
             _ => None,
         };
         let verdict = monitor.observe(now, seen, probe_done);
         if probe_done == Some(true) {
-            *probe = None;
+            // The stream ran past the probe, so past every operation recorded before it.
+            if let (Some(done), Some(ring)) = (probe.take(), state.flight.as_deref_mut()) {
+                ring.completed_before(done.covers);
+            }
         }
         if let Verdict::Trip(_) = verdict {
             return Ok(verdict);
@@ -306,7 +392,9 @@ impl Worker {
             if capturing == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 // Recording is allowed: the communicator is ready (NCCL is not enqueueing
                 // on its streams) and its lock keeps the owner's NCCL calls out meanwhile.
-                *probe = Some(self.stream.record_event(None).map_err(Cause::Cuda)?);
+                let covers = state.flight.as_deref().map_or(0, |ring| ring.next_seq());
+                let event = self.stream.record_event(None).map_err(Cause::Cuda)?;
+                *probe = Some(Probe { event, covers });
                 monitor.probe_recorded(now);
             }
         }
@@ -345,6 +433,8 @@ impl Worker {
         let reason = failure
             .to_error("the owner's next call", self.rank)
             .to_string();
+        // Before acting, as the communicator was when it hung.
+        let flight_record = record_of(state, self.who.clone(), &format!("watchdog: {reason}"));
         let result = act(state, self.lib, self.stream.context(), action, failure);
         let action_error = match result {
             Err(err) if action == Action::Revoke => {
@@ -366,13 +456,64 @@ impl Worker {
             Err(err) => Some(err.to_string()),
             Ok(_) => None,
         };
+        let ras = if !self.options.ras_query {
+            RasOutcome::NotAsked("WatchdogOptions::ras_query(false)".into())
+        } else if self.lib.version() < RAS_SINCE {
+            RasOutcome::NotAsked(format!(
+                "NCCL {} has no RAS (it came with {RAS_SINCE})",
+                self.lib.version()
+            ))
+        } else {
+            RasOutcome::Pending
+        };
         *lock(&self.shared.trip) = Some(WatchdogTrip {
             reason,
             action: self.options.action,
             at: Instant::now(),
             action_error,
+            flight_record,
+            flight_record_file: None,
+            ras,
         });
+        self.shared.reported.notify_all();
     }
+
+    /// Writes the trip's flight record where `NCCL_RS_FLIGHT_RECORDER_DIR` says and asks
+    /// RAS, storing each result in the trip: file and network work, done without the
+    /// communicator's lock and bounded by the RAS query's timeout.
+    fn complete_report(&self) {
+        let record = lock(&self.shared.trip)
+            .as_ref()
+            .and_then(|t| t.flight_record.clone());
+        if let Some(written) = record.as_ref().and_then(flight::write_to_env_dir) {
+            if let Some(trip) = lock(&self.shared.trip).as_mut() {
+                trip.flight_record_file = Some(written);
+            }
+        }
+        let pending = lock(&self.shared.trip)
+            .as_ref()
+            .is_some_and(|t| matches!(t.ras, RasOutcome::Pending));
+        if pending {
+            let outcome = match RasQuery::new().run() {
+                Ok(status) => RasOutcome::Answered(status),
+                Err(err) => RasOutcome::NotAnswered(err.to_string()),
+            };
+            if let Some(trip) = lock(&self.shared.trip).as_mut() {
+                trip.ras = outcome;
+            }
+        }
+        self.shared.reported.notify_all();
+    }
+}
+
+/// The first NCCL with RAS.
+const RAS_SINCE: crate::Version = crate::Version::new(2, 24, 0);
+
+/// A progress probe: an event recorded on the communicator's stream, and the flight
+/// recorder's next sequence number then (every operation below it completes before it).
+struct Probe {
+    event: CudaEvent,
+    covers: u64,
 }
 
 /// The communicator's state as one poll saw it.

@@ -21,6 +21,7 @@ use super::{
     TcpRendezvous,
 };
 use crate::comm::Comm;
+use crate::diagnostics::ras::{self, RAS_ADDR_VAR};
 use crate::UniqueId;
 
 /// Makes this program a job of `world_size` ranks on this machine, unless a launcher already
@@ -40,6 +41,13 @@ use crate::UniqueId;
 ///   fetch it (other users' processes on the machine cannot; see
 ///   [`TcpTransport`](super::TcpTransport)). The children share this process's stdout and
 ///   stderr (their lines interleave) and get no stdin.
+/// * Unless `NCCL_RAS_ADDR` is set, the children also get `NCCL_RAS_ADDR=127.0.0.1:<port>`,
+///   a port free when the job starts, so NCCL's RAS of this job listens apart from other
+///   jobs on the machine (every NCCL process binds that address with `SO_REUSEPORT`, so
+///   jobs sharing one would answer each other's queries; see
+///   [`crate::diagnostics::ras`]). This process's own NCCL keeps its address (the crate
+///   does not change its environment), but its RAS queries
+///   ([`ras::default_addr`](crate::diagnostics::ras::default_addr)) go to the job's.
 ///
 /// Call it first thing in `main`, before any other work, with the number of GPUs to use: the
 /// children run `main` again from the start. Then exchange the id with
@@ -148,7 +156,15 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
     // A fresh key per job: whatever NCCL_RS_RENDEZVOUS_KEY this process has is not needed,
     // and a key of our own cannot be one another job shares.
     let (secret, secret_hex) = RendezvousKey::generate_hex()?;
-    let children = start_ranks(ranks, &addr, &job_key, &secret_hex, sharing)?;
+    let ras_addr = job_ras_addr();
+    let children = start_ranks(
+        ranks,
+        &addr,
+        &job_key,
+        &secret_hex,
+        sharing,
+        ras_addr.as_deref(),
+    )?;
     let supervisor = Supervisor::start(children)?;
     let placement = Placement {
         rank: 0,
@@ -177,15 +193,32 @@ fn spawn_children(ranks: usize, sharing: GpuSharing) -> Result<LocalJob> {
     })
 }
 
+/// A RAS address of this job's own (see [`spawn_local`]), recorded as this process's
+/// default for queries; `None` where `NCCL_RAS_ADDR` is set already, or no port is free.
+fn job_ras_addr() -> Option<String> {
+    if lookup(&process_var, RAS_ADDR_VAR).is_some() {
+        return None;
+    }
+    // Released at once: NCCL's processes bind it themselves (with SO_REUSEADDR).
+    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .ok()?
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    ras::set_job_addr(addr.clone());
+    Some(addr)
+}
+
 /// Re-executes this program as ranks `1..ranks`, told to fetch the id from `addr` under
-/// `job_key` with the rendezvous key `secret_hex`, sharing GPUs as `sharing` says; if one
-/// cannot start, stops those already started.
+/// `job_key` with the rendezvous key `secret_hex`, sharing GPUs as `sharing` says, with
+/// NCCL's RAS at `ras_addr` where given; if one cannot start, stops those already started.
 fn start_ranks(
     ranks: usize,
     addr: &str,
     job_key: &str,
     secret_hex: &str,
     sharing: GpuSharing,
+    ras_addr: Option<&str>,
 ) -> Result<Vec<(usize, Child)>> {
     let exe = std::env::current_exe().map_err(|e| {
         io_error(
@@ -206,6 +239,7 @@ fn start_ranks(
             .env(vars::ADDR, addr)
             .env(vars::JOB_KEY, job_key)
             .env(vars::RENDEZVOUS_KEY, secret_hex)
+            .envs(ras_addr.map(|ras| (RAS_ADDR_VAR, ras)))
             .envs(match sharing {
                 GpuSharing::Off => Vec::new(),
                 shared => shared.child_vars(rank, job_key, &process_var),

@@ -1,0 +1,739 @@
+//! The analyser: given the flight records of the ranks of one communicator, where do they
+//! diverge, and which rank is to blame
+//! (the rules are in the [flight module docs](super#comparing-ranks)).
+//!
+//! Past 600 lines on purpose: half of it is the tests on synthetic records (skips, stalls,
+//! extras, mismatches, partial rings, bad input), which belong next to the rules they pin.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use super::record::{FlightEntry, FlightRecord, OpState};
+use crate::error::{Error, Result};
+
+/// How far a skip or an extra collective is looked for.
+const MAX_SHIFT: u64 = 8;
+/// How many collectives after the divergence must follow a shift for it to count.
+const CONFIRM: u64 = 8;
+
+/// What the analyser found about one rank (or, for [`Finding::NotCompleted`], a set of ranks).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finding {
+    /// `rank` skipped `count` collectives starting at collective `seq`: its collective `seq`
+    /// is the others' `seq + count`. `skipped` is the first one it skipped.
+    Skipped {
+        /// The rank that skipped.
+        rank: usize,
+        /// The first collective it skipped.
+        seq: u64,
+        /// How many it skipped.
+        count: u64,
+        /// The others' collective `seq`.
+        skipped: FlightEntry,
+    },
+    /// `rank` issued `count` collectives the others did not, starting at collective `seq`.
+    Extra {
+        /// The rank that issued them.
+        rank: usize,
+        /// Its first extra collective.
+        seq: u64,
+        /// How many.
+        count: u64,
+        /// Its collective `seq`.
+        extra: FlightEntry,
+    },
+    /// `rank`'s collective `seq` differs from the others' with no shift explaining it.
+    Mismatch {
+        /// The rank out of step.
+        rank: usize,
+        /// The collective number.
+        seq: u64,
+        /// The others' collective `seq`.
+        expected: FlightEntry,
+        /// This rank's.
+        found: FlightEntry,
+    },
+    /// `rank` never issued collective `seq`, which `ahead` did: it stopped issuing (a host-side
+    /// stall when `last_completed == last_enqueued`, else stuck in its last collective).
+    Stalled {
+        /// The rank behind.
+        rank: usize,
+        /// The first collective it never issued.
+        seq: u64,
+        /// Its last collective issued (0: none).
+        last_enqueued: u64,
+        /// Its last collective seen complete (0: none).
+        last_completed: u64,
+        /// The ranks that issued collective `seq`.
+        ahead: Vec<usize>,
+    },
+    /// Every rank issued the same collectives, but collective `seq` was not seen complete on
+    /// `ranks` (it may have completed unseen where no watchdog or synchronize looked).
+    NotCompleted {
+        /// The first collective not seen complete everywhere.
+        seq: u64,
+        /// The ranks where it was not.
+        ranks: Vec<usize>,
+    },
+    /// No record of `rank` was given.
+    NoRecord {
+        /// The rank.
+        rank: usize,
+    },
+}
+
+impl Finding {
+    /// The rank the finding blames, if it blames one.
+    pub fn rank(&self) -> Option<usize> {
+        match self {
+            Finding::Skipped { rank, .. }
+            | Finding::Extra { rank, .. }
+            | Finding::Mismatch { rank, .. }
+            | Finding::Stalled { rank, .. }
+            | Finding::NoRecord { rank } => Some(*rank),
+            Finding::NotCompleted { .. } => None,
+        }
+    }
+}
+
+/// What [`compare`] found; `Display` writes it for people.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlightComparison {
+    /// The communicator's size.
+    pub size: usize,
+    /// The ranks whose records were compared, ascending.
+    pub ranks: Vec<usize>,
+    /// The first collective every record still holds (rings keep only the last entries).
+    pub compared_from: u64,
+    /// The last collective on which every compared rank agrees (issued, same operation).
+    pub agreed_through: u64,
+    /// The first collective on which they do not, if any.
+    pub diverged_at: Option<u64>,
+    /// What was found, per rank.
+    pub findings: Vec<Finding>,
+}
+
+impl FlightComparison {
+    /// The ranks the findings blame, ascending, each once.
+    pub fn culprits(&self) -> Vec<usize> {
+        let mut ranks: Vec<usize> = self.findings.iter().filter_map(Finding::rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+
+    /// Whether nothing is amiss: the ranks agree and every collective was seen complete.
+    pub fn is_consistent(&self) -> bool {
+        self.findings.is_empty()
+    }
+}
+
+/// One rank's collectives, by collective number.
+struct RankOps<'r> {
+    rank: usize,
+    ops: BTreeMap<u64, &'r FlightEntry>,
+    /// Its last collective issued.
+    last: u64,
+    record: &'r FlightRecord,
+}
+
+impl RankOps<'_> {
+    fn at(&self, seq: u64) -> Option<&FlightEntry> {
+        self.ops.get(&seq).copied()
+    }
+
+    /// The first collective the ring still holds (past `last` when it holds none).
+    fn first_kept(&self) -> u64 {
+        self.ops.keys().next().copied().unwrap_or(self.last + 1)
+    }
+}
+
+/// Compares the flight records of the ranks of one communicator (one record per rank, in any
+/// order; ranks without a record are reported as such) and says where they diverge; see the
+/// [flight module docs](super#comparing-ranks). [`Error::FlightRecordFormat`] when there is no record, or the records
+/// disagree on the communicator's size, or two are of the same rank.
+pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
+    let size = records
+        .first()
+        .map(|r| r.size)
+        .ok_or_else(|| Error::FlightRecordFormat("no flight record to compare".into()))?;
+    let mut ranks: Vec<RankOps<'_>> = Vec::with_capacity(records.len());
+    for record in records {
+        if record.size != size {
+            return Err(Error::FlightRecordFormat(format!(
+                "the records are of communicators of different sizes ({size} and {}): compare \
+                 the records of one communicator",
+                record.size
+            )));
+        }
+        if record.rank >= size {
+            return Err(Error::FlightRecordFormat(format!(
+                "a record of rank {} in a communicator of {size} ranks",
+                record.rank
+            )));
+        }
+        if ranks.iter().any(|r| r.rank == record.rank) {
+            return Err(Error::FlightRecordFormat(format!(
+                "two records of rank {}",
+                record.rank
+            )));
+        }
+        let ops = record
+            .collectives()
+            .filter_map(|e| e.collective_seq.map(|seq| (seq, e)))
+            .collect();
+        ranks.push(RankOps {
+            rank: record.rank,
+            ops,
+            last: record.collectives,
+            record,
+        });
+    }
+    ranks.sort_by_key(|r| r.rank);
+    let mut findings: Vec<Finding> = (0..size)
+        .filter(|rank| !ranks.iter().any(|r| r.rank == *rank))
+        .map(|rank| Finding::NoRecord { rank })
+        .collect();
+    let compared_from = ranks.iter().map(RankOps::first_kept).max().unwrap_or(1);
+    let max_last = ranks.iter().map(|r| r.last).max().unwrap_or(0);
+
+    let mut agreed_through = compared_from.saturating_sub(1);
+    let mut diverged_at = None;
+    for seq in compared_from..=max_last {
+        let first = ranks.first().and_then(|r| r.at(seq));
+        let agree = first.is_some_and(|first| {
+            ranks
+                .iter()
+                .all(|r| r.at(seq).is_some_and(|op| op.same_operation(first)))
+        });
+        if !agree {
+            diverged_at = Some(seq);
+            break;
+        }
+        agreed_through = seq;
+    }
+    match diverged_at {
+        Some(seq) => findings.extend(diverging(&ranks, seq)),
+        None => findings.extend(not_completed(&ranks, compared_from, max_last)),
+    }
+    Ok(FlightComparison {
+        size,
+        ranks: ranks.iter().map(|r| r.rank).collect(),
+        compared_from,
+        agreed_through,
+        diverged_at,
+        findings,
+    })
+}
+
+/// Reads flight records from JSON files (as [`FlightRecord::write_to`] writes them).
+pub fn read_flight_records(
+    paths: impl IntoIterator<Item = impl AsRef<Path>>,
+) -> Result<Vec<FlightRecord>> {
+    paths
+        .into_iter()
+        .map(|path| {
+            let path = path.as_ref();
+            let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+                what: format!("reading the flight record {}", path.display()),
+                source,
+            })?;
+            FlightRecord::from_json(&text).map_err(|err| match err {
+                Error::FlightRecordFormat(why) => {
+                    Error::FlightRecordFormat(format!("{}: {why}", path.display()))
+                }
+                other => other,
+            })
+        })
+        .collect()
+}
+
+/// The first collective (from `from` to `to`) not seen complete on every rank.
+fn not_completed(ranks: &[RankOps<'_>], from: u64, to: u64) -> Option<Finding> {
+    (from..=to).find_map(|seq| {
+        let incomplete: Vec<usize> = ranks
+            .iter()
+            .filter(|r| r.at(seq).is_some_and(|op| op.state != OpState::Completed))
+            .map(|r| r.rank)
+            .collect();
+        (!incomplete.is_empty()).then_some(Finding::NotCompleted {
+            seq,
+            ranks: incomplete,
+        })
+    })
+}
+
+/// Whether `a` from `a_at` and `b` from `b_at` hold the same operations for as far as both
+/// have them (at most [`CONFIRM`] more after the first), the first included.
+fn follows(a: &RankOps<'_>, a_at: u64, b: &RankOps<'_>, b_at: u64) -> bool {
+    let same = |i: u64| match (a.at(a_at + i), b.at(b_at + i)) {
+        (Some(x), Some(y)) => Some(x.same_operation(y)),
+        _ => None,
+    };
+    match same(0) {
+        Some(true) => (1..=CONFIRM).map_while(same).all(|s| s),
+        _ => false,
+    }
+}
+
+/// The findings at collective `seq`, where the ranks first disagree.
+fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
+    // The ranks holding an operation at `seq`, grouped by it (each group by its first rank).
+    let mut groups: Vec<Vec<&RankOps<'_>>> = Vec::new();
+    for rank in ranks.iter().filter(|r| r.at(seq).is_some()) {
+        let op = rank.at(seq);
+        match groups.iter_mut().find(|g| {
+            g[0].at(seq)
+                .zip(op)
+                .is_some_and(|(a, b)| a.same_operation(b))
+        }) {
+            Some(group) => group.push(rank),
+            None => groups.push(vec![rank]),
+        }
+    }
+    // The reference: the largest group; on a tie, one whose later collectives another
+    // group's collective `seq` matches (that one skipped); then the lowest rank.
+    let explains = |g: &[&RankOps<'_>], others: &[Vec<&RankOps<'_>>]| {
+        others
+            .iter()
+            .any(|o| (1..=MAX_SHIFT).any(|k| follows(o[0], seq, g[0], seq + k)))
+    };
+    let reference = groups
+        .iter()
+        .enumerate()
+        .max_by_key(|(i, g)| {
+            (
+                g.len(),
+                explains(g, &groups),
+                std::cmp::Reverse(g[0].rank),
+                std::cmp::Reverse(*i),
+            )
+        })
+        .map(|(_, g)| g.clone());
+    let Some(reference) = reference else {
+        return Vec::new();
+    };
+    let model = reference[0];
+    let ahead: Vec<usize> = ranks
+        .iter()
+        .filter(|r| r.at(seq).is_some())
+        .map(|r| r.rank)
+        .collect();
+    let mut findings = Vec::new();
+    for rank in ranks {
+        if reference.iter().any(|r| r.rank == rank.rank) {
+            continue;
+        }
+        let Some(found) = rank.at(seq) else {
+            findings.push(Finding::Stalled {
+                rank: rank.rank,
+                seq,
+                last_enqueued: rank.last,
+                last_completed: rank.record.last_completed_collective(),
+                ahead: ahead.clone(),
+            });
+            continue;
+        };
+        let Some(expected) = model.at(seq) else {
+            continue;
+        };
+        let finding = if let Some(k) = (1..=MAX_SHIFT).find(|&k| follows(rank, seq, model, seq + k))
+        {
+            Finding::Skipped {
+                rank: rank.rank,
+                seq,
+                count: k,
+                skipped: expected.clone(),
+            }
+        } else if let Some(k) = (1..=MAX_SHIFT).find(|&k| follows(rank, seq + k, model, seq)) {
+            Finding::Extra {
+                rank: rank.rank,
+                seq,
+                count: k,
+                extra: found.clone(),
+            }
+        } else {
+            Finding::Mismatch {
+                rank: rank.rank,
+                seq,
+                expected: expected.clone(),
+                found: found.clone(),
+            }
+        };
+        findings.push(finding);
+    }
+    findings
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Finding::Skipped {
+                rank,
+                seq,
+                count,
+                skipped,
+            } => {
+                let which = if *count == 1 {
+                    format!("collective #{seq}")
+                } else {
+                    format!("collectives #{seq} to #{}", seq + count - 1)
+                };
+                write!(
+                    f,
+                    "rank {rank} SKIPPED {which} ({}): its collective #{seq} is the others' \
+                     #{}",
+                    skipped.describe(),
+                    seq + count
+                )
+            }
+            Finding::Extra {
+                rank,
+                seq,
+                count,
+                extra,
+            } => write!(
+                f,
+                "rank {rank} issued {count} EXTRA collective(s) from #{seq} ({}): its #{} is \
+                 the others' #{seq}",
+                extra.describe(),
+                seq + count
+            ),
+            Finding::Mismatch {
+                rank,
+                seq,
+                expected,
+                found,
+            } => write!(
+                f,
+                "rank {rank} MISMATCH at collective #{seq}: it issued {}, the others {}",
+                found.describe(),
+                expected.describe()
+            ),
+            Finding::Stalled {
+                rank,
+                seq,
+                last_enqueued,
+                last_completed,
+                ahead,
+            } => {
+                let where_ = if last_enqueued == last_completed {
+                    "everything it issued completed: it is stuck outside NCCL"
+                } else {
+                    "its last collective did not complete"
+                };
+                write!(
+                    f,
+                    "rank {rank} STALLED before collective #{seq}: it issued up to #{last_enqueued} \
+                     (completed through #{last_completed}; {where_}) while ranks {ahead:?} issued \
+                     #{seq}"
+                )
+            }
+            Finding::NotCompleted { seq, ranks } => write!(
+                f,
+                "all ranks issued the same collectives; #{seq} was not seen complete on ranks \
+                 {ranks:?}"
+            ),
+            Finding::NoRecord { rank } => write!(f, "rank {rank}: no flight record"),
+        }
+    }
+}
+
+impl fmt::Display for FlightComparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "compared the flight records of ranks {:?} of {}, from collective #{}",
+            self.ranks, self.size, self.compared_from
+        )?;
+        match self.diverged_at {
+            Some(seq) => writeln!(
+                f,
+                "the ranks agree through collective #{}; they diverge at collective #{seq}:",
+                self.agreed_through
+            )?,
+            None => writeln!(
+                f,
+                "the ranks agree on every collective (through #{})",
+                self.agreed_through
+            )?,
+        }
+        for finding in &self.findings {
+            writeln!(f, "  {finding}")?;
+        }
+        if self.findings.is_empty() {
+            writeln!(f, "  nothing amiss: every collective was seen complete")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::synthetic::{record, record_with};
+    use super::*;
+    use crate::diagnostics::flight::OpKind;
+
+    /// Five all-reduces of distinct sizes (1, 2, 3, 4, 5 KiB of f32).
+    fn five() -> Vec<(u64, u64)> {
+        (1..=5).map(|i| (i, 256 * i)).collect()
+    }
+
+    /// A rank's ops after skipping collective `skip` of `ops`: numbered again from 1.
+    fn skipping(ops: &[(u64, u64)], skip: u64) -> Vec<(u64, u64)> {
+        ops.iter()
+            .filter(|(seq, _)| *seq != skip)
+            .enumerate()
+            .map(|(i, (_, count))| (i as u64 + 1, *count))
+            .collect()
+    }
+
+    #[test]
+    fn a_rank_that_skips_the_third_of_five_all_reduces_is_named() {
+        let ops = five();
+        for size in [2, 3, 4, 8] {
+            for culprit in 0..size {
+                let records: Vec<FlightRecord> = (0..size)
+                    .map(|rank| {
+                        if rank == culprit {
+                            // Its later all-reduces met the others' earlier ones: all done.
+                            record(rank, size, &skipping(&ops, 3), 4)
+                        } else {
+                            // The others: the fifth never completes (rank `culprit` has none).
+                            record(rank, size, &ops, 4)
+                        }
+                    })
+                    .collect();
+                let cmp = compare(&records).unwrap();
+                assert_eq!(cmp.diverged_at, Some(3), "{cmp}");
+                assert_eq!(cmp.agreed_through, 2);
+                assert_eq!(cmp.culprits(), vec![culprit], "{cmp}");
+                match &cmp.findings[..] {
+                    [Finding::Skipped {
+                        rank,
+                        seq: 3,
+                        count: 1,
+                        skipped,
+                    }] => {
+                        assert_eq!(*rank, culprit);
+                        assert_eq!(skipped.count, 768);
+                    }
+                    other => panic!("size {size}, culprit {culprit}: {other:?}\n{cmp}"),
+                }
+                assert!(cmp.to_string().contains("SKIPPED collective #3"), "{cmp}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_that_stalls_before_the_third_is_told_apart_from_one_that_skips() {
+        let ops = five();
+        for size in [2, 4] {
+            let records: Vec<FlightRecord> = (0..size)
+                .map(|rank| {
+                    if rank == 1 {
+                        record(rank, size, &ops[..2], 2)
+                    } else {
+                        record(rank, size, &ops, 2)
+                    }
+                })
+                .collect();
+            let cmp = compare(&records).unwrap();
+            assert_eq!(cmp.diverged_at, Some(3));
+            match &cmp.findings[..] {
+                [Finding::Stalled {
+                    rank: 1,
+                    seq: 3,
+                    last_enqueued: 2,
+                    last_completed: 2,
+                    ahead,
+                }] => {
+                    let others: Vec<usize> = (0..size).filter(|&r| r != 1).collect();
+                    assert_eq!(ahead, &others);
+                }
+                other => panic!("{other:?}\n{cmp}"),
+            }
+            let text = cmp.to_string();
+            assert!(
+                text.contains("rank 1 STALLED before collective #3"),
+                "{text}"
+            );
+            assert!(text.contains("stuck outside NCCL"), "{text}");
+        }
+        // Stuck inside its own last collective instead.
+        let records = vec![record(0, 2, &ops, 1), record(1, 2, &ops[..2], 1)];
+        let text = compare(&records).unwrap().to_string();
+        assert!(text.contains("did not complete"), "{text}");
+    }
+
+    #[test]
+    fn identical_all_reduces_make_a_skip_look_like_a_stall_at_the_end() {
+        let same: Vec<(u64, u64)> = (1..=5).map(|i| (i, 256)).collect();
+        let records = vec![record(0, 2, &same, 4), record(1, 2, &skipping(&same, 3), 4)];
+        let cmp = compare(&records).unwrap();
+        assert_eq!(cmp.diverged_at, Some(5));
+        assert!(matches!(
+            cmp.findings[..],
+            [Finding::Stalled {
+                rank: 1,
+                seq: 5,
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn extra_collectives_mismatches_and_missing_records() {
+        let ops = five();
+        // Rank 2 issued an extra all-reduce of 100 elements before the third.
+        let mut extra = ops[..2].to_vec();
+        extra.push((3, 100));
+        extra.extend(ops[2..].iter().map(|(s, c)| (s + 1, *c)));
+        let records = vec![
+            record(0, 4, &ops, 2),
+            record(1, 4, &ops, 2),
+            record(2, 4, &extra, 2),
+        ];
+        let cmp = compare(&records).unwrap();
+        assert_eq!(cmp.culprits(), vec![2, 3]);
+        assert!(cmp.findings.contains(&Finding::NoRecord { rank: 3 }));
+        assert!(cmp.findings.iter().any(|f| matches!(
+            f,
+            Finding::Extra {
+                rank: 2,
+                seq: 3,
+                count: 1,
+                ..
+            }
+        )));
+        // A different count with nothing shifted: a mismatch.
+        let mut odd = ops.clone();
+        odd[2].1 = 7;
+        let records = vec![record(0, 2, &ops, 2), record(1, 2, &odd, 2)];
+        let cmp = compare(&records).unwrap();
+        // Two ranks, one each: the tie goes to the lower rank.
+        assert!(
+            matches!(&cmp.findings[..], [Finding::Mismatch { rank: 1, seq: 3, found, expected }]
+                if found.count == 7 && expected.count == 768),
+            "{cmp}"
+        );
+        // A different kind counts too.
+        let records = vec![
+            record(0, 2, &ops, 5),
+            record_with(1, 2, &ops, 5, |e| {
+                if e.collective_seq == Some(4) {
+                    e.kind = OpKind::ReduceScatter;
+                }
+            }),
+        ];
+        let cmp = compare(&records).unwrap();
+        assert_eq!(cmp.diverged_at, Some(4));
+    }
+
+    #[test]
+    fn agreeing_ranks_report_the_first_collective_not_seen_complete() {
+        let ops = five();
+        let records = vec![
+            record(0, 3, &ops, 5),
+            record(1, 3, &ops, 3),
+            record(2, 3, &ops, 3),
+        ];
+        let cmp = compare(&records).unwrap();
+        assert_eq!(cmp.diverged_at, None);
+        assert_eq!(cmp.agreed_through, 5);
+        assert_eq!(
+            cmp.findings,
+            vec![Finding::NotCompleted {
+                seq: 4,
+                ranks: vec![1, 2]
+            }]
+        );
+        let done = vec![record(0, 2, &ops, 5), record(1, 2, &ops, 5)];
+        let cmp = compare(&done).unwrap();
+        assert!(cmp.is_consistent(), "{cmp}");
+        assert!(cmp.to_string().contains("nothing amiss"));
+    }
+
+    #[test]
+    fn rings_that_kept_different_spans_are_compared_where_they_overlap() {
+        let ops: Vec<(u64, u64)> = (1..=20).map(|i| (i, 10 * i)).collect();
+        let mut short = record(1, 2, &ops, 20);
+        short.entries.drain(..12); // its ring kept only the last 8
+        let cmp = compare(&[record(0, 2, &ops, 20), short]).unwrap();
+        assert_eq!(cmp.compared_from, 13);
+        assert!(cmp.is_consistent(), "{cmp}");
+    }
+
+    #[test]
+    fn bad_inputs_are_typed_errors() {
+        let ops = five();
+        for (records, needle) in [
+            (vec![], "no flight record"),
+            (
+                vec![record(0, 2, &ops, 0), record(1, 3, &ops, 0)],
+                "different sizes",
+            ),
+            (
+                vec![record(0, 2, &ops, 0), record(0, 2, &ops, 0)],
+                "two records of rank 0",
+            ),
+            (vec![record(5, 2, &ops, 0)], "rank 5"),
+        ] {
+            match compare(&records) {
+                Err(Error::FlightRecordFormat(why)) => assert!(why.contains(needle), "{why}"),
+                other => panic!("{needle}: {other:?}"),
+            }
+        }
+        let err = read_flight_records(["/nonexistent/flight.json"]).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+    }
+
+    #[test]
+    fn sends_and_receives_are_not_compared() {
+        let ops = five();
+        let with_p2p = |rank: usize| {
+            let mut rec = record(rank, 2, &ops, 5);
+            let mut p2p = rec.entries[0].clone();
+            p2p.collective_seq = None;
+            p2p.kind = if rank == 0 {
+                OpKind::Send
+            } else {
+                OpKind::Recv
+            };
+            p2p.peer = Some(1 - rank);
+            p2p.reduction = None;
+            rec.entries.insert(2, p2p);
+            rec
+        };
+        let cmp = compare(&[with_p2p(0), with_p2p(1)]).unwrap();
+        assert!(cmp.is_consistent(), "{cmp}");
+    }
+
+    /// What the README shows: the analyser's output on synthetic records of four ranks, rank
+    /// 2 having skipped the third of five all-reduces (and, second, stalled before it).
+    #[test]
+    fn readme_example_output() {
+        let ops = five();
+        let skip: Vec<FlightRecord> = (0..4)
+            .map(|rank| {
+                if rank == 2 {
+                    record(rank, 4, &skipping(&ops, 3), 4)
+                } else {
+                    record(rank, 4, &ops, 2)
+                }
+            })
+            .collect();
+        let stall: Vec<FlightRecord> = (0..4)
+            .map(|rank| {
+                let kept = if rank == 2 { &ops[..2] } else { &ops[..] };
+                record(rank, 4, kept, 2)
+            })
+            .collect();
+        let skip = compare(&skip).unwrap().to_string();
+        let stall = compare(&stall).unwrap().to_string();
+        println!("{skip}\n{stall}");
+        assert!(skip.contains("rank 2 SKIPPED collective #3 (AllReduce ncclFloat32 x 768 sum)"));
+        assert!(stall.contains("rank 2 STALLED before collective #3"));
+    }
+}

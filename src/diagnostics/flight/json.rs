@@ -1,0 +1,264 @@
+//! Flight records as JSON: written for files and other tools, read back for the analyser.
+//!
+//! The shape, one object per record (field names are the struct's):
+//!
+//! ```text
+//! { "format": "nccl-rs flight record 1", "rank": 1, "size": 4, "device": 1, "name": null,
+//!   "pid": 4242, "serial": 1, "capacity": 1024, "recorded": 5, "collectives": 5, "completed_through": 2,
+//!   "taken_at_us": 1767225600000000, "reason": "...",
+//!   "entries": [ { "seq": 1, "collective_seq": 1, "kind": "AllReduce", "dtype": "ncclFloat32",
+//!                  "count": 1024, "root": null, "peer": null, "reduction": "sum",
+//!                  "stream": 94000000, "group": null, "enqueued_at_us": 1767225599000000,
+//!                  "state": "completed" }, ... ] }
+//! ```
+
+use serde_json::{Map, Value};
+
+use super::record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+
+/// The value of `"format"`: changes when a field changes meaning.
+pub const FLIGHT_RECORD_FORMAT: &str = "nccl-rs flight record 1";
+
+impl FlightRecord {
+    /// The record as a JSON document (see the shape in [`FlightRecord::from_json`]).
+    pub fn to_json(&self) -> String {
+        let mut text = serde_json::to_string_pretty(&self.to_value()).unwrap_or_default();
+        text.push('\n');
+        text
+    }
+
+    fn to_value(&self) -> Value {
+        let mut map = Map::new();
+        map.insert("format".into(), FLIGHT_RECORD_FORMAT.into());
+        map.insert("rank".into(), self.rank.into());
+        map.insert("size".into(), self.size.into());
+        map.insert("device".into(), self.device.into());
+        map.insert(
+            "name".into(),
+            self.name.clone().map_or(Value::Null, Value::from),
+        );
+        map.insert("pid".into(), self.pid.into());
+        map.insert("serial".into(), self.serial.into());
+        map.insert("capacity".into(), self.capacity.into());
+        map.insert("recorded".into(), self.recorded.into());
+        map.insert("collectives".into(), self.collectives.into());
+        map.insert("completed_through".into(), self.completed_through.into());
+        map.insert("taken_at_us".into(), self.taken_at_us.into());
+        map.insert("reason".into(), self.reason.clone().into());
+        let entries = self.entries.iter().map(entry_value).collect();
+        map.insert("entries".into(), Value::Array(entries));
+        Value::Object(map)
+    }
+
+    /// Reads a record written by [`FlightRecord::to_json`]. A document that is not JSON, or
+    /// lacks a field, or has one of the wrong type, is an [`Error::FlightRecordFormat`]
+    /// naming it.
+    pub fn from_json(text: &str) -> Result<FlightRecord> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| Error::FlightRecordFormat(format!("not JSON: {e}")))?;
+        let at = Fields {
+            value: &value,
+            what: "the record",
+        };
+        let format = at.string("format")?;
+        if format != FLIGHT_RECORD_FORMAT {
+            return Err(Error::FlightRecordFormat(format!(
+                "format {format:?}, expected {FLIGHT_RECORD_FORMAT:?}"
+            )));
+        }
+        let entries = at
+            .get("entries")?
+            .as_array()
+            .ok_or_else(|| at.wrong("entries", "an array"))?
+            .iter()
+            .enumerate()
+            .map(|(i, value)| entry_from(value, i))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(FlightRecord {
+            rank: at.usize("rank")?,
+            size: at.usize("size")?,
+            device: at.usize("device")?,
+            name: at.optional_string("name")?,
+            pid: u32::try_from(at.u64("pid")?).map_err(|_| at.wrong("pid", "a process id"))?,
+            serial: at.u64("serial")?,
+            capacity: at.usize("capacity")?,
+            recorded: at.u64("recorded")?,
+            collectives: at.u64("collectives")?,
+            completed_through: at.u64("completed_through")?,
+            taken_at_us: at.u64("taken_at_us")?,
+            reason: at.string("reason")?.to_owned(),
+            entries,
+        })
+    }
+}
+
+fn entry_value(entry: &FlightEntry) -> Value {
+    let opt = |v: Option<u64>| v.map_or(Value::Null, Value::from);
+    let mut map = Map::new();
+    map.insert("seq".into(), entry.seq.into());
+    map.insert("collective_seq".into(), opt(entry.collective_seq));
+    map.insert("kind".into(), entry.kind.name().into());
+    map.insert(
+        "dtype".into(),
+        entry.dtype.map_or(Value::Null, |d| d.name().into()),
+    );
+    map.insert("count".into(), entry.count.into());
+    map.insert("root".into(), opt(entry.root.map(|r| r as u64)));
+    map.insert("peer".into(), opt(entry.peer.map(|p| p as u64)));
+    map.insert(
+        "reduction".into(),
+        entry.reduction.map_or(Value::Null, |r| r.name().into()),
+    );
+    map.insert("stream".into(), entry.stream.into());
+    map.insert("group".into(), opt(entry.group.map(u64::from)));
+    map.insert("enqueued_at_us".into(), entry.enqueued_at_us.into());
+    map.insert("state".into(), entry.state.name().into());
+    Value::Object(map)
+}
+
+fn entry_from(value: &Value, index: usize) -> Result<FlightEntry> {
+    let what = format!("entry {index}");
+    let at = Fields { value, what: &what };
+    let kind_name = at.string("kind")?;
+    let kind = OpKind::from_name(kind_name).ok_or_else(|| at.wrong("kind", "an operation kind"))?;
+    let dtype = match at.optional_string("dtype")? {
+        None => None,
+        Some(name) => Some(
+            DataType::ALL
+                .into_iter()
+                .find(|d| d.name() == name)
+                .ok_or_else(|| at.wrong("dtype", "an NCCL data type name"))?,
+        ),
+    };
+    let reduction = match at.optional_string("reduction")? {
+        None => None,
+        Some(name) => Some(
+            RecordedReduction::from_name(&name)
+                .ok_or_else(|| at.wrong("reduction", "a reduction name"))?,
+        ),
+    };
+    let state =
+        OpState::from_name(at.string("state")?).ok_or_else(|| at.wrong("state", "a state"))?;
+    let group = match at.optional_u64("group")? {
+        None => None,
+        Some(g) => Some(u32::try_from(g).map_err(|_| at.wrong("group", "a group number"))?),
+    };
+    Ok(FlightEntry {
+        seq: at.u64("seq")?,
+        collective_seq: at.optional_u64("collective_seq")?,
+        kind,
+        dtype,
+        count: at.u64("count")?,
+        root: at.optional_usize("root")?,
+        peer: at.optional_usize("peer")?,
+        reduction,
+        stream: at.u64("stream")?,
+        group,
+        enqueued_at_us: at.u64("enqueued_at_us")?,
+        state,
+    })
+}
+
+/// Typed access to an object's fields, with errors that name the field and its owner.
+struct Fields<'v> {
+    value: &'v Value,
+    what: &'v str,
+}
+
+impl<'v> Fields<'v> {
+    fn get(&self, key: &str) -> Result<&'v Value> {
+        self.value
+            .get(key)
+            .ok_or_else(|| Error::FlightRecordFormat(format!("{} has no {key:?}", self.what)))
+    }
+
+    fn wrong(&self, key: &str, expected: &str) -> Error {
+        Error::FlightRecordFormat(format!("{}: {key:?} is not {expected}", self.what))
+    }
+
+    fn u64(&self, key: &str) -> Result<u64> {
+        self.get(key)?
+            .as_u64()
+            .ok_or_else(|| self.wrong(key, "a non-negative integer"))
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        usize::try_from(self.u64(key)?).map_err(|_| self.wrong(key, "a size"))
+    }
+
+    fn string(&self, key: &str) -> Result<&'v str> {
+        self.get(key)?
+            .as_str()
+            .ok_or_else(|| self.wrong(key, "a string"))
+    }
+
+    fn optional(&self, key: &str) -> Option<&'v Value> {
+        self.value.get(key).filter(|v| !v.is_null())
+    }
+
+    fn optional_u64(&self, key: &str) -> Result<Option<u64>> {
+        match self.optional(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, "a non-negative integer or null")),
+        }
+    }
+
+    fn optional_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.optional_u64(key)? {
+            None => Ok(None),
+            Some(v) => usize::try_from(v)
+                .map(Some)
+                .map_err(|_| self.wrong(key, "a rank")),
+        }
+    }
+
+    fn optional_string(&self, key: &str) -> Result<Option<String>> {
+        match self.optional(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(|s| Some(s.to_owned()))
+                .ok_or_else(|| self.wrong(key, "a string or null")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::synthetic::record;
+    use super::*;
+
+    #[test]
+    fn records_survive_json_and_bad_documents_are_typed_errors() {
+        let mut rec = record(1, 2, &[(1, 1024), (2, 2048)], 1);
+        rec.name = Some("trainer \"tp\"\n".into());
+        rec.entries[0].group = Some(3);
+        rec.entries[1].root = Some(0);
+        rec.entries[1].kind = OpKind::Broadcast;
+        rec.entries[1].reduction = None;
+        let text = rec.to_json();
+        assert_eq!(FlightRecord::from_json(&text).unwrap(), rec);
+
+        for (doc, needle) in [
+            ("{", "not JSON"),
+            ("[]", "has no \"format\""),
+            (r#"{"format": "other"}"#, "format \"other\""),
+        ] {
+            match FlightRecord::from_json(doc) {
+                Err(Error::FlightRecordFormat(why)) => assert!(why.contains(needle), "{why}"),
+                other => panic!("{doc}: {other:?}"),
+            }
+        }
+        let broken = text.replace("\"AllReduce\"", "\"AllReduceX\"");
+        let err = FlightRecord::from_json(&broken).unwrap_err().to_string();
+        assert!(err.contains("entry 0") && err.contains("kind"), "{err}");
+        let broken = text.replace("\"count\": 1024", "\"count\": -1");
+        let err = FlightRecord::from_json(&broken).unwrap_err().to_string();
+        assert!(err.contains("count"), "{err}");
+    }
+}

@@ -1,0 +1,157 @@
+//! The flight recorder: every communicator keeps a bounded ring of its last operations, and
+//! the rings of the ranks of one communicator, compared, say where the ranks diverged.
+//!
+//! # What is recorded
+//!
+//! Every operation the crate hands to NCCL (collectives, sends and receives, each step of a
+//! v-collective; in a group or not, on any stream) is recorded once, in the one place they
+//! all pass (`collectives/dispatch.rs`, right after the NCCL call, under the communicator's
+//! lock that the call holds anyway): a per-communicator sequence number, a second one among
+//! the collectives only, the kind, element type, count, root or peer, reduction, the raw
+//! stream, the communicator's group number when a group is open, the time, and whether NCCL
+//! refused the call. Operations of a simulated group ([`Group::simulate`](crate::Group::simulate))
+//! run nothing and are not recorded; calls refused by this crate's validation never reach
+//! NCCL and are not recorded either.
+//!
+//! # Cost
+//!
+//! A ring of slots is allocated with the communicator; recording writes one
+//! 64-byte slot and two counters and reads the clock once (`Instant::now`, a vDSO call of
+//! about 20 ns on x86-64 Linux). No allocation, no lock of its own, no CUDA call. The ring
+//! is on by default with [`DEFAULT_FLIGHT_ENTRIES`] entries (64 KiB per communicator).
+//!
+//! # Completion
+//!
+//! Knowing an operation completed would take a CUDA event per operation, which the enqueue
+//! path does not pay for. Completion is learned where the crate already looks at the
+//! communicator's stream: a [`Watchdog`](crate::Watchdog)'s progress probe (an event it
+//! records on the stream when the stream is idle or its last probe completed) marks every
+//! operation recorded before that probe complete once the probe is, and a successful
+//! [`Comm::synchronize`](crate::Comm::synchronize) (or its `_timeout` and `_all` forms)
+//! marks every operation before it. Operations on other streams stay
+//! [`OpState::Enqueued`]. Operations captured into a CUDA graph are recorded when captured,
+//! and a later probe marks them complete even though they run only when the graph does.
+//!
+//! # Size and off-switch
+//!
+//! [`CommConfig::flight_recorder`](crate::CommConfig::flight_recorder) sets the entries per
+//! communicator (0 turns the recorder off); the environment variable
+//! `NCCL_RS_FLIGHT_RECORDER=<entries>` overrides it (`0` off), as NCCL's own variables
+//! override its configuration. A value that is not a number is ignored (the configured size
+//! applies): a diagnostics switch should never stop a job from starting. At most
+//! [`MAX_FLIGHT_ENTRIES`].
+//!
+//! # Dumps
+//!
+//! [`Comm::flight_record`](crate::Comm::flight_record) takes a [`FlightRecord`] on demand,
+//! also after the communicator failed or was aborted;
+//! [`AbortHandle::flight_record`](crate::AbortHandle::flight_record) does from any thread.
+//! A [`Watchdog`](crate::Watchdog) that trips puts one in its
+//! [`WatchdogTrip`](crate::WatchdogTrip), and an [`AbortHandle::abort`](crate::AbortHandle::abort)
+//! takes one before aborting. Where `NCCL_RS_FLIGHT_RECORDER_DIR` is set, both are also
+//! written there as JSON, one file per communicator and process
+//! ([`FlightRecord::write_to`]). A record prints as text (`Display`) and as JSON
+//! ([`FlightRecord::to_json`], read back by [`FlightRecord::from_json`]).
+//!
+//! # Comparing ranks
+//!
+//! [`compare`] takes the records of the ranks of one communicator and names the first
+//! collective where they diverge and what each odd rank did; `examples/flight_compare.rs` is
+//! a command that compares dump files.
+//!
+//! Ranks are compared by their collectives, in order ([`FlightEntry::collective_seq`]):
+//! every rank must issue the same collectives in the same order, while sends and receives
+//! legitimately differ between ranks and are not compared. At the first collective number
+//! `n` where the ranks do not all hold the same operation, the ranks are split by what they
+//! hold there; the largest group is the reference (on a tie, the group whose later
+//! operations explain the other's: see below), and every other rank gets a [`Finding`]:
+//!
+//! * its collective `n` is the reference's `n + k`, and its later ones follow shifted alike:
+//!   it **skipped** `k` collectives ([`Finding::Skipped`]);
+//! * the reference's `n` is its `n + k`: it issued `k` **extra** collectives
+//!   ([`Finding::Extra`]);
+//! * it never issued a collective `n` at all, while others did: it **stalled**
+//!   ([`Finding::Stalled`]), stuck outside NCCL if all it issued completed, or inside its
+//!   last collective if that did not;
+//! * anything else is a plain **mismatch** ([`Finding::Mismatch`]).
+//!
+//! Where all ranks agree on every collective, the first one not seen complete on some rank
+//! is reported ([`Finding::NotCompleted`]): a hang inside NCCL with no rank out of step (a
+//! dead peer, a network failure).
+//!
+//! A skip is only visible when the skipped collective differs from the ones after it (in
+//! kind, type, count, root or reduction): a rank that skips one of several identical
+//! all-reduces looks, in every record, exactly like a rank that stalled before the last of
+//! them, since NCCL pairs its later all-reduces with the others' earlier ones.
+
+mod compare;
+mod json;
+mod record;
+pub(crate) mod ring;
+#[cfg(test)]
+pub(crate) mod synthetic;
+
+use std::path::{Path, PathBuf};
+
+pub use compare::{compare, read_flight_records, Finding, FlightComparison};
+pub use json::FLIGHT_RECORD_FORMAT;
+pub(crate) use record::Who;
+pub use record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+pub use ring::MAX_FLIGHT_ENTRIES;
+pub(crate) use ring::{FlightRing, RawKind, RawOp, NO_RANK};
+
+use crate::error::{Error, Result};
+
+/// Entries per communicator unless configured otherwise (64 KiB of ring).
+pub const DEFAULT_FLIGHT_ENTRIES: usize = 1024;
+/// Overrides the entries per communicator (`0`: off).
+pub const FLIGHT_RECORDER_VAR: &str = "NCCL_RS_FLIGHT_RECORDER";
+/// Where watchdog trips and abort handles write flight records, when set.
+pub const FLIGHT_RECORDER_DIR_VAR: &str = "NCCL_RS_FLIGHT_RECORDER_DIR";
+
+/// The ring size a new communicator gets: `NCCL_RS_FLIGHT_RECORDER` if it is a number, else
+/// the configured size, else the default.
+pub(crate) fn capacity(configured: Option<usize>) -> usize {
+    let from_env = std::env::var(FLIGHT_RECORDER_VAR)
+        .ok()
+        .and_then(|text| text.trim().parse::<usize>().ok());
+    from_env
+        .or(configured)
+        .unwrap_or(DEFAULT_FLIGHT_ENTRIES)
+        .min(MAX_FLIGHT_ENTRIES)
+}
+
+impl FlightRecord {
+    /// The file name of this record in a dump directory: one per communicator and process,
+    /// so a later dump of the same communicator replaces the earlier one.
+    pub fn file_name(&self) -> String {
+        format!(
+            "flight-rank{}-of{}-pid{}-comm{}.json",
+            self.rank, self.size, self.pid, self.serial
+        )
+    }
+
+    /// Writes the record as JSON into `dir` (created if missing) under
+    /// [`FlightRecord::file_name`], through a temporary file renamed into place, so a reader
+    /// never sees half a record. Returns the path.
+    pub fn write_to(&self, dir: impl AsRef<Path>) -> Result<PathBuf> {
+        let dir = dir.as_ref();
+        let io = |what: String| move |source| Error::Io { what, source };
+        std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+        let path = dir.join(self.file_name());
+        let partial = dir.join(format!(".{}.partial", self.file_name()));
+        std::fs::write(&partial, self.to_json())
+            .map_err(io(format!("writing {}", partial.display())))?;
+        std::fs::rename(&partial, &path).map_err(io(format!("renaming to {}", path.display())))?;
+        Ok(path)
+    }
+}
+
+/// Writes `record` into `NCCL_RS_FLIGHT_RECORDER_DIR`, where that is set: `None` where it is
+/// not, else where it went or why it could not.
+pub(crate) fn write_to_env_dir(
+    record: &FlightRecord,
+) -> Option<std::result::Result<PathBuf, String>> {
+    let dir = std::env::var_os(FLIGHT_RECORDER_DIR_VAR).filter(|d| !d.is_empty())?;
+    Some(record.write_to(Path::new(&dir)).map_err(|e| e.to_string()))
+}

@@ -1,0 +1,68 @@
+//! Synthetic flight records for the tests: ranks that issue all-reduces of given sizes.
+
+use super::record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+use crate::dtype::DataType;
+
+/// Rank `rank` of `size` issued one f32 sum all-reduce per `(collective number, count)` of
+/// `ops`, on its own stream, one millisecond apart; those up to `completed_through` were seen
+/// complete.
+pub(crate) fn record(
+    rank: usize,
+    size: usize,
+    ops: &[(u64, u64)],
+    completed_through: u64,
+) -> FlightRecord {
+    record_with(rank, size, ops, completed_through, |_| {})
+}
+
+/// [`record`], with `edit` applied to every entry.
+pub(crate) fn record_with(
+    rank: usize,
+    size: usize,
+    ops: &[(u64, u64)],
+    completed_through: u64,
+    edit: impl Fn(&mut FlightEntry),
+) -> FlightRecord {
+    let start_us = 1_767_225_600_000_000 + rank as u64 * 17;
+    let entries: Vec<FlightEntry> = ops
+        .iter()
+        .map(|&(seq, count)| {
+            let mut entry = FlightEntry {
+                seq,
+                collective_seq: Some(seq),
+                kind: OpKind::AllReduce,
+                dtype: Some(DataType::Float32),
+                count,
+                root: None,
+                peer: None,
+                reduction: Some(RecordedReduction::Sum),
+                stream: 0x5000 + rank as u64,
+                group: None,
+                enqueued_at_us: start_us + seq * 1000,
+                state: if seq <= completed_through {
+                    OpState::Completed
+                } else {
+                    OpState::Enqueued
+                },
+            };
+            edit(&mut entry);
+            entry
+        })
+        .collect();
+    let last = ops.iter().map(|(seq, _)| *seq).max().unwrap_or(0);
+    FlightRecord {
+        rank,
+        size,
+        device: rank,
+        name: None,
+        pid: 1000 + rank as u32,
+        serial: 1,
+        capacity: 1024,
+        recorded: last,
+        collectives: last,
+        completed_through: completed_through.min(last),
+        taken_at_us: start_us + 60_000_000,
+        reason: "synthetic".into(),
+        entries,
+    }
+}
