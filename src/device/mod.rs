@@ -16,8 +16,9 @@
 //!   alone, or requirements that differ, give every rank a typed error instead of leaving
 //!   its peers in NCCL's collective creation.
 //! * `team.rs`: [`Team`] and the host-side team queries and rank translation.
-//! * `all_reduce.rs`: [`LsaAllReduce`], the all-reduce kernels this crate ships (one-shot,
-//!   with flags or with NCCL's LSA barrier), for small messages inside one LSA team.
+//! * `all_reduce/`: [`LsaAllReduce`], the all-reduce kernels this crate ships (one-shot,
+//!   with flags or with a barrier) and the fused tensor-parallel epilogue (all-reduce,
+//!   residual add, RMSNorm), for small messages inside one LSA team.
 //! * `shipped/`: those kernels' CUDA source, its generator and the checked-in cubin and PTX
 //!   (no CUDA toolkit needed to build or use them).
 //! * [`kernel`]: the toolchain that turns CUDA C++ into a loaded module: `nvcc` at run time

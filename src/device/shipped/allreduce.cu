@@ -1,25 +1,30 @@
 // The all-reduce kernels nccl-rs ships (src/device/shipped/mod.rs): sum over the ranks of one
-// LSA team, f32/bf16/f16, accumulated in f32 in rank order, so every rank gets the same bits.
+// LSA team, f32/bf16/f16, accumulated in f32 in rank order, so every rank gets the same bits;
+// and the tensor-parallel epilogue (all-reduce, residual add, RMSNorm) fused into one kernel.
 // Compiled ahead of time by generate.sh against NCCL 2.29.2's headers (the oldest versioned
 // device ABI; LSA code runs on every later library). Peers never touch the caller's buffers:
 // each rank copies its input into its own scratch window, and peers read or receive only that.
 //
-// Two schemes, one per kernel family:
+// Two schemes:
 // * one-shot "flags" (Lamport): a rank stores its input straight into every peer's scratch
 //   slot; a receiver spins on its own slots until no element holds the sentinel (negative
 //   zero, which inputs never carry: it is written as +0, which sums the same). Three buffers
 //   rotate by call: a call clears the buffer of the call before it, which no peer can write
 //   again before it has this rank's data of the call after. No barrier at all.
-// * one-shot "barrier": a rank copies its input into its scratch slot, meets its peers at
-//   NCCL's LSA barrier (CTA b of every rank at barrier b), and reads every peer's slot. Two
-//   buffers alternate by call, so no second barrier is needed: a rank writes a buffer again
-//   only after its peers' kernels of the call in between started, so they finished this one.
+// * one-shot "barrier": a rank copies its input into its scratch slot, meets its peers at a
+//   barrier (CTA b of every rank at barrier b: flags in each rank's scratch, NCCL's LSA
+//   barrier's scheme with a timeout), and reads every peer's slot. Two buffers alternate by
+//   call, so no second barrier is needed: a rank writes a buffer again only after its peers'
+//   kernels of the call in between started, so they finished this one.
 //
 // A scratch window serves one element type (the sentinel is the type's negative zero).
 // Every kernel runs the same grid on every rank (a function of the count only: the host
 // computes it), keeps its call counters in a small State in device memory (so CUDA graphs can
-// replay it), and gives up waiting after `timeout_ns` (setting State::timed_out) instead of
-// spinning forever when a peer never comes.
+// replay it), and gives up waiting after `timeout_ns` instead of spinning forever when a peer
+// never comes: it sets State::timed_out (every later kernel of the instance then returns at
+// once, pushing nothing, so its peers give up too instead of reading another call's data)
+// and the host-mapped word State::gave_up (the host refuses further launches without
+// waiting for the GPU).
 #include <nccl_device.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,15 +32,16 @@
 
 namespace {
 
-// Mirrored by `State` in src/device/shipped/mod.rs (64 bytes, zeroed at creation).
+// Mirrored by `State` in src/device/all_reduce.rs (8 words, written at creation).
 struct State {
   unsigned long long flags_call;
   unsigned long long barrier_call;
   unsigned long long flags_bytes[3];  // bytes per slot the flags call that used buffer i wrote
   unsigned int flags_done;            // blocks of the current flags call that have finished
   unsigned int barrier_done;
-  unsigned int timed_out;
-  unsigned int pad[3];
+  unsigned int timed_out;             // a kernel of this instance gave up waiting
+  unsigned int pad;
+  unsigned int* gave_up;              // host-mapped: set with timed_out, read by the host
 };
 
 template <typename T> struct Elem;
@@ -113,6 +119,46 @@ __device__ __forceinline__ unsigned long long now_ns() {
   return t;
 }
 
+// Gives up: every later kernel of this instance returns at once, and the host hears of it.
+__device__ __noinline__ void give_up(State* st) {
+  atomicExch(&st->timed_out, 1u);
+  unsigned int* host = *(unsigned int* volatile*)&st->gave_up;
+  if (host != nullptr) {
+    *(volatile unsigned int*)host = 1u;
+    __threadfence_system();
+  }
+}
+
+// One thread's wait: true while it may go on spinning; false once `timeout_ns` has passed
+// since its first check, or another thread of the instance gave up.
+struct Waiter {
+  unsigned long long start = 0;
+  unsigned int spins = 0;
+  bool gave_up = false;
+  __device__ __forceinline__ bool go_on(State* st, unsigned long long timeout_ns) {
+    if (gave_up) return false;
+    if ((++spins & 1023u) == 0) {
+      const unsigned long long t = now_ns();
+      if (start == 0) start = t;
+      if (t - start > timeout_ns || *(volatile unsigned int*)&st->timed_out) {
+        give_up(st);
+        gave_up = true;
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+// Whether an earlier kernel of this instance gave up (read once per CTA, so every thread of
+// the CTA leaves together).
+__device__ __forceinline__ bool instance_failed(const State* st) {
+  __shared__ unsigned int failed;
+  if (threadIdx.x == 0) failed = *(const volatile unsigned int*)&st->timed_out;
+  __syncthreads();
+  return failed != 0;
+}
+
 // Vector `v` (16 bytes) of `in`, zero past `count`; element-wise where `in` is not aligned.
 template <typename T>
 __device__ __forceinline__ Vec load_input(const T* in, size_t v, size_t count, bool aligned) {
@@ -165,6 +211,22 @@ __device__ __forceinline__ void store_output(T* out, size_t v, size_t count, boo
   }
 }
 
+// Vector `v` of `x` into `out`, element-wise where `out` is not aligned or past `count`.
+template <typename T>
+__device__ __forceinline__ void store_vec(T* out, size_t v, size_t count, bool aligned,
+                                          const Vec& x) {
+  constexpr int n = 16 / sizeof(T);
+  const size_t first = v * n;
+  if (aligned && first + n <= count) {
+    *(uint4*)(out + first) = x.v;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < n; i++) {
+    if (first + i < count) memcpy(out + first + i, x.b + i * sizeof(T), sizeof(T));
+  }
+}
+
 // The last block of a call to finish advances the call counter for the next launch.
 __device__ __forceinline__ void finish_call(unsigned int* done, unsigned long long* call) {
   __syncthreads();
@@ -183,11 +245,53 @@ __device__ __forceinline__ void finish_call(unsigned int* done, unsigned long lo
   }
 }
 
-// Scratch layout (bytes, per rank): flags buffers [3][lsaSize][slot], then barrier buffers [2][slot].
+// Scratch layout (bytes, per rank): flags buffers [3][lsaSize][slot], barrier buffers
+// [2][slot], then the barrier inboxes [16 CTAs][lsaSize] of 4 bytes.
+
+// The sum of every peer's vector `v` of the local flags buffer `buf`, each waited for until
+// it holds no sentinel; false if the wait gave up.
+template <typename T>
+__device__ __forceinline__ bool pull(float (&acc)[16 / sizeof(T)], const char* local, int buf,
+                                     int peers, size_t slot, size_t v, Waiter& waiter, State* st,
+                                     unsigned long long timeout_ns) {
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(T); i++) acc[i] = 0.f;
+  for (int p = 0; p < peers; p++) {
+    const char* at = local + ((size_t)buf * peers + p) * slot + v * 16;
+    Vec x = load_volatile(at);
+    while (holds_sentinel<T>(x)) {
+      if (!waiter.go_on(st, timeout_ns)) return false;
+      x = load_volatile(at);
+    }
+    accumulate<T>(acc, x);
+  }
+  return true;
+}
+
+// Clears what the previous flags call wrote into buffer `prev` (every slot) for the call
+// after next, records this call's size, and advances the call counter.
+template <typename T>
+__device__ __forceinline__ void end_flags_call(char* local, int buf, int prev, int peers,
+                                               size_t slot, size_t vecs, State* st) {
+  const size_t prev_vecs = st->flags_bytes[prev] / 16;
+  Vec sentinel;
+  sentinel.v = make_uint4(Elem<T>::kSentinelWord, Elem<T>::kSentinelWord,
+                          Elem<T>::kSentinelWord, Elem<T>::kSentinelWord);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < prev_vecs * peers;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const size_t p = i / prev_vecs, v = i % prev_vecs;
+    store_volatile(local + ((size_t)prev * peers + p) * slot + v * 16, sentinel);
+  }
+  // Another entry than the one read above (buf != prev); read by the next call.
+  if (blockIdx.x == 0 && threadIdx.x == 0) st->flags_bytes[buf] = vecs * 16;
+  finish_call(&st->flags_done, &st->flags_call);
+}
+
 template <typename T>
 __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
                               const T* in, T* out, size_t count, State* st,
                               unsigned long long timeout_ns) {
+  if (instance_failed(st)) return;
   constexpr int n = 16 / sizeof(T);
   const int peers = comm->lsaSize, me = comm->lsaRank;
   const unsigned long long call = st->flags_call;
@@ -209,54 +313,53 @@ __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
 
   // Pull: wait for every slot of the local buffer, sum in rank order.
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
-  bool gave_up = false;
-  unsigned long long start = 0;
+  Waiter waiter;
   for (size_t v = first; v < vecs; v += step) {
     float acc[n];
-#pragma unroll
-    for (int i = 0; i < n; i++) acc[i] = 0.f;
-    for (int p = 0; p < peers; p++) {
-      const char* at = local + ((size_t)buf * peers + p) * slot + v * 16;
-      Vec x = load_volatile(at);
-      unsigned int spins = 0;
-      while (holds_sentinel<T>(x) && !gave_up) {
-        if ((++spins & 1023u) == 0) {
-          const unsigned long long t = now_ns();
-          if (start == 0) start = t;
-          if (t - start > timeout_ns || *(volatile unsigned int*)&st->timed_out) {
-            atomicExch(&st->timed_out, 1u);
-            gave_up = true;
-          }
-        }
-        x = load_volatile(at);
-      }
-      accumulate<T>(acc, x);
-    }
+    if (!pull<T>(acc, local, buf, peers, slot, v, waiter, st, timeout_ns)) break;
     store_output(out, v, count, aligned, acc);
   }
+  end_flags_call<T>(local, buf, prev, peers, slot, vecs, st);
+}
 
-  // Clear the previous call's buffer (every slot, as far as that call wrote) for the call
-  // after next.
-  const size_t prev_vecs = st->flags_bytes[prev] / 16;
-  Vec sentinel;
-  sentinel.v = make_uint4(Elem<T>::kSentinelWord, Elem<T>::kSentinelWord,
-                          Elem<T>::kSentinelWord, Elem<T>::kSentinelWord);
-  for (size_t i = first; i < prev_vecs * peers; i += step) {
-    const size_t p = i / prev_vecs, v = i % prev_vecs;
-    store_volatile(local + ((size_t)prev * peers + p) * slot + v * 16, sentinel);
+// CTA b of every rank meets at barrier b: flags (the call's epoch) stored with release into
+// every peer's inbox, awaited with acquire in this rank's; false if the wait gave up.
+__device__ __forceinline__ bool meet(ncclWindow_t scratch, size_t inboxes, int peers, int me,
+                                     unsigned int epoch, State* st,
+                                     unsigned long long timeout_ns) {
+  __syncthreads();
+  const int p = threadIdx.x;
+  bool met = true;
+  if (p < peers && p != me) {
+    const size_t to = inboxes + ((size_t)blockIdx.x * peers + me) * 4;
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> out(
+        *(uint32_t*)ncclGetLsaPointer(scratch, to, p));
+    out.store(epoch, cuda::memory_order_release);
+    const size_t from = inboxes + ((size_t)blockIdx.x * peers + p) * 4;
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> in(
+        *(uint32_t*)ncclGetLocalPointer(scratch, from));
+    Waiter waiter;
+    // A peer may already be at a later call's barrier (a larger epoch).
+    while ((int)(in.load(cuda::memory_order_acquire) - epoch) < 0) {
+      if (!waiter.go_on(st, timeout_ns)) {
+        met = false;
+        break;
+      }
+    }
   }
-  // Another entry than the one read above (buf != prev); read by the next call.
-  if (blockIdx.x == 0 && threadIdx.x == 0) st->flags_bytes[buf] = vecs * 16;
-  finish_call(&st->flags_done, &st->flags_call);
+  return __syncthreads_and(met);
 }
 
 template <typename T>
 __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
-                                const T* in, T* out, size_t count, State* st) {
+                                const T* in, T* out, size_t count, State* st,
+                                unsigned long long timeout_ns) {
+  if (instance_failed(st)) return;
   constexpr int n = 16 / sizeof(T);
-  const int peers = comm->lsaSize;
+  const int peers = comm->lsaSize, me = comm->lsaRank;
   const unsigned long long call = st->barrier_call;
   const size_t base = (size_t)3 * peers * slot + (size_t)(call & 1) * slot;
+  const size_t inboxes = (size_t)(3 * peers + 2) * slot;
   const size_t vecs = (count + n - 1) / n;
   const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -266,33 +369,28 @@ __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, s
   for (size_t v = first; v < vecs; v += step) {
     *(uint4*)(mine + v * 16) = load_input(in, v, count, aligned).v;
   }
-  {
-    // CTA b of every rank meets at barrier b: their slots (written just above) are visible.
-    ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), *comm, ncclTeamLsa(*comm),
-                                           comm->lsaBarrier, blockIdx.x};
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
-  }
-  for (size_t v = first; v < vecs; v += step) {
-    float acc[n];
+  if (meet(scratch, inboxes, peers, me, (unsigned int)(call + 1), st, timeout_ns)) {
+    for (size_t v = first; v < vecs; v += step) {
+      float acc[n];
 #pragma unroll
-    for (int i = 0; i < n; i++) acc[i] = 0.f;
-    for (int p = 0; p < peers; p++) {
-      Vec x;
-      x.v = *(const uint4*)ncclGetLsaPointer(scratch, base + v * 16, p);
-      accumulate<T>(acc, x);
+      for (int i = 0; i < n; i++) acc[i] = 0.f;
+      for (int p = 0; p < peers; p++) {
+        Vec x;
+        x.v = *(const uint4*)ncclGetLsaPointer(scratch, base + v * 16, p);
+        accumulate<T>(acc, x);
+      }
+      store_output(out, v, count, aligned, acc);
     }
-    store_output(out, v, count, aligned, acc);
   }
   finish_call(&st->barrier_done, &st->barrier_call);
 }
-
 
 // ---- All-reduce + residual add + RMSNorm (the tensor-parallel epilogue) -------------------
 //   s   = T(sum over ranks of x)       (what an all-reduce of T gives, rounded once)
 //   h   = T(s + residual)              (written back to `residual`)
 //   out = T(h * rsqrt(mean(h^2) + eps) * weight)
 // over `rows` rows of `hidden` elements (hidden a multiple of the vector, at most
-// kMaxPerThread vectors per thread), one CTA per row in turn.
+// kMaxPerThread vectors per thread), one CTA per row in turn (CTAs past the rows help push).
 constexpr int kMaxPerThread = 4;
 
 __device__ __forceinline__ float block_sum(float v, float* shared) {
@@ -307,10 +405,30 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   return total;
 }
 
-// The norm of one row whose sums (as T, widened) are in `h`, vectors `k * blockDim + tid`.
+// The residual and weight vectors of one row this thread handles (vectors
+// `k * blockDim + tid`), loaded before anything waits, so their latency overlaps the rest.
 template <typename T>
-__device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T)], T* residual,
-                                         const T* weight, T* out, size_t row, size_t hidden,
+__device__ __forceinline__ void load_row(Vec (&r)[kMaxPerThread], Vec (&w)[kMaxPerThread],
+                                         const T* residual, const T* weight, size_t row,
+                                         size_t hidden, size_t len, bool aligned) {
+  constexpr int n = 16 / sizeof(T);
+  const size_t vpr = hidden / n;
+#pragma unroll
+  for (int k = 0; k < kMaxPerThread; k++) {
+    const size_t v = k * blockDim.x + threadIdx.x;
+    if (v >= vpr) continue;
+    r[k] = load_input(residual, row * vpr + v, len, aligned);
+    w[k] = load_input(weight, v, hidden, aligned);
+  }
+}
+
+// The norm of one row whose sums (as T, widened) are in `h`, with the row's residual and
+// weight vectors from load_row.
+template <typename T>
+__device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T)],
+                                         const Vec (&r)[kMaxPerThread],
+                                         const Vec (&w)[kMaxPerThread], T* residual, T* out,
+                                         size_t row, size_t hidden, size_t len, bool aligned,
                                          float eps, float* shared) {
   constexpr int n = 16 / sizeof(T);
   const size_t vpr = hidden / n;
@@ -319,12 +437,10 @@ __device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T
   for (int k = 0; k < kMaxPerThread; k++) {
     const size_t v = k * blockDim.x + threadIdx.x;
     if (v >= vpr) continue;
-    Vec r;
-    r.v = *(const uint4*)(residual + row * hidden + v * n);
 #pragma unroll
     for (int i = 0; i < n; i++) {
       T e;
-      memcpy(&e, r.b + i * sizeof(T), sizeof(T));
+      memcpy(&e, r[k].b + i * sizeof(T), sizeof(T));
       // The sum as T, plus the residual, as T: the unfused sequence's two roundings.
       const float x = Elem<T>::widen(Elem<T>::narrow(h[k][i])) + Elem<T>::widen(e);
       h[k][i] = Elem<T>::widen(Elem<T>::narrow(x));
@@ -336,88 +452,72 @@ __device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T
   for (int k = 0; k < kMaxPerThread; k++) {
     const size_t v = k * blockDim.x + threadIdx.x;
     if (v >= vpr) continue;
-    Vec w, hr, o;
-    w.v = *(const uint4*)(weight + v * n);
+    Vec hr, o;
 #pragma unroll
     for (int i = 0; i < n; i++) {
       T we, he = Elem<T>::narrow(h[k][i]);
-      memcpy(&we, w.b + i * sizeof(T), sizeof(T));
+      memcpy(&we, w[k].b + i * sizeof(T), sizeof(T));
       T oe = Elem<T>::narrow(h[k][i] * inv * Elem<T>::widen(we));
       memcpy(hr.b + i * sizeof(T), &he, sizeof(T));
       memcpy(o.b + i * sizeof(T), &oe, sizeof(T));
     }
-    *(uint4*)(residual + row * hidden + v * n) = hr.v;
-    *(uint4*)(out + row * hidden + v * n) = o.v;
+    store_vec(residual, row * vpr + v, len, aligned, hr);
+    store_vec(out, row * vpr + v, len, aligned, o);
   }
+}
+
+template <typename T>
+__device__ __forceinline__ bool all_aligned(const T* a, const T* b, const T* c, const T* d) {
+  return ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) % 16 == 0;
 }
 
 template <typename T>
 __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
                             const T* in, T* residual, const T* weight, T* out, size_t rows,
                             size_t hidden, float eps, State* st, unsigned long long timeout_ns) {
+  if (instance_failed(st)) return;
   constexpr int n = 16 / sizeof(T);
   __shared__ float shared[32];
   const int peers = comm->lsaSize, me = comm->lsaRank;
   const unsigned long long call = st->flags_call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
-  const size_t vpr = hidden / n, vecs = rows * vpr;
+  const size_t vpr = hidden / n, vecs = rows * vpr, len = rows * hidden;
+  const bool aligned = all_aligned(in, (const T*)residual, weight, (const T*)out);
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
 
-  // Push every row of this CTA first, then wait: a CTA never waits before its peers' CTAs
-  // of the same index have had all they need.
-  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    for (size_t v = threadIdx.x; v < vpr; v += blockDim.x) {
-      Vec x;
-      x.v = *(const uint4*)(in + row * hidden + v * n);
-      scrub<T>(x);
-      for (int p = 0; p < peers; p++) {
-        store_volatile((char*)ncclGetLsaPointer(scratch, mine + (row * vpr + v) * 16, p), x);
-      }
+  // Push first, spread over the whole grid (all vectors of all rows), then wait: no CTA
+  // waits before every CTA of every peer has pushed all it pushes. The CTAs past the rows
+  // only push.
+  for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < vecs;
+       v += (size_t)gridDim.x * blockDim.x) {
+    Vec x = load_input(in, v, len, aligned);
+    scrub<T>(x);
+    for (int p = 0; p < peers; p++) {
+      store_volatile((char*)ncclGetLsaPointer(scratch, mine + v * 16, p), x);
     }
   }
-  bool gave_up = false;
-  unsigned long long start = 0;
+  Waiter waiter;
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    Vec r[kMaxPerThread], w[kMaxPerThread];
+    load_row<T>(r, w, residual, weight, row, hidden, len, aligned);
     float h[kMaxPerThread][n];
+    bool complete = true;
 #pragma unroll
     for (int k = 0; k < kMaxPerThread; k++) {
-#pragma unroll
-      for (int i = 0; i < n; i++) h[k][i] = 0.f;
       const size_t v = k * blockDim.x + threadIdx.x;
-      if (v >= vpr) continue;
-      for (int p = 0; p < peers; p++) {
-        const char* at = local + ((size_t)buf * peers + p) * slot + (row * vpr + v) * 16;
-        Vec x = load_volatile(at);
-        unsigned int spins = 0;
-        while (holds_sentinel<T>(x) && !gave_up) {
-          if ((++spins & 1023u) == 0) {
-            const unsigned long long t = now_ns();
-            if (start == 0) start = t;
-            if (t - start > timeout_ns || *(volatile unsigned int*)&st->timed_out) {
-              atomicExch(&st->timed_out, 1u);
-              gave_up = true;
-            }
-          }
-          x = load_volatile(at);
-        }
-        accumulate<T>(h[k], x);
+      if (v < vpr) {
+        complete &= pull<T>(h[k], local, buf, peers, slot, row * vpr + v, waiter, st, timeout_ns);
+      } else {
+#pragma unroll
+        for (int i = 0; i < n; i++) h[k][i] = 0.f;
       }
     }
-    norm_row<T>(h, residual, weight, out, row, hidden, eps, shared);
+    // Every thread of the CTA takes part in the norm's block sum, given up or not.
+    if (!__syncthreads_and(complete)) break;
+    norm_row<T>(h, r, w, residual, out, row, hidden, len, aligned, eps, shared);
   }
-
-  const size_t prev_vecs = st->flags_bytes[prev] / 16;
-  Vec sentinel;
-  sentinel.v = make_uint4(Elem<T>::kSentinelWord, Elem<T>::kSentinelWord,
-                          Elem<T>::kSentinelWord, Elem<T>::kSentinelWord);
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < prev_vecs * peers;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const size_t p = i / prev_vecs, v = i % prev_vecs;
-    store_volatile(local + ((size_t)prev * peers + p) * slot + v * 16, sentinel);
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) st->flags_bytes[buf] = vecs * 16;
-  finish_call(&st->flags_done, &st->flags_call);
+  end_flags_call<T>(local, buf, prev, peers, slot, vecs, st);
 }
 
 // The unfused epilogue, after an all-reduce that left the sums in `sums`: the same math as
@@ -427,8 +527,11 @@ __device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out
                              size_t hidden, float eps) {
   constexpr int n = 16 / sizeof(T);
   __shared__ float shared[32];
-  const size_t vpr = hidden / n;
+  const size_t vpr = hidden / n, len = rows * hidden;
+  const bool aligned = all_aligned(sums, (const T*)residual, weight, (const T*)out);
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    Vec r[kMaxPerThread], w[kMaxPerThread];
+    load_row<T>(r, w, residual, weight, row, hidden, len, aligned);
     float h[kMaxPerThread][n];
 #pragma unroll
     for (int k = 0; k < kMaxPerThread; k++) {
@@ -436,37 +539,34 @@ __device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out
       for (int i = 0; i < n; i++) h[k][i] = 0.f;
       const size_t v = k * blockDim.x + threadIdx.x;
       if (v >= vpr) continue;
-      Vec x;
-      x.v = *(const uint4*)(sums + row * hidden + v * n);
-      accumulate<T>(h[k], x);
+      accumulate<T>(h[k], load_input(sums, row * vpr + v, len, aligned));
     }
-    norm_row<T>(h, residual, weight, out, row, hidden, eps, shared);
+    norm_row<T>(h, r, w, residual, out, row, hidden, len, aligned, eps, shared);
   }
 }
 }  // namespace
 
 #define NCCL_RS_ALLREDUCE(NAME, T)                                                            \
-  extern "C" __global__ void nccl_rs_oneshot_flags_##NAME(                                    \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_oneshot_flags_##NAME(                                    \
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
       size_t count, State* st, unsigned long long timeout_ns) {                               \
     oneshot_flags<T>(comm, scratch, slot, in, out, count, st, timeout_ns);                    \
   }                                                                                           \
-  extern "C" __global__ void nccl_rs_oneshot_barrier_##NAME(                                  \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_oneshot_barrier_##NAME(                                  \
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
       size_t count, State* st, unsigned long long timeout_ns) {                               \
-    (void)timeout_ns;                                                                         \
-    oneshot_barrier<T>(comm, scratch, slot, in, out, count, st);                              \
+    oneshot_barrier<T>(comm, scratch, slot, in, out, count, st, timeout_ns);                  \
   }
 
 #define NCCL_RS_NORM(NAME, T)                                                                 \
-  extern "C" __global__ void nccl_rs_fused_add_rms_norm_##NAME(                               \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_fused_add_rms_norm_##NAME(                               \
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* residual,   \
       const T* weight, T* out, size_t rows, size_t hidden, float eps, State* st,              \
       unsigned long long timeout_ns) {                                                        \
     fused_flags<T>(comm, scratch, slot, in, residual, weight, out, rows, hidden, eps, st,     \
                    timeout_ns);                                                               \
   }                                                                                           \
-  extern "C" __global__ void nccl_rs_add_rms_norm_##NAME(const T* sums, T* residual,          \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_add_rms_norm_##NAME(const T* sums, T* residual,          \
                                                          const T* weight, T* out, size_t rows,\
                                                          size_t hidden, float eps) {          \
     add_rms_norm<T>(sums, residual, weight, out, rows, hidden, eps);                          \

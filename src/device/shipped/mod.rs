@@ -6,6 +6,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use cudarc::driver::CudaContext;
 
 use super::kernel::DeviceModule;
@@ -22,9 +24,19 @@ const CUBIN_SM_90: &[u8] = include_bytes!("allreduce.sm_90.cubin");
 /// PTX for Ampere and later (compute_80), JIT-compiled by the driver on other GPUs.
 const PTX_COMPUTE_80: &str = include_str!("allreduce.compute_80.ptx");
 
-/// Loads the shipped kernels into `ctx`: the cubin on sm_90, the PTX on any other GPU from
-/// sm_80 on; older GPUs get [`Error::Unavailable`].
+/// The modules loaded so far, one per CUDA context, kept for the life of the process: a
+/// module is never unloaded under a kernel that may still run (one that gave up waiting ends
+/// only after its timeout), and a second instance on a context loads (and, from PTX, JIT-
+/// compiles) nothing. Each entry holds its context, so no other context can take its address.
+static LOADED: Mutex<Vec<(Arc<CudaContext>, DeviceModule)>> = Mutex::new(Vec::new());
+
+/// The shipped kernels in `ctx`: the cubin on sm_90, the PTX on any other GPU from sm_80 on
+/// (the driver must load PTX ISA 9.0: 580 or later); older GPUs get [`Error::Unavailable`].
 pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<DeviceModule> {
+    let mut loaded = LOADED.lock();
+    if let Some((_, module)) = loaded.iter().find(|(c, _)| c.cu_ctx() == ctx.cu_ctx()) {
+        return Ok(module.clone());
+    }
     let (major, minor) = ctx.compute_capability()?;
     let module = match (major, minor) {
         (9, 0) => DeviceModule::from_cubin(ctx, CUBIN_SM_90.to_vec(), ABI),
@@ -38,8 +50,9 @@ pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<DeviceModule> {
                 ),
             })
         }
-    };
-    Ok(module?)
+    }?;
+    loaded.push((ctx.clone(), module.clone()));
+    Ok(module)
 }
 
 #[cfg(test)]
@@ -69,6 +82,17 @@ mod tests {
             }
         }
         assert!(PTX_COMPUTE_80.contains(".entry nccl_rs_fill_u32("));
+        for kernel in [
+            "nccl_rs_fused_add_rms_norm_bf16",
+            "nccl_rs_add_rms_norm_f16",
+            "nccl_rs_fill_u32",
+        ] {
+            let bytes = kernel.as_bytes();
+            assert!(
+                CUBIN_SM_90.windows(bytes.len()).any(|w| w == bytes),
+                "{kernel} in the cubin"
+            );
+        }
         assert!(PTX_COMPUTE_80.contains(".target sm_80"));
         // An ELF for sm_90: the cubin's machine is CUDA (190).
         assert_eq!(&CUBIN_SM_90[..4], b"\x7fELF");

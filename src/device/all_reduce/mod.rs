@@ -1,0 +1,487 @@
+//! [`LsaAllReduce`]: the all-reduce this crate ships as device code, for small messages
+//! inside one LSA team (all ranks on one host's NVLink or one GPU), where NCCL's own kernels
+//! spend most of their time on synchronisation.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use parking_lot::MutexGuard;
+
+use super::{shipped, DevComm, DevCommRequirements};
+use crate::calls;
+use crate::comm::state::State;
+use crate::comm::{Comm, ContextId};
+use crate::dtype::NcclType;
+use crate::error::{Error, Refusal, Result};
+use crate::op::ReduceOp;
+use crate::release::Version;
+use crate::thread_group;
+use crate::window::{Window, WindowFlags};
+
+/// Threads per CTA of the shipped kernels.
+const THREADS: u32 = 512;
+/// The most CTAs a call runs (and the LSA barriers the device communicator holds): few
+/// enough that every CTA of every rank is resident at once, even two ranks on one GPU.
+const MAX_CTAS: u32 = 16;
+/// Bytes one thread moves per step.
+const VECTOR: usize = 16;
+/// Size of the kernels' `State` (see `allreduce.cu`), in u64 words: two call counters, the
+/// three flags buffers' sizes, two `done` counters, `timed_out` (the low half of word 6) and
+/// the device address of the host-mapped [`GaveUp`] word (word 7).
+const STATE_WORDS: usize = 8;
+/// The barrier inboxes' bytes per rank: a 4-byte flag per CTA per peer.
+const INBOX_BYTES: usize = MAX_CTAS as usize * 4;
+/// The first NCCL whose device communicator the shipped kernels can read.
+const SINCE: Version = Version::new(2, 29, 2);
+/// The most bytes (the message times the ranks) [`LsaAlgorithm::Auto`] sends to the flags
+/// kernel.
+const AUTO_MAX_READ: usize = 1 << 20;
+/// How long a kernel waits for its peers by default.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+mod epilogue;
+mod setup;
+
+pub use epilogue::LsaEpilogue;
+use setup::{agree, prepare, GaveUp};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// An element type the shipped all-reduce kernels sum: `f32`, [`half::bf16`], [`half::f16`].
+pub trait LsaElem: NcclType + sealed::Sealed {
+    /// The kernels' name suffix.
+    #[doc(hidden)]
+    const SUFFIX: &'static str;
+    /// A 32-bit word of sentinels (the type's negative zero in every lane).
+    #[doc(hidden)]
+    const SENTINEL_WORD: u32;
+}
+
+impl LsaElem for f32 {
+    const SUFFIX: &'static str = "f32";
+    const SENTINEL_WORD: u32 = 0x8000_0000;
+}
+impl LsaElem for half::bf16 {
+    const SUFFIX: &'static str = "bf16";
+    const SENTINEL_WORD: u32 = 0x8000_8000;
+}
+impl LsaElem for half::f16 {
+    const SUFFIX: &'static str = "f16";
+    const SENTINEL_WORD: u32 = 0x8000_8000;
+}
+
+/// Which kernel an all-reduce of [`LsaAllReduce`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum LsaAlgorithm {
+    /// Chosen by size ([`LsaAllReduce::choose`]).
+    #[default]
+    Auto,
+    /// One-shot, no barrier: data written into the peers' scratch, sentinel-checked.
+    OneShotFlags,
+    /// One-shot with NCCL's LSA barrier.
+    OneShotBarrier,
+    /// `ncclAllReduce` (sum) on the communicator.
+    Nccl,
+}
+
+/// The all-reduce (sum) of the kernels this crate ships, for small messages on one
+/// communicator whose ranks form one LSA team (one host's NVLink, or ranks sharing a GPU),
+/// where NCCL's own kernels spend most of their time on synchronisation.
+///
+/// # Schemes
+///
+/// Both are one-shot: every rank reduces the whole message from every rank's copy, in rank
+/// order, accumulating in `f32`, so every rank ends with the same bits.
+///
+/// * [`LsaAlgorithm::OneShotFlags`]: each rank stores its input straight into every peer's
+///   scratch slot; the receiver waits on its own slots until no element holds the sentinel
+///   (negative zero; an input's negative zero is sent as +0, which sums the same). Three
+///   scratch buffers rotate by call and each call clears the previous call's, so no barrier
+///   is needed at all (the Lamport scheme TensorRT-LLM's and FlashInfer's one-shot kernels
+///   use).
+/// * [`LsaAlgorithm::OneShotBarrier`]: each rank copies its input into its own scratch slot,
+///   meets its peers at a barrier (NCCL's LSA barrier's scheme, flags in the scratch window,
+///   with a timeout), and reads every peer's slot; two buffers alternate by call, so one
+///   barrier a call suffices. Slower than the flags (2×H100: 6.5 µs against 3.0 at 8 B with
+///   NCCL's own barrier); kept for data where the sentinel must not be assumed away.
+///
+/// [`LsaAlgorithm::Auto`] picks by message size (see [`LsaAllReduce::choose`]), and
+/// [`LsaAlgorithm::Nccl`] calls `ncclAllReduce`, which [`Auto`](LsaAlgorithm::Auto) also
+/// picks for large messages and past the scratch's size.
+///
+/// # What the ranks must keep alike, and failures
+///
+/// Peers never read or write the caller's buffers (only the scratch window this type owns),
+/// so any device buffer of the communicator's context works, at any alignment, and the
+/// borrow checker's rules for it are cudarc's. As with NCCL's collectives, every rank must
+/// make the same calls in the same order with the same count and algorithm: the kernels of
+/// one call wait for the peers' kernels of that call. Unlike NCCL's, a kernel whose peers
+/// do not come gives up after [`LsaAllReduce::timeout`] (300 s unless set) instead of
+/// spinning forever: its output is then wrong, and from then on the instance refuses every
+/// call ([`Error::Timeout`], read from host-mapped memory without waiting for the GPU; a
+/// kernel replayed from a CUDA graph returns at once, sending nothing, so its peers give up
+/// too rather than take another call's data). A call refused on one rank alone (a
+/// [`Group`](crate::Group) open on the thread, a buffer of another context, a communicator
+/// that failed) leaves the ranks out of step, so it also refuses every later call
+/// ([`Error::InvalidUsage`]). Refusals every rank makes alike (a count past
+/// [`max_count`](Self::max_count), lengths that differ) change nothing. After either, drop
+/// the instance on every rank and make a new one.
+///
+/// A launch is refused once the communicator was aborted, destroyed, failed or suspended.
+/// An abort from another thread (an [`AbortHandle`](crate::AbortHandle), a
+/// [`Watchdog`](crate::Watchdog)) while a kernel waits frees the scratch window under it:
+/// the kernel may then fault (a CUDA error on this context) until it gives up. Dropping the
+/// instance waits a bounded time for its kernels and leaks the scratch window if they have
+/// not ended; the kernels' module stays loaded for the life of the process. A CUDA graph
+/// that captured its calls must not be replayed after the instance is dropped. The shipped
+/// PTX needs driver 580 or later (CUDA 13.0's PTX ISA 9.0) on GPUs other than sm_90.
+///
+/// Created collectively by every rank ([`LsaAllReduce::new`]); each owns a scratch window of
+/// `(3 × ranks + 2) × max_count` elements, a device communicator and a few words of state.
+/// Calls take `&mut self`: one at a time, in the same order on every rank.
+pub struct LsaAllReduce<'c, T: LsaElem> {
+    comm: &'c Comm,
+    // Dropped before the window and the state: a device communicator waits for the kernels
+    // that took it.
+    dev_comm: DevComm<'c>,
+    flags: CudaFunction,
+    barrier: CudaFunction,
+    fused_norm: CudaFunction,
+    add_norm: CudaFunction,
+    scratch: Window<'c, u32>,
+    state: CudaSlice<u64>,
+    gave_up: GaveUp,
+    /// Set when a call was refused on this rank alone after its peers may have gone ahead
+    /// (another context, a group open, an unusable communicator): the instance is out of
+    /// step, and every later call is refused.
+    out_of_step: Option<&'static str>,
+    /// Bytes of one rank's slot of one buffer: `max_count` elements, rounded up to 16.
+    slot_bytes: usize,
+    max_count: usize,
+    timeout: Duration,
+    _elem: PhantomData<T>,
+}
+
+impl<T: LsaElem> std::fmt::Debug for LsaAllReduce<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LsaAllReduce")
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .field("elem", &T::SUFFIX)
+            .field("max_count", &self.max_count)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The grid for `count` elements of `T`: one thread per 16 bytes, in CTAs of [`THREADS`]
+/// (fewer, a multiple of 32, for a message that fits one CTA: a smaller CTA starts and
+/// ends sooner), at most [`MAX_CTAS`] of them. A function of the count alone, so every rank
+/// runs the same grid.
+fn grid<T>(count: usize) -> (u32, u32) {
+    let vectors = (count * std::mem::size_of::<T>()).div_ceil(VECTOR);
+    let ctas = vectors
+        .div_ceil(THREADS as usize)
+        .clamp(1, MAX_CTAS as usize) as u32;
+    let threads = if ctas == 1 {
+        vectors.next_multiple_of(32).clamp(32, THREADS as usize) as u32
+    } else {
+        THREADS
+    };
+    (ctas, threads)
+}
+
+impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
+    /// Creates the all-reduce on `comm` for messages of up to `max_count` elements: every
+    /// rank calls it, with the same `max_count`. Loads the shipped kernels, allocates and
+    /// registers the scratch window, creates a device communicator with 16 LSA
+    /// barriers.
+    ///
+    /// The ranks agree before anything collective: a rank that cannot take part (NCCL before
+    /// 2.29.2, no device-API support, ranks in more than one LSA team, a GPU older than
+    /// sm_80, an allocation that failed) returns its own error and every other rank
+    /// [`Error::RankRefused`]; a `max_count` or element type that differs gives
+    /// [`Error::RankMismatch`] on every rank.
+    pub fn new(comm: &'c Comm, max_count: usize) -> Result<Self> {
+        // Refused alike on every rank that has a group open (the same calls on every rank).
+        thread_group::ensure_outside("LsaAllReduce::new")?;
+        let prepared = prepare::<T>(comm, max_count);
+        let refusal = prepared
+            .as_ref()
+            .err()
+            .map_or(0, |err| Refusal::of(err).code());
+        let row = [refusal, std::mem::size_of::<T>() as u64, max_count as u64];
+        let agreed = agree(comm, row);
+        let prepared = prepared?;
+        agreed?;
+        let scratch = comm
+            .register_window(prepared.scratch, WindowFlags::COLL_SYMMETRIC)
+            .map_err(Error::from)?;
+        // The kernels need no NCCL barriers (theirs live in the scratch window).
+        let reqs = DevCommRequirements::new();
+        let dev_comm = DevComm::create(comm, &reqs, shipped::ABI)?;
+        Ok(Self {
+            comm,
+            dev_comm,
+            flags: prepared.flags,
+            barrier: prepared.barrier,
+            fused_norm: prepared.fused_norm,
+            add_norm: prepared.add_norm,
+            scratch,
+            state: prepared.state,
+            gave_up: prepared.gave_up,
+            out_of_step: None,
+            slot_bytes: prepared.slot_bytes,
+            max_count,
+            timeout: DEFAULT_TIMEOUT,
+            _elem: PhantomData,
+        })
+    }
+
+    /// The largest message the shipped kernels take (larger ones go to NCCL under
+    /// [`LsaAlgorithm::Auto`], and are refused under a forced kernel).
+    pub fn max_count(&self) -> usize {
+        self.max_count
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &'c Comm {
+        self.comm
+    }
+
+    /// How long a flags kernel waits for its peers before giving up (30 s unless set).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets [`timeout`](Self::timeout) for the calls enqueued from now on (a kernel already
+    /// captured in a CUDA graph keeps the one it was captured with).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// The algorithm [`LsaAlgorithm::Auto`] runs for `count` elements: the flags kernel while
+    /// the bytes every rank reads (the message from every rank) are at most 1 MiB and the
+    /// message fits the scratch, NCCL past that. Measured on 2×H100 (NCCL 2.32.3, NVLS off,
+    /// CUDA graphs, against NCCL on symmetric windows): the flags kernel ahead from 8 B to
+    /// 512 KiB, NCCL ahead at 2 MiB.
+    pub fn choose(&self, count: usize) -> LsaAlgorithm {
+        let read = (count * std::mem::size_of::<T>()).saturating_mul(self.comm.size());
+        if count <= self.max_count && read <= AUTO_MAX_READ {
+            LsaAlgorithm::OneShotFlags
+        } else {
+            LsaAlgorithm::Nccl
+        }
+    }
+
+    /// Sums `send` over the ranks into `recv` on the communicator's stream, with `algorithm`
+    /// (the one run is returned). Both hold the same number of elements, on the
+    /// communicator's GPU; every rank makes the same call.
+    pub fn all_reduce(
+        &mut self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+        algorithm: LsaAlgorithm,
+    ) -> Result<LsaAlgorithm> {
+        let count = send.len();
+        if recv.len() != count {
+            return Err(Error::invalid(format!(
+                "LsaAllReduce: the receive buffer holds {} elements, the send buffer {count}",
+                recv.len()
+            )));
+        }
+        let chosen = self.resolve(count, algorithm)?;
+        if chosen == LsaAlgorithm::Nccl {
+            self.comm.all_reduce(send, recv, ReduceOp::Sum)?;
+            return Ok(chosen);
+        }
+        self.ready(&[
+            (send.stream().context(), "the send buffer"),
+            (recv.stream().context(), "the receive buffer"),
+        ])?;
+        let stream = self.comm.stream();
+        let (src, _read) = send.device_ptr(stream);
+        let (dst, _written) = recv.device_ptr_mut(stream);
+        self.launch(chosen, src, dst, count)?;
+        Ok(chosen)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) in place: `buf` holds the sum afterwards.
+    pub fn all_reduce_in_place(
+        &mut self,
+        buf: &mut impl DevicePtrMut<T>,
+        algorithm: LsaAlgorithm,
+    ) -> Result<LsaAlgorithm> {
+        let count = buf.len();
+        let chosen = self.resolve(count, algorithm)?;
+        if chosen == LsaAlgorithm::Nccl {
+            self.comm.all_reduce_in_place(buf, ReduceOp::Sum)?;
+            return Ok(chosen);
+        }
+        self.ready(&[(buf.stream().context(), "the buffer")])?;
+        let stream = self.comm.stream();
+        let (ptr, _written) = buf.device_ptr_mut(stream);
+        self.launch(chosen, ptr, ptr, count)?;
+        Ok(chosen)
+    }
+
+    /// Whether the kernels gave up waiting or the instance is out of step (a call refused
+    /// on this rank alone), without waiting for the GPU: what every call checks first.
+    pub fn status(&self) -> Result<()> {
+        if let Some(why) = self.out_of_step {
+            return Err(Error::usage(format!(
+                "LsaAllReduce on rank {}: out of step with its peers since a call was refused \
+                 here alone ({why}); drop it on every rank and make a new one",
+                self.comm.rank()
+            )));
+        }
+        if self.gave_up.is_set() {
+            return Err(Error::Timeout {
+                what: format!(
+                    "LsaAllReduce on rank {}: a kernel's peers to send their data (it gave up \
+                     after {:?}; its output, and every later one, is wrong): drop it on every \
+                     rank and make a new one",
+                    self.comm.rank(),
+                    self.timeout
+                ),
+                waited: self.timeout,
+            });
+        }
+        Ok(())
+    }
+
+    /// Waits, for at most [`timeout`](Self::timeout) and ten seconds more, for the work
+    /// enqueued so far on the communicator's stream, then reports as
+    /// [`status`](Self::status) does.
+    pub fn check(&self) -> Result<()> {
+        let limit = self.timeout.saturating_add(Duration::from_secs(10));
+        self.comm.wait_stream(self.comm.stream(), Some(limit))?;
+        self.status()
+    }
+
+    /// What a shipped kernel needs on this rank before it is launched: the instance in step,
+    /// no group open on this thread, the buffers in the communicator's context. A refusal
+    /// here may be this rank's alone while its peers launch, so it puts the instance out of
+    /// step for good (the peers' kernels give up, and so do this rank's later calls).
+    fn ready(&mut self, buffers: &[(&Arc<CudaContext>, &str)]) -> Result<()> {
+        self.status()?;
+        // Launched at once, not at a group's end: inside a group it would run before the
+        // group's NCCL calls, in an order of its own.
+        let alone =
+            thread_group::ensure_outside("LsaAllReduce with a shipped kernel").and_then(|()| {
+                buffers.iter().try_for_each(|(ctx, what)| {
+                    self.comm.check_context_of(ContextId::of(ctx), || ctx, what)
+                })
+            });
+        if let Err(err) = alone {
+            self.out_of_step = Some("a group open, or a buffer in another CUDA context");
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    fn resolve(&self, count: usize, algorithm: LsaAlgorithm) -> Result<LsaAlgorithm> {
+        match algorithm {
+            LsaAlgorithm::Auto => Ok(self.choose(count)),
+            LsaAlgorithm::Nccl => Ok(LsaAlgorithm::Nccl),
+            kernel if count <= self.max_count => Ok(kernel),
+            kernel => Err(Error::invalid(format!(
+                "LsaAllReduce: {kernel:?} takes at most {} elements (max_count), not {count}",
+                self.max_count
+            ))),
+        }
+    }
+
+    /// The communicator's lock, once it may still run work: refused once it was aborted,
+    /// destroyed, failed or suspended (its window and device communicator are gone or
+    /// going); an abort from another thread waits for the launch made under it.
+    fn usable(&mut self) -> Result<MutexGuard<'c, State>> {
+        match self.comm.usable(&calls::ncclAllReduce) {
+            Ok(guard) => Ok(guard),
+            Err(err) => {
+                self.out_of_step = Some("the communicator could no longer run work");
+                Err(err)
+            }
+        }
+    }
+
+    fn launch(&mut self, algorithm: LsaAlgorithm, src: u64, dst: u64, count: usize) -> Result<()> {
+        let _usable = self.usable()?;
+        if count == 0 {
+            return Ok(());
+        }
+        let function = match algorithm {
+            LsaAlgorithm::OneShotBarrier => &self.barrier,
+            _ => &self.flags,
+        };
+        let stream = self.comm.stream();
+        let scratch = self.scratch.as_raw() as u64;
+        let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
+        let (ctas, threads) = grid::<T>(count);
+        let cfg = LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (state, _state) = self.state.device_ptr_mut(stream);
+        // SAFETY: the kernels' parameters are (const ncclDevComm*, ncclWindow_t, size_t slot,
+        // const T* in, T* out, size_t count, State*, unsigned long long timeout_ns), pushed
+        // in that order. `src` and `dst` hold `count` elements of T on this context (checked
+        // by `ready`), ordered on this stream by their guards; the kernel writes only `dst`,
+        // its own state (STATE_WORDS words, whose last is the live GaveUp word's device
+        // address) and the scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks ×
+        // INBOX_BYTES` bytes since count ≤ max_count and the grid is at most MAX_CTAS CTAs.
+        unsafe {
+            stream
+                .launch_builder(function)
+                .arg(&self.dev_comm)
+                .arg(&scratch)
+                .arg(&self.slot_bytes)
+                .arg(&src)
+                .arg(&dst)
+                .arg(&count)
+                .arg(&state)
+                .arg(&timeout_ns)
+                .launch(cfg)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_cover_the_message_up_to_the_barrier_count() {
+        assert_eq!(grid::<f32>(1), (1, 32));
+        assert_eq!(grid::<f32>(4 * 32), (1, 32));
+        assert_eq!(grid::<f32>(4 * 33), (1, 64));
+        assert_eq!(grid::<f32>(4 * 512), (1, 512));
+        assert_eq!(grid::<f32>(4 * 512 + 1), (2, 512));
+        assert_eq!(grid::<half::bf16>(8 * 512 * 3), (3, 512));
+        assert_eq!(grid::<f32>(1 << 30), (MAX_CTAS, 512));
+    }
+
+    #[test]
+    fn sentinels_are_negative_zero() {
+        assert_eq!(f32::from_bits(f32::SENTINEL_WORD), -0.0);
+        assert!(f32::from_bits(f32::SENTINEL_WORD).is_sign_negative());
+        let low = (half::bf16::SENTINEL_WORD & 0xffff) as u16;
+        assert!(half::bf16::from_bits(low) == half::bf16::ZERO);
+        assert!(half::bf16::from_bits(low).is_sign_negative());
+        let high = (half::f16::SENTINEL_WORD >> 16) as u16;
+        assert!(half::f16::from_bits(high).is_sign_negative());
+        assert!(half::f16::from_bits(high) == half::f16::ZERO);
+    }
+}

@@ -1,0 +1,229 @@
+//! Making an [`LsaAllReduce`](super::LsaAllReduce): what each rank prepares alone (the
+//! shipped kernels, the scratch buffer filled with sentinels, the kernels' state and the
+//! host-mapped word they set when they give up), and the ranks' agreement on it before
+//! anything collective.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, DevicePtrMut, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
+
+use super::{LsaElem, INBOX_BYTES, SINCE, STATE_WORDS, THREADS, VECTOR};
+use crate::agreement::{all_gather_rows, Wait};
+use crate::comm::Comm;
+use crate::device::shipped;
+use crate::error::{Error, Refusal, Result};
+use crate::memory::NcclBuffer;
+
+/// The host-mapped word a kernel sets when it gives up waiting: the host reads it at every
+/// launch without waiting for the GPU.
+pub(super) struct GaveUp {
+    /// Owns the page-locked word.
+    _word: PinnedHostSlice<u32>,
+    /// Its host address (an integer, so that the owner stays `Send` and `Sync`).
+    host: usize,
+    /// Its device address, for the kernels' `State`.
+    device: u64,
+}
+
+impl GaveUp {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the word is written (zeroed) below before anything reads it.
+        let mut word = unsafe { ctx.alloc_pinned_with_flags::<u32>(1, flags) }?;
+        word.as_mut_slice()?[0] = 0;
+        let host = word.as_mut_ptr()?;
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `host` is page-locked memory allocated with DEVICEMAP in `ctx` (bound to this
+        // thread by the allocation), and `device` a valid place for the address.
+        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) };
+        rc.result()?;
+        Ok(Self {
+            _word: word,
+            host: host as usize,
+            device,
+        })
+    }
+
+    pub(super) fn is_set(&self) -> bool {
+        // SAFETY: `host` is the address of the u32 `_word` owns, alive as long as `self`;
+        // kernels write it from the device, so it is read volatile.
+        unsafe { (self.host as *const u32).read_volatile() != 0 }
+    }
+}
+
+/// What a rank prepares on its own before the ranks agree.
+pub(super) struct Prepared {
+    pub(super) flags: CudaFunction,
+    pub(super) barrier: CudaFunction,
+    pub(super) fused_norm: CudaFunction,
+    pub(super) add_norm: CudaFunction,
+    pub(super) scratch: NcclBuffer<u32>,
+    pub(super) state: CudaSlice<u64>,
+    pub(super) gave_up: GaveUp,
+    pub(super) slot_bytes: usize,
+}
+
+/// Scratch bytes per rank slot for `max_count` elements of `T`, and the scratch's words for
+/// `ranks` ranks; `None` on overflow.
+pub(super) fn scratch_size<T>(max_count: usize, ranks: usize) -> Option<(usize, usize)> {
+    let slot = max_count
+        .checked_mul(std::mem::size_of::<T>())?
+        .checked_next_multiple_of(VECTOR)?;
+    let words = ranks
+        .checked_mul(3)?
+        .checked_add(2)?
+        .checked_mul(slot)?
+        .checked_add(ranks.checked_mul(INBOX_BYTES)?)?
+        / 4;
+    Some((slot, words))
+}
+
+pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepared> {
+    let lib = comm.library();
+    lib.require("nccl-rs's shipped device kernels", SINCE)?;
+    if max_count == 0 {
+        return Err(Error::invalid("LsaAllReduce needs max_count of at least 1"));
+    }
+    let props = comm.properties()?;
+    if !props.device_api_support {
+        return Err(Error::Unavailable {
+            api: "LsaAllReduce",
+            reason: "the communicator has no device-API support".into(),
+        });
+    }
+    if props.lsa_teams != Some(1) {
+        return Err(Error::Unavailable {
+            api: "LsaAllReduce",
+            reason: format!(
+                "its kernels need every rank in one LSA team (one host's NVLink, or ranks \
+                 sharing a GPU); this communicator has {} LSA teams",
+                props
+                    .lsa_teams
+                    .map_or_else(|| "an unknown number of".into(), |n| n.to_string())
+            ),
+        });
+    }
+    let (slot_bytes, words) = scratch_size::<T>(max_count, comm.size())
+        .ok_or_else(|| Error::invalid(format!("LsaAllReduce: max_count {max_count} overflows")))?;
+    let ctx = comm.context();
+    ctx.bind_to_thread()?;
+    let module = shipped::load(ctx)?;
+    let flags = module.function(&format!("nccl_rs_oneshot_flags_{}", T::SUFFIX))?;
+    let barrier = module.function(&format!("nccl_rs_oneshot_barrier_{}", T::SUFFIX))?;
+    let fused_norm = module.function(&format!("nccl_rs_fused_add_rms_norm_{}", T::SUFFIX))?;
+    let add_norm = module.function(&format!("nccl_rs_add_rms_norm_{}", T::SUFFIX))?;
+    let fill = module.function("nccl_rs_fill_u32")?;
+    let stream = comm.stream();
+    let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;
+    let gave_up = GaveUp::new(ctx)?;
+    let mut words_of_state = [0u64; STATE_WORDS];
+    words_of_state[7] = gave_up.device;
+    let state = stream.clone_htod(&words_of_state)?;
+    // The flags buffers start as sentinels (the barrier buffers need nothing). Peers first
+    // write into them after this rank's window registration, whose exchange runs on this
+    // stream after this fill.
+    let sentinels = 3 * comm.size() * slot_bytes / 4;
+    let sentinel = T::SENTINEL_WORD;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            sentinels.div_ceil(THREADS as usize).clamp(1, 1024) as u32,
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    {
+        let (ptr, _written) = scratch.device_ptr_mut(stream);
+        // SAFETY: nccl_rs_fill_u32(uint32_t*, size_t, uint32_t) writes `sentinels` words from
+        // `ptr`, inside the `words`-word buffer (sentinels <= words).
+        unsafe {
+            stream
+                .launch_builder(&fill)
+                .arg(&ptr)
+                .arg(&sentinels)
+                .arg(&sentinel)
+                .launch(cfg)?;
+        }
+    }
+    Ok(Prepared {
+        flags,
+        barrier,
+        fused_norm,
+        add_norm,
+        scratch,
+        state,
+        gave_up,
+        slot_bytes,
+    })
+}
+
+const CALL: &str = "LsaAllReduce::new";
+const WIDTH: usize = 3;
+
+/// Every rank's verdict, element size and `max_count`, all-gathered: each rank returns its
+/// own error, the others [`Error::RankRefused`]; differing sizes give
+/// [`Error::RankMismatch`] everywhere.
+pub(super) fn agree(comm: &Comm, row: [u64; WIDTH]) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    let wait = Wait {
+        limit: |comm| Some(comm.ready_timeout()),
+        what: "LsaAllReduce's agreement exchange to finish",
+        explain: None,
+    };
+    let all = all_gather_rows(&[comm], &[row.to_vec()], WIDTH, &wait)?;
+    let rows: Vec<&[u64]> = all[0].chunks_exact(WIDTH).collect();
+    if let Some((rank, reason)) = rows
+        .iter()
+        .enumerate()
+        .find_map(|(rank, row)| Refusal::from_code(row[0]).map(|r| (rank, r)))
+    {
+        return Err(Error::RankRefused {
+            call: CALL,
+            rank,
+            reason,
+        });
+    }
+    for (field, i) in [("element size", 1), ("max_count", 2)] {
+        if let Some((rank, row)) = rows.iter().enumerate().find(|(_, r)| r[i] != rows[0][i]) {
+            return Err(Error::RankMismatch {
+                call: CALL,
+                field,
+                first: 0,
+                expected: rows[0][i],
+                rank,
+                value: row[i],
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_holds_three_buffers_per_rank_two_more_and_the_inboxes() {
+        let inbox = |ranks: usize| ranks * INBOX_BYTES;
+        assert_eq!(
+            scratch_size::<f32>(1, 2),
+            Some((16, ((3 * 2 + 2) * 16 + inbox(2)) / 4))
+        );
+        assert_eq!(
+            scratch_size::<half::bf16>(8, 4),
+            Some((16, (14 * 16 + inbox(4)) / 4))
+        );
+        assert_eq!(
+            scratch_size::<f32>(5, 4),
+            Some((32, (14 * 32 + inbox(4)) / 4))
+        );
+        assert_eq!(scratch_size::<f32>(usize::MAX / 2, 2), None);
+        assert_eq!(scratch_size::<f32>(1 << 20, usize::MAX / 2), None);
+    }
+}
