@@ -26,6 +26,8 @@ use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaElem, DEV_COMM_SINCE};
 use nccl::{Comm, Error};
 
 const LIMIT: Duration = Duration::from_secs(240);
+/// How long the tests' kernels wait for their peers: a failure shows in seconds.
+const TIMEOUT: Duration = Duration::from_secs(20);
 /// The scratch's capacity in the tests: past 16 CTAs of 512 threads of one vector each, so
 /// the threads loop over vectors (400 KiB of f32).
 const MAX: usize = 100_003;
@@ -167,6 +169,8 @@ fn exact_for<T: TestElem>(comm: Comm) {
     let mut recv = stream.alloc_zeros::<T>(MAX + 8).expect("recv");
     let mut big = stream.alloc_zeros::<T>(MAX + 1).expect("big");
     let mut ar = LsaAllReduce::<T>::new(&comm, MAX).expect("LsaAllReduce::new");
+    // A failure shows within seconds, not the default's minutes.
+    ar.set_timeout(TIMEOUT);
     let mut seed = 1;
     for algorithm in [
         LsaAlgorithm::OneShotFlags,
@@ -263,6 +267,7 @@ fn graph_replays_advance_the_device_counters() {
         let mut send = stream.alloc_zeros::<f32>(count).expect("send");
         let mut recv = stream.alloc_zeros::<f32>(count).expect("recv");
         let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
+        ar.set_timeout(TIMEOUT);
         for algorithm in [LsaAlgorithm::OneShotFlags, LsaAlgorithm::OneShotBarrier] {
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -538,6 +543,7 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
         let mut out = stream.alloc_zeros::<half::bf16>(most).expect("out");
         let mut weight = stream.alloc_zeros::<half::bf16>(16384).expect("weight");
         let mut ar = LsaAllReduce::<half::bf16>::new(&comm, most).expect("new");
+        ar.set_timeout(TIMEOUT);
         let small = |seed: u64, rank: usize, len: usize| -> Vec<half::bf16> {
             let mut rng = Rng::new(seed ^ ((rank as u64 + 7) << 20));
             (0..len)

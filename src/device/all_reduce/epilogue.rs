@@ -22,17 +22,13 @@ pub enum LsaEpilogue {
 /// The most 16-byte vectors of a row one thread of the norm keeps (the kernels' registers).
 const NORM_VECTORS_PER_THREAD: usize = 4;
 
-/// The grid of the norm kernels for `rows` rows of `hidden` elements of `T`: CTAs of half a
-/// row's vectors (two per thread; a multiple of 32, at most [`THREADS`], and enough that no
-/// thread keeps more than [`NORM_VECTORS_PER_THREAD`]); a CTA per row, and fused, more CTAs
-/// to push with (one per CTA's worth of the message), at most [`MAX_CTAS`] in all.
+/// The grid of the norm kernels for `rows` rows of `hidden` elements of `T`: a thread per
+/// 16-byte vector of a row, at most [`THREADS`] in a CTA (a multiple of 32; a thread keeps up
+/// to [`NORM_VECTORS_PER_THREAD`] vectors); a CTA per row, and fused, more CTAs to push with
+/// (one per CTA's worth of the message), at most [`MAX_CTAS`] in all.
 fn norm_grid<T>(rows: usize, hidden: usize, fused: bool) -> (u32, u32) {
     let vectors = hidden * std::mem::size_of::<T>() / VECTOR;
-    let threads = vectors
-        .div_ceil(2)
-        .max(vectors.div_ceil(NORM_VECTORS_PER_THREAD))
-        .next_multiple_of(32)
-        .clamp(32, THREADS as usize);
+    let threads = vectors.next_multiple_of(32).clamp(32, THREADS as usize);
     let pushers = if fused {
         (rows * vectors).div_ceil(threads)
     } else {
@@ -200,9 +196,10 @@ mod tests {
     #[test]
     fn norm_grids_keep_a_row_in_a_cta() {
         use half::bf16;
-        // hidden 4096 bf16: 512 vectors, 256 threads of two; fused, 2 CTAs push one row.
-        assert_eq!(norm_grid::<bf16>(1, 4096, false), (1, 256));
-        assert_eq!(norm_grid::<bf16>(1, 4096, true), (2, 256));
+        // hidden 4096 bf16: 512 vectors, a thread each; hidden 8192: two each.
+        assert_eq!(norm_grid::<bf16>(1, 4096, false), (1, 512));
+        assert_eq!(norm_grid::<bf16>(1, 4096, true), (1, 512));
+        assert_eq!(norm_grid::<bf16>(1, 8192, true), (2, 512));
         assert_eq!(norm_grid::<bf16>(4, 8192, true), (8, 512));
         assert_eq!(norm_grid::<bf16>(100, 8192, true), (MAX_CTAS, 512));
         // The largest row: 2048 vectors, 512 threads of four.

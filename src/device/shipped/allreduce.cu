@@ -291,20 +291,22 @@ template <typename T>
 __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
                               const T* in, T* out, size_t count, State* st,
                               unsigned long long timeout_ns) {
-  if (instance_failed(st)) return;
   constexpr int n = 16 / sizeof(T);
   const int peers = comm->lsaSize, me = comm->lsaRank;
   const unsigned long long call = st->flags_call;
-  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t vecs = (count + n - 1) / n;
   const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t step = (size_t)gridDim.x * blockDim.x;
+  // The first vector's load is issued before the failure check, so their latencies overlap.
+  Vec x0 = first < vecs ? load_input(in, first, count, aligned) : Vec{};
+  if (instance_failed(st)) return;
+  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
 
   // Push: this rank's slot of every peer's current buffer.
   for (size_t v = first; v < vecs; v += step) {
-    Vec x = load_input(in, v, count, aligned);
+    Vec x = v == first ? x0 : load_input(in, v, count, aligned);
     scrub<T>(x);
     for (int p = 0; p < peers; p++) {
       store_volatile((char*)ncclGetLsaPointer(scratch, mine + v * 16, p), x);
@@ -475,23 +477,25 @@ template <typename T>
 __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
                             const T* in, T* residual, const T* weight, T* out, size_t rows,
                             size_t hidden, float eps, State* st, unsigned long long timeout_ns) {
-  if (instance_failed(st)) return;
   constexpr int n = 16 / sizeof(T);
   __shared__ float shared[32];
   const int peers = comm->lsaSize, me = comm->lsaRank;
   const unsigned long long call = st->flags_call;
-  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t vpr = hidden / n, vecs = rows * vpr, len = rows * hidden;
   const bool aligned = all_aligned(in, (const T*)residual, weight, (const T*)out);
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  // The first vector's load is issued before the failure check, so their latencies overlap.
+  Vec x0 = first < vecs ? load_input(in, first, len, aligned) : Vec{};
+  if (instance_failed(st)) return;
+  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
 
   // Push first, spread over the whole grid (all vectors of all rows), then wait: no CTA
   // waits before every CTA of every peer has pushed all it pushes. The CTAs past the rows
   // only push.
-  for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < vecs;
-       v += (size_t)gridDim.x * blockDim.x) {
-    Vec x = load_input(in, v, len, aligned);
+  for (size_t v = first; v < vecs; v += (size_t)gridDim.x * blockDim.x) {
+    Vec x = v == first ? x0 : load_input(in, v, len, aligned);
     scrub<T>(x);
     for (int p = 0; p < peers; p++) {
       store_volatile((char*)ncclGetLsaPointer(scratch, mine + v * 16, p), x);
