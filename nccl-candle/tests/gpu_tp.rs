@@ -12,7 +12,9 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::var_builder::{ShardedSafeTensors, ShardedVarBuilder};
 use nccl::{Comm, ReduceOp};
-use nccl_candle::tp::{ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding};
+use nccl_candle::tp::{
+    ColumnParallelLinear, LsaCollectives, RowParallelLinear, TpGroup, VocabParallelEmbedding,
+};
 use nccl_candle::Error;
 
 mod common;
@@ -23,6 +25,12 @@ const TOLERANCE: f32 = 1e-4;
 
 /// Runs `body(group, device)` on one thread per visible GPU, or says why not.
 fn on_every_gpu(test: &str, body: impl Fn(TpGroup, &Device) + Sync) {
+    on_every_gpu_with(test, None, body)
+}
+
+/// [`on_every_gpu`], the group's bf16 sums through nccl-rs's shipped kernels for up to
+/// `lsa` elements where given ([`LsaCollectives`]).
+fn on_every_gpu_with(test: &str, lsa: Option<usize>, body: impl Fn(TpGroup, &Device) + Sync) {
     let gpus = match nccl::library::cuda_device_count() {
         Ok(n) if n >= 2 => n,
         Ok(n) => {
@@ -48,7 +56,11 @@ fn on_every_gpu(test: &str, body: impl Fn(TpGroup, &Device) + Sync) {
             let body = &body;
             scope.spawn(move || {
                 let rank = comm.rank();
-                let group = TpGroup::new(comm).expect("a group");
+                let group = match lsa {
+                    Some(max) => TpGroup::new(LsaCollectives::new(comm, max).expect("kernels")),
+                    None => TpGroup::new(comm),
+                }
+                .expect("a group");
                 body(group, &device);
                 device
                     .synchronize()
@@ -228,6 +240,50 @@ fn a_shard_that_does_not_split_is_a_typed_error_on_every_rank() {
             assert!(matches!(err, Error::ShardShape { .. }), "{err}");
             // The ranks are still in step: a collective after the refusals completes.
             group.agree("after the refusals", 1, device).unwrap();
+        },
+    );
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn shipped_kernels_sum_like_nccl() {
+    const MAX: usize = 4096;
+    let lib = nccl::library::get().expect("NCCL loads");
+    if lib.version() < nccl::device::DEV_COMM_SINCE {
+        eprintln!(
+            "SKIPPED shipped_kernels_sum_like_nccl: the shipped kernels need NCCL {}+, loaded {}",
+            nccl::device::DEV_COMM_SINCE,
+            lib.version()
+        );
+        return;
+    }
+    on_every_gpu_with(
+        "shipped_kernels_sum_like_nccl",
+        Some(MAX),
+        |group, device| {
+            let (r, n) = (group.rank(), group.size());
+            // Small integers: every sum exact in bf16. Within the kernels' size, past it (NCCL),
+            // and f32 (NCCL), all the same sums.
+            for (len, dtype) in [
+                (3 * 1000, DType::BF16),
+                (MAX + 8, DType::BF16),
+                (64, DType::F32),
+            ] {
+                let values = |rank: usize| -> Vec<f32> {
+                    (0..len)
+                        .map(|i| ((i * 7 + rank * 3) % 17) as f32 - 8.0)
+                        .collect()
+                };
+                let want: Vec<f32> = (0..len)
+                    .map(|i| (0..n).map(|rank| values(rank)[i]).sum())
+                    .collect();
+                let t = Tensor::from_vec(values(r), len, device)
+                    .and_then(|t| t.to_dtype(dtype))
+                    .unwrap();
+                let got = group.all_reduce(&t, ReduceOp::Sum).unwrap();
+                let got = got.to_dtype(DType::F32).unwrap();
+                close(&got, &want, 0.0, &format!("rank {r}: {len} x {dtype:?}"));
+            }
         },
     );
 }

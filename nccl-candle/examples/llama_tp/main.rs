@@ -49,7 +49,7 @@ use candle_nn::var_builder::ShardedSafeTensors;
 use nccl::bootstrap::spawn_local;
 use nccl::ReduceOp;
 use nccl_candle::fingerprint;
-use nccl_candle::tp::TpGroup;
+use nccl_candle::tp::{LsaCollectives, TpGroup};
 
 use decode::{compare, decode, median_ms, non_finite, prompt, Feed, Run};
 use model::{Config, Llama};
@@ -58,7 +58,7 @@ type AnyError = Box<dyn std::error::Error + Send + Sync>;
 
 const USAGE: &str = "\
 usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--new-tokens N]
-                [--batch 1,8] [--seed N] [--warmup N] [--weights FILE] [--no-check]
+                [--batch 1,8] [--seed N] [--warmup N] [--weights FILE] [--no-check] [--lsa]
 
   --model       small: vocab 8192, hidden 512, 4 layers, 16 heads (8 key/value), MLP 1408,
                 ~20M parameters (default); large: vocab 32000, hidden 4096, 8 layers,
@@ -74,6 +74,10 @@ usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--
   --weights     read this safetensors file (Hugging Face Llama names, the --model's shapes)
                 instead of drawing the weights
   --no-check    skip the comparison with the single-GPU model
+  --lsa         sum the row-parallel layers' bf16 outputs of decode steps (up to the largest
+                batch's rows) with the all-reduce kernels nccl-rs ships
+                (nccl::device::LsaAllReduce; NCCL 2.29.2+, every rank in one LSA team)
+                instead of ncclAllReduce; the prompt's pass still uses NCCL
 
 Each rank writes its weights (3.8 GB for large, 14.8 GB for xl) under $TMPDIR (default
 /tmp), removed at the end. One rank per visible GPU; NCCL_RS_LOCAL_RANKS=N forces N ranks.";
@@ -89,6 +93,7 @@ struct Options {
     warmup: usize,
     weights: Option<PathBuf>,
     check: bool,
+    lsa: bool,
 }
 
 impl Options {
@@ -113,6 +118,7 @@ fn parse_options() -> Result<Option<Options>, String> {
         warmup: 3,
         weights: None,
         check: true,
+        lsa: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -148,6 +154,7 @@ fn parse_options() -> Result<Option<Options>, String> {
             }
             "--weights" => options.weights = Some(PathBuf::from(value(&arg)?)),
             "--no-check" => options.check = false,
+            "--lsa" => options.lsa = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(None);
@@ -398,20 +405,31 @@ fn run(options: &Options) -> Result<(), AnyError> {
     let device = Device::new_cuda(job.device()?)?;
     let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;
     let (rank, world) = (comm.rank(), comm.size());
-    let group = TpGroup::new(comm)?;
     let cfg = options.config();
+    let group = if options.lsa {
+        // A decode step's all-reduces carry one row per sequence of the batch.
+        let rows = options.batches.iter().copied().max().unwrap_or(1);
+        TpGroup::new(LsaCollectives::new(comm, rows * cfg.hidden)?)?
+    } else {
+        TpGroup::new(comm)?
+    };
     // The same verdict on every rank, before any collective.
     cfg.check(world)?;
     let dtype = format!("{:?}", options.dtype).to_lowercase();
     if rank == 0 {
         println!(
             "llama_tp: {} model ({:.2}G parameters) in {dtype}, {world} ranks ({launcher}), \
-             prompt {} tokens, {} new tokens, NCCL {}",
+             prompt {} tokens, {} new tokens, NCCL {}{}",
             options.model,
             cfg.parameters() as f64 / 1e9,
             options.prompt_len,
             options.new_tokens,
-            nccl::version()?
+            nccl::version()?,
+            if options.lsa {
+                "; decode sums through nccl-rs's shipped kernels (--lsa)"
+            } else {
+                ""
+            }
         );
     }
 

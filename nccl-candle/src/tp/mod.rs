@@ -42,11 +42,13 @@
 mod embedding;
 mod group;
 mod linear;
+mod lsa;
 mod shard;
 mod threaded;
 
 pub use embedding::{masked_lookup, VocabParallelEmbedding};
 pub use group::{Collectives, TpGroup};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
+pub use lsa::LsaCollectives;
 pub use shard::{load_replicated, shard_range};
 pub use threaded::ThreadedCollectives;
