@@ -318,8 +318,11 @@ fn creation_is_agreed_on_every_rank() {
         return;
     };
     let _deadline = Deadline::new(TEST, LIMIT);
-    per_rank(comms, |comm, _| {
+    per_rank(comms, |comm, barrier| {
         let rank = comm.rank();
+        // Between attempts every rank waits for the others: with two ranks of one process on
+        // one GPU, a rank freeing the scratch of a refused attempt can wait for the GPU while
+        // the other rank's next agreement already spins there (seen on a one-GPU host).
         // Rank 1 asks for nothing: it refuses alone, the others hear so.
         let max = if rank == 1 { 0 } else { 64 };
         match LsaAllReduce::<f32>::new(&comm, max) {
@@ -327,6 +330,7 @@ fn creation_is_agreed_on_every_rank() {
             Err(Error::RankRefused { rank: 1, .. }) if rank != 1 => {}
             other => panic!("rank {rank}: one rank refusing: {other:?}"),
         }
+        barrier.wait();
         // Sizes that differ: a mismatch everywhere.
         match LsaAllReduce::<f32>::new(&comm, 64 + rank) {
             Err(Error::RankMismatch {
@@ -336,6 +340,7 @@ fn creation_is_agreed_on_every_rank() {
             }) => {}
             other => panic!("rank {rank}: differing max_count: {other:?}"),
         }
+        barrier.wait();
         // Element types that differ: f32 on rank 0, bf16 elsewhere.
         let mixed = if rank == 0 {
             LsaAllReduce::<f32>::new(&comm, 64).map(drop)
@@ -349,6 +354,7 @@ fn creation_is_agreed_on_every_rank() {
             }) => {}
             other => panic!("rank {rank}: differing element types: {other:?}"),
         }
+        barrier.wait();
         // And then one that works.
         let mut buf = comm
             .stream()

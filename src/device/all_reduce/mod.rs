@@ -146,6 +146,11 @@ pub enum LsaAlgorithm {
 /// that captured its calls must not be replayed after the instance is dropped. The shipped
 /// PTX needs driver 580 or later (CUDA 13.0's PTX ISA 9.0) on GPUs other than sm_90.
 ///
+/// Two ranks driven by threads of one process on one GPU (the shared-GPU shape) keep their
+/// calls in step: a rank's allocation or free there (creating an instance, dropping a refused
+/// one) can wait for the GPU while the other rank's kernel or agreement spins on it waiting
+/// for this rank; with one process per rank (the usual shape) nothing of the kind happens.
+///
 /// Created collectively by every rank ([`LsaAllReduce::new`]); each owns a scratch window of
 /// `(3 × ranks + 2) × max_count` elements, a device communicator and a few words of state.
 /// Calls take `&mut self`: one at a time, in the same order on every rank.
