@@ -114,33 +114,38 @@ impl AbortHandle {
     /// reported one while aborting; the communicator is released either way.
     ///
     /// Where `NCCL_RS_FLIGHT_RECORDER_DIR` is set and the communicator was still live, its
-    /// flight record is written there first (see [`crate::diagnostics::flight`]); the record
-    /// stays readable afterwards through [`AbortHandle::flight_record`].
+    /// flight record (taken just before the abort) is written there after it (see
+    /// [`crate::diagnostics::flight`]); the record stays readable afterwards through
+    /// [`AbortHandle::flight_record`].
     pub fn abort(&self) -> Result<AbortOutcome> {
-        let record = {
-            let state = self.shared.lock();
-            if state.ptr.is_null() {
+        // The record is taken and the communicator aborted under one lock; the file is
+        // written after the abort, so a slow or hung file system never delays it (peers may
+        // be waiting on this rank).
+        let (record, outcome) = {
+            let mut state = self.shared.lock();
+            let record = if state.ptr.is_null() {
                 None
             } else {
                 record_of(&state, self.who.clone(), "AbortHandle::abort")
-            }
+            };
+            let outcome = act(
+                &mut state,
+                self.lib,
+                &self.ctx,
+                Action::Abort,
+                Failure {
+                    state: FailureState::Released,
+                    by: Actor::AbortHandle,
+                    cause: Cause::Requested,
+                },
+            );
+            (record, outcome)
         };
-        // Off the lock: file work. Best effort: the abort matters more than the dump.
+        // Best effort: the abort is done; the dump only helps find why.
         if let Some(record) = &record {
             let _ = flight::write_to_env_dir(record);
         }
-        let mut state = self.shared.lock();
-        act(
-            &mut state,
-            self.lib,
-            &self.ctx,
-            Action::Abort,
-            Failure {
-                state: FailureState::Released,
-                by: Actor::AbortHandle,
-                cause: Cause::Requested,
-            },
-        )
+        outcome
     }
 
     /// Whether the communicator was aborted or destroyed (by anyone).

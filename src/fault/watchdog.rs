@@ -201,7 +201,7 @@ impl Watchdog {
     /// The trip once it is complete (RAS answered, failed to, or was not asked), waiting up
     /// to `wait` for the watchdog to trip and for RAS; what there is when `wait` runs out.
     pub fn trip_report(&self, wait: Duration) -> Option<WatchdogTrip> {
-        let deadline = Instant::now() + wait;
+        let deadline = crate::diagnostics::ras::deadline_after(wait);
         let mut trip = lock(&self.shared.trip);
         loop {
             let settled = trip
@@ -333,8 +333,16 @@ impl Worker {
             if let Verdict::Trip(cause) = verdict {
                 self.trip(&mut state, cause);
                 drop(state);
-                // Off the communicator's lock: the slow parts of the report.
-                self.complete_report();
+                // Off the communicator's lock and off this thread: the slow parts of the
+                // report (a file, RAS's answer within its 2 s) must not delay a drop of the
+                // watchdog, which joins this thread.
+                let shared = Arc::clone(&self.shared);
+                let detached = std::thread::Builder::new()
+                    .name("nccl-rs-trip-report".into())
+                    .spawn(move || complete_report(&shared));
+                if detached.is_err() {
+                    complete_report(&self.shared);
+                }
                 return;
             }
         }
@@ -477,33 +485,32 @@ impl Worker {
         });
         self.shared.reported.notify_all();
     }
+}
 
-    /// Writes the trip's flight record where `NCCL_RS_FLIGHT_RECORDER_DIR` says and asks
-    /// RAS, storing each result in the trip: file and network work, done without the
-    /// communicator's lock and bounded by the RAS query's timeout.
-    fn complete_report(&self) {
-        let record = lock(&self.shared.trip)
-            .as_ref()
-            .and_then(|t| t.flight_record.clone());
-        if let Some(written) = record.as_ref().and_then(flight::write_to_env_dir) {
-            if let Some(trip) = lock(&self.shared.trip).as_mut() {
-                trip.flight_record_file = Some(written);
-            }
+/// Completes a trip's report: writes the flight record where the environment says, and asks
+/// RAS where the trip is waiting for it; wakes `trip_report` either way.
+fn complete_report(shared: &WatchdogShared) {
+    let record = lock(&shared.trip)
+        .as_ref()
+        .and_then(|t| t.flight_record.clone());
+    if let Some(written) = record.as_ref().and_then(flight::write_to_env_dir) {
+        if let Some(trip) = lock(&shared.trip).as_mut() {
+            trip.flight_record_file = Some(written);
         }
-        let pending = lock(&self.shared.trip)
-            .as_ref()
-            .is_some_and(|t| matches!(t.ras, RasOutcome::Pending));
-        if pending {
-            let outcome = match RasQuery::new().run() {
-                Ok(status) => RasOutcome::Answered(status),
-                Err(err) => RasOutcome::NotAnswered(err.to_string()),
-            };
-            if let Some(trip) = lock(&self.shared.trip).as_mut() {
-                trip.ras = outcome;
-            }
-        }
-        self.shared.reported.notify_all();
     }
+    let pending = lock(&shared.trip)
+        .as_ref()
+        .is_some_and(|t| matches!(t.ras, RasOutcome::Pending));
+    if pending {
+        let outcome = match RasQuery::new().run() {
+            Ok(status) => RasOutcome::Answered(status),
+            Err(err) => RasOutcome::NotAnswered(err.to_string()),
+        };
+        if let Some(trip) = lock(&shared.trip).as_mut() {
+            trip.ras = outcome;
+        }
+    }
+    shared.reported.notify_all();
 }
 
 /// The first NCCL with RAS.

@@ -76,7 +76,7 @@ impl FlightRecord {
             .enumerate()
             .map(|(i, value)| entry_from(value, i))
             .collect::<Result<Vec<_>>>()?;
-        Ok(FlightRecord {
+        let record = FlightRecord {
             rank: at.usize("rank")?,
             size: at.usize("size")?,
             device: at.usize("device")?,
@@ -90,8 +90,54 @@ impl FlightRecord {
             taken_at_us: at.u64("taken_at_us")?,
             reason: at.string("reason")?.to_owned(),
             entries,
-        })
+        };
+        consistent(&record)?;
+        Ok(record)
     }
+}
+
+/// The most operations a record may claim: far past any job, and far enough from `u64::MAX`
+/// that the analyser's sequence arithmetic cannot overflow.
+const MOST_OPERATIONS: u64 = 1 << 62;
+
+/// A record read from a file holds together: a rank of its size, counters no larger than
+/// [`MOST_OPERATIONS`] and ordered (`completed_through` ≤ `collectives` ≤ `recorded`), no more
+/// entries than its capacity or its count, entries' numbers within the counters.
+fn consistent(r: &FlightRecord) -> Result<()> {
+    let bad = |why: String| Err(Error::FlightRecordFormat(why));
+    if r.size == 0 || r.rank >= r.size {
+        return bad(format!("rank {} of {} ranks", r.rank, r.size));
+    }
+    if r.recorded > MOST_OPERATIONS
+        || r.collectives > r.recorded
+        || r.completed_through > r.recorded
+    {
+        return bad(format!(
+            "counters out of order or too large: {} recorded, {} collectives, completed \
+             through {}",
+            r.recorded, r.collectives, r.completed_through
+        ));
+    }
+    if r.entries.len() > r.capacity || r.entries.len() as u64 > r.recorded {
+        return bad(format!(
+            "{} entries in a ring of {} with {} recorded",
+            r.entries.len(),
+            r.capacity,
+            r.recorded
+        ));
+    }
+    for e in &r.entries {
+        if e.seq == 0
+            || e.seq > r.recorded
+            || e.collective_seq
+                .is_some_and(|c| c == 0 || c > r.collectives)
+        {
+            return bad(format!(
+                "an entry numbered past the record's counters: {e:?}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn entry_value(entry: &FlightEntry) -> Value {

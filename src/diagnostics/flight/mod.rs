@@ -135,14 +135,32 @@ impl FlightRecord {
     /// [`FlightRecord::file_name`], through a temporary file renamed into place, so a reader
     /// never sees half a record. Returns the path.
     pub fn write_to(&self, dir: impl AsRef<Path>) -> Result<PathBuf> {
+        use std::io::Write;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let dir = dir.as_ref();
         let io = |what: String| move |source| Error::Io { what, source };
-        std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io(format!("creating {}", dir.display())))?;
         let path = dir.join(self.file_name());
-        let partial = dir.join(format!(".{}.partial", self.file_name()));
-        std::fs::write(&partial, self.to_json())
-            .map_err(io(format!("writing {}", partial.display())))?;
-        std::fs::rename(&partial, &path).map_err(io(format!("renaming to {}", path.display())))?;
+        // A fresh, randomly named file made with O_EXCL (never a file or symlink planted
+        // there), readable by this user only, renamed over the final name once complete:
+        // a reader sees a whole record or none, and two writers never share a file.
+        let mut partial = tempfile::Builder::new()
+            .prefix(".flight-")
+            .suffix(".partial")
+            .permissions(std::fs::Permissions::from_mode(0o600))
+            .tempfile_in(dir)
+            .map_err(io(format!("creating a file in {}", dir.display())))?;
+        partial
+            .write_all(self.to_json().as_bytes())
+            .map_err(io(format!("writing {}", partial.path().display())))?;
+        partial.persist(&path).map_err(|e| Error::Io {
+            what: format!("renaming to {}", path.display()),
+            source: e.error,
+        })?;
         Ok(path)
     }
 }

@@ -140,7 +140,7 @@ impl RasQuery {
 
     /// Runs the query; see the [module docs](self) for what may go wrong.
     pub fn run(&self) -> Result<RasStatus> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let (format, report) = self.ask(deadline, self.json)?;
         if format == RasFormat::Json {
             match parse::json_report(&report) {
@@ -560,4 +560,13 @@ impl fmt::Display for RasOutcome {
             RasOutcome::Pending => writeln!(f, "NCCL RAS: being asked"),
         }
     }
+}
+
+/// `now + wait`, or a year from now where that does not fit in an `Instant`
+/// (`Duration::MAX` means "no deadline" to a caller, not a panic).
+pub(crate) fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(now)
 }

@@ -198,7 +198,14 @@ fn json_comm(comm: &Value) -> Result<RasComm, String> {
     }
     let operation_counts = ranks
         .iter()
-        .map(|r| (r.rank, r.collective_counts.iter().map(|(_, n)| n).sum()))
+        .map(|r| {
+            // Saturating: a malformed report must not overflow (a panic in debug builds).
+            let total = r
+                .collective_counts
+                .iter()
+                .fold(0u64, |sum, (_, n)| sum.saturating_add(*n));
+            (r.rank, total)
+        })
         .collect();
     Ok(RasComm {
         hash,
