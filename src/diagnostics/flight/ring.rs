@@ -87,6 +87,8 @@ pub(crate) struct FlightRing {
     groups: u32,
     /// Whether operations now join an open group, and which.
     open_group: u32,
+    /// The sequence number of the open group's first operation.
+    group_first_seq: u64,
     /// Whether the open group is only simulated (`ncclGroupSimulateEnd`): nothing of it runs,
     /// so nothing of it is recorded.
     simulating: bool,
@@ -139,6 +141,7 @@ impl FlightRing {
             completed_before: 1,
             groups: 0,
             open_group: NO_GROUP,
+            group_first_seq: 1,
             simulating: false,
             own_stream,
             serial: SERIALS.fetch_add(1, Ordering::Relaxed) + 1,
@@ -164,7 +167,10 @@ impl FlightRing {
             return;
         }
         self.recorded += 1;
-        let coll_seq = if collective {
+        // A collective NCCL refused never ran: it takes no collective number, so the rank's
+        // next collective takes it, and the comparison shows this rank one behind the others
+        // (skipped) instead of "agreeing" on a collective only its peers ran.
+        let coll_seq = if collective && !refused {
             self.collectives += 1;
             self.collectives
         } else {
@@ -201,6 +207,7 @@ impl FlightRing {
         } else {
             self.groups = self.groups.wrapping_add(1).max(1);
             self.open_group = self.groups;
+            self.group_first_seq = self.recorded + 1;
         }
     }
 
@@ -212,8 +219,14 @@ impl FlightRing {
 
     /// The sequence number the next operation gets: what a marker recorded on the stream now
     /// (a probe event, a synchronize's event) completes after.
+    /// While a group is open, its operations are recorded but not launched until it ends, so
+    /// the marker covers only what came before the group.
     pub(crate) fn next_seq(&self) -> u64 {
-        self.recorded + 1
+        if self.open_group != NO_GROUP {
+            self.group_first_seq
+        } else {
+            self.recorded + 1
+        }
     }
 
     /// Every operation on the communicator's own stream numbered below `seq` completed.
@@ -304,6 +317,32 @@ mod tests {
             .map(|s| (s.seq, s.coll_seq, s.count))
             .collect();
         assert_eq!(seqs, vec![(4, 4, 13), (5, 5, 14), (6, 0, 4)]);
+    }
+
+    #[test]
+    fn markers_do_not_cover_an_open_groups_operations() {
+        let mut ring = FlightRing::new(8, 7, None).unwrap();
+        ring.record(op(all_reduce(), true, 1, false, false));
+        assert_eq!(ring.next_seq(), 2);
+        ring.group_opened(false);
+        ring.record(op(all_reduce(), true, 2, true, false));
+        ring.record(op(all_reduce(), true, 3, true, false));
+        // Not launched before the group ends: a synchronize now covers #1 only.
+        assert_eq!(ring.next_seq(), 2);
+        ring.group_closed();
+        assert_eq!(ring.next_seq(), 4);
+    }
+
+    #[test]
+    fn a_refused_collective_takes_no_collective_number() {
+        let mut ring = FlightRing::new(8, 7, None).unwrap();
+        ring.record(op(all_reduce(), true, 1, false, false));
+        ring.record(op(all_reduce(), true, 2, false, true));
+        ring.record(op(all_reduce(), true, 3, false, false));
+        let snap = ring.snapshot();
+        assert_eq!((snap.recorded, snap.collectives), (3, 2));
+        let seqs: Vec<(u64, u64)> = snap.slots.iter().map(|s| (s.count, s.coll_seq)).collect();
+        assert_eq!(seqs, vec![(1, 1), (2, 0), (3, 2)]);
     }
 
     #[test]
