@@ -164,6 +164,9 @@ struct WatchdogShared {
     trip: Mutex<Option<WatchdogTrip>>,
     /// Signalled when the trip is stored, and when its RAS verdict is in.
     reported: Condvar,
+    /// Set (under `trip`'s lock) once the trip's report is complete: the record's file
+    /// written where asked, RAS's verdict in.
+    report_done: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -204,9 +207,11 @@ impl Watchdog {
         let deadline = crate::diagnostics::ras::deadline_after(wait);
         let mut trip = lock(&self.shared.trip);
         loop {
-            let settled = trip
-                .as_ref()
-                .is_some_and(|t| !matches!(t.ras, RasOutcome::Pending));
+            let settled = trip.is_some()
+                && self
+                    .shared
+                    .report_done
+                    .load(std::sync::atomic::Ordering::Acquire);
             let left = deadline.saturating_duration_since(Instant::now());
             if settled || left.is_zero() {
                 return trip.clone();
@@ -247,6 +252,7 @@ impl Watchdog {
             wake: Condvar::new(),
             trip: Mutex::new(None),
             reported: Condvar::new(),
+            report_done: std::sync::atomic::AtomicBool::new(false),
         });
         let worker = Worker {
             comm: comm.shared().clone(),
@@ -509,6 +515,13 @@ fn complete_report(shared: &WatchdogShared) {
         if let Some(trip) = lock(&shared.trip).as_mut() {
             trip.ras = outcome;
         }
+    }
+    {
+        // Under the lock `trip_report` waits with, so its wake-up is not lost.
+        let _trip = lock(&shared.trip);
+        shared
+            .report_done
+            .store(true, std::sync::atomic::Ordering::Release);
     }
     shared.reported.notify_all();
 }

@@ -208,9 +208,8 @@ fn grid<T>(count: usize) -> (u32, u32) {
 
 impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
     /// Creates the all-reduce on `comm` for messages of up to `max_count` elements: every
-    /// rank calls it, with the same `max_count`. Loads the shipped kernels, allocates and
-    /// registers the scratch window, creates a device communicator with 16 LSA
-    /// barriers.
+    /// rank calls it, with the same `max_count`. Loads the shipped kernels (once per CUDA
+    /// context), allocates and registers the scratch window, creates a device communicator.
     ///
     /// The ranks agree before anything collective: a rank that cannot take part (NCCL before
     /// 2.29.2, no device-API support, ranks in more than one LSA team, a GPU older than
