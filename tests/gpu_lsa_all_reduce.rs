@@ -107,6 +107,16 @@ fn comms(test: &str) -> Option<Vec<Comm>> {
     Some(Comm::init_all(&layout.streams()).expect("ncclCommInitAll"))
 }
 
+/// A test's ranks where the shipped kernels can run (else `None`, said through `skip`), and
+/// the deadline that bounds it.
+fn start(test: &'static str) -> Option<(Vec<Comm>, Deadline)> {
+    if skip_before_device_api(test) {
+        return None;
+    }
+    let comms = comms(test)?;
+    Some((comms, Deadline::new(test, LIMIT)))
+}
+
 /// One all-reduce of `count` elements starting `shift` elements into the buffers, checked
 /// against the host's sum of every rank's input; returns the algorithm run.
 #[allow(clippy::too_many_arguments)]
@@ -250,13 +260,9 @@ fn sums_are_exact_for_every_scheme_type_and_size() {
 #[ignore = "needs CUDA GPUs"]
 fn graph_replays_advance_the_device_counters() {
     const TEST: &str = "graph_replays_advance_the_device_counters";
-    if skip_before_device_api(TEST) {
-        return;
-    }
-    let Some(comms) = comms(TEST) else {
+    let Some((comms, _deadline)) = start(TEST) else {
         return;
     };
-    let _deadline = Deadline::new(TEST, LIMIT);
     per_rank(comms, |comm, barrier| {
         let stream = comm.stream().clone();
         // Capture needs no cross-stream events: this test's work is all on this stream.
@@ -311,13 +317,9 @@ fn graph_replays_advance_the_device_counters() {
 #[ignore = "needs CUDA GPUs"]
 fn creation_is_agreed_on_every_rank() {
     const TEST: &str = "creation_is_agreed_on_every_rank";
-    if skip_before_device_api(TEST) {
-        return;
-    }
-    let Some(comms) = comms(TEST) else {
+    let Some((comms, _deadline)) = start(TEST) else {
         return;
     };
-    let _deadline = Deadline::new(TEST, LIMIT);
     per_rank(comms, |comm, barrier| {
         let rank = comm.rank();
         // Between attempts every rank waits for the others: with two ranks of one process on
@@ -376,13 +378,9 @@ fn creation_is_agreed_on_every_rank() {
 #[ignore = "needs CUDA GPUs"]
 fn a_rank_that_skips_a_call_makes_its_peers_give_up() {
     const TEST: &str = "a_rank_that_skips_a_call_makes_its_peers_give_up";
-    if skip_before_device_api(TEST) {
-        return;
-    }
-    let Some(comms) = comms(TEST) else {
+    let Some((comms, _deadline)) = start(TEST) else {
         return;
     };
-    let _deadline = Deadline::new(TEST, LIMIT);
     per_rank(comms, |comm, barrier| {
         let (rank, size) = (comm.rank(), comm.size() as f32);
         let stream = comm.stream().clone();
@@ -524,13 +522,9 @@ fn epilogue_reference(
 #[ignore = "needs CUDA GPUs"]
 fn fused_epilogue_matches_the_separate_one_and_the_host() {
     const TEST: &str = "fused_epilogue_matches_the_separate_one_and_the_host";
-    if skip_before_device_api(TEST) {
-        return;
-    }
-    let Some(comms) = comms(TEST) else {
+    let Some((comms, _deadline)) = start(TEST) else {
         return;
     };
-    let _deadline = Deadline::new(TEST, LIMIT);
     const SHAPES: [(usize, usize); 6] = [
         (1, 8),
         (3, 4096),
