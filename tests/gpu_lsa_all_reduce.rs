@@ -157,7 +157,13 @@ fn check_one<T: TestElem>(
     let got = stream
         .clone_dtoh(&recv.slice(shift..shift + count))
         .expect("read");
-    ar.check().expect("no kernel gave up");
+    ar.check().unwrap_or_else(|e| {
+        panic!(
+            "rank {rank}: {count} {} elements (shift {shift}, in place {in_place}, {algorithm:?} \
+             ran {ran:?}): a kernel gave up: {e}",
+            std::any::type_name::<T>()
+        )
+    });
     let wrong: Vec<usize> = (0..count).filter(|&i| got[i].to_f64() != want[i]).collect();
     assert!(
         wrong.is_empty(),

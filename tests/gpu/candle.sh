@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# tests/gpu/candle.sh [NAME args...]: runs nccl-candle binaries carried as .gpu/candle/NAME.xz
+# tests/gpu/candle.sh [NAME args...]: runs nccl-candle binaries carried in .gpu/candle/bin.tar.xz
 # (built on a machine without CUDA against stub libraries) with the host's CUDA 13.0 libraries and
 # .gpu/run's NCCL settings. Without arguments: the GPU tests (`gpu`, `gpu_*`), each in turn.
 set -o pipefail
 bin=/tmp/nccl-candle-bin; mkdir -p $bin
-for x in .gpu/candle/*.xz; do n=${x##*/}; n=${n%.xz}; [[ -x $bin/$n ]] || { xz -dc "$x" > $bin/$n.tmp && chmod +x $bin/$n.tmp && mv $bin/$n.tmp $bin/$n; }; done
+[[ -f $bin/.unpacked ]] || { tar -C $bin -xJf .gpu/candle/bin.tar.xz && touch $bin/.unpacked; } || exit 1
 cuda=$(dirname "$(ls /usr/local/cuda/lib64/libcublas.so.13 /usr/local/cuda/targets/x86_64-linux/lib/libcublas.so.13 2>/dev/null | head -1)")
 export LD_LIBRARY_PATH=$cuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 eval "$(.gpu/run env 2>/dev/null | sed 's/^/export /')"

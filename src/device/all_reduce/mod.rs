@@ -233,7 +233,18 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             .map_err(Error::from)?;
         // The kernels need no NCCL barriers (theirs live in the scratch window).
         let reqs = DevCommRequirements::new();
-        let dev_comm = DevComm::create(comm, &reqs, shipped::ABI)?;
+        let dev_comm = DevComm::create(comm, &reqs, shipped::ABI);
+        // The ranks meet once more after NCCL's local work of the creation: no rank returns,
+        // and so launches a kernel that spins for its peers, while a peer may still allocate
+        // or copy there (on a shared GPU that work can wait for the spinning kernel); and a
+        // creation that failed on one rank fails on all.
+        let refusal = dev_comm
+            .as_ref()
+            .err()
+            .map_or(0, |err| Refusal::of(err).code());
+        let agreed = agree(comm, [refusal, row[1], row[2]]);
+        let dev_comm = dev_comm?;
+        agreed?;
         Ok(Self {
             comm,
             dev_comm,

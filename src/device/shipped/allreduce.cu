@@ -256,14 +256,26 @@ __device__ __forceinline__ bool pull(float (&acc)[16 / sizeof(T)], const char* l
                                      unsigned long long timeout_ns) {
 #pragma unroll
   for (int i = 0; i < 16 / (int)sizeof(T); i++) acc[i] = 0.f;
-  for (int p = 0; p < peers; p++) {
-    const char* at = local + ((size_t)buf * peers + p) * slot + v * 16;
-    Vec x = load_volatile(at);
-    while (holds_sentinel<T>(x)) {
-      if (!waiter.go_on(st, timeout_ns)) return false;
-      x = load_volatile(at);
+  // kBatch peers' slots loaded at once (one memory round trip for them, not one each), then
+  // each awaited and summed in rank order.
+  constexpr int kBatch = 4;
+  for (int p0 = 0; p0 < peers; p0 += kBatch) {
+    Vec x[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; j++) {
+      if (p0 + j < peers) x[j] = load_volatile(local + ((size_t)buf * peers + p0 + j) * slot + v * 16);
     }
-    accumulate<T>(acc, x);
+#pragma unroll
+    for (int j = 0; j < kBatch; j++) {
+      if (p0 + j < peers) {
+        const char* at = local + ((size_t)buf * peers + p0 + j) * slot + v * 16;
+        while (holds_sentinel<T>(x[j])) {
+          if (!waiter.go_on(st, timeout_ns)) return false;
+          x[j] = load_volatile(at);
+        }
+        accumulate<T>(acc, x[j]);
+      }
+    }
   }
   return true;
 }
@@ -483,18 +495,21 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
   const unsigned long long call = st->flags_call;
   const size_t vpr = hidden / n, vecs = rows * vpr, len = rows * hidden;
   const bool aligned = all_aligned(in, (const T*)residual, weight, (const T*)out);
-  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  // Each CTA pushes one contiguous chunk of the message (all vectors of all rows), so every
+  // CTA of the grid pushes, however few vectors a CTA's threads could take.
+  const size_t chunk = (vecs + gridDim.x - 1) / gridDim.x;
+  const size_t first = (size_t)blockIdx.x * chunk + threadIdx.x;
+  const size_t end = min((size_t)(blockIdx.x + 1) * chunk, vecs);
   // The first vector's load is issued before the failure check, so their latencies overlap.
-  Vec x0 = first < vecs ? load_input(in, first, len, aligned) : Vec{};
+  Vec x0 = first < end ? load_input(in, first, len, aligned) : Vec{};
   if (instance_failed(st)) return;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
 
-  // Push first, spread over the whole grid (all vectors of all rows), then wait: no CTA
-  // waits before every CTA of every peer has pushed all it pushes. The CTAs past the rows
-  // only push.
-  for (size_t v = first; v < vecs; v += (size_t)gridDim.x * blockDim.x) {
+  // Push first, then wait: no CTA waits before every CTA of every peer has pushed all it
+  // pushes. The CTAs past the rows only push.
+  for (size_t v = first; v < end; v += blockDim.x) {
     Vec x = v == first ? x0 : load_input(in, v, len, aligned);
     scrub<T>(x);
     for (int p = 0; p < peers; p++) {
