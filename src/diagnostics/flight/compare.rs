@@ -68,6 +68,24 @@ pub enum Finding {
         /// The ranks that issued collective `seq`.
         ahead: Vec<usize>,
     },
+    /// `rank` issued collectives from `seq` on (`count` of them) that most ranks, `behind`,
+    /// never issued: by majority, this rank issued extra collectives at the end, though the
+    /// records cannot tell that apart from the majority stalling (said when everything they
+    /// issued completed).
+    Ahead {
+        /// The rank ahead.
+        rank: usize,
+        /// The first collective only the ranks ahead issued.
+        seq: u64,
+        /// How many collectives it issued from `seq` on.
+        count: u64,
+        /// Its collective `seq`.
+        first: FlightEntry,
+        /// The ranks that never issued collective `seq`.
+        behind: Vec<usize>,
+        /// Whether everything the ranks behind issued was seen complete.
+        behind_idle: bool,
+    },
     /// Every rank issued the same collectives, but collective `seq` was not seen complete on
     /// `ranks` (it may have completed unseen where no watchdog or synchronize looked).
     NotCompleted {
@@ -91,6 +109,7 @@ impl Finding {
             | Finding::Extra { rank, .. }
             | Finding::Mismatch { rank, .. }
             | Finding::Stalled { rank, .. }
+            | Finding::Ahead { rank, .. }
             | Finding::NoRecord { rank } => Some(*rank),
             Finding::NotCompleted { .. } => None,
         }
@@ -320,6 +339,28 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
         .filter(|r| r.at(seq).is_some())
         .map(|r| r.rank)
         .collect();
+    let behind: Vec<&RankOps<'_>> = ranks.iter().filter(|r| r.at(seq).is_none()).collect();
+    // Most ranks never issued `seq` and the few that did agree on it: by majority, those few
+    // issued extra collectives at the end (the others' records end where theirs agree).
+    if behind.len() > ahead.len() && groups.len() == 1 {
+        let behind_idle = behind
+            .iter()
+            .all(|r| r.record.last_completed_collective() == r.last);
+        let behind: Vec<usize> = behind.iter().map(|r| r.rank).collect();
+        return reference
+            .iter()
+            .filter_map(|r| {
+                r.at(seq).map(|first| Finding::Ahead {
+                    rank: r.rank,
+                    seq,
+                    count: r.last + 1 - seq,
+                    first: first.clone(),
+                    behind: behind.clone(),
+                    behind_idle,
+                })
+            })
+            .collect();
+    }
     let mut findings = Vec::new();
     for rank in ranks {
         if reference.iter().any(|r| r.rank == rank.rank) {
@@ -428,6 +469,29 @@ impl fmt::Display for Finding {
                     "rank {rank} STALLED before collective #{seq}: it issued up to #{last_enqueued} \
                      (completed through #{last_completed}; {where_}) while ranks {ahead:?} issued \
                      #{seq}"
+                )
+            }
+            Finding::Ahead {
+                rank,
+                seq,
+                count,
+                first,
+                behind,
+                behind_idle,
+            } => {
+                let why = if *behind_idle {
+                    format!(
+                        "everything they issued completed: rank {rank} issued extra \
+                         collective(s), or ranks {behind:?} stalled outside NCCL"
+                    )
+                } else {
+                    "their last collectives did not complete".to_string()
+                };
+                write!(
+                    f,
+                    "rank {rank} AHEAD: it issued {count} collective(s) from #{seq} ({}) that \
+                     ranks {behind:?}, the majority, never issued; {why}",
+                    first.describe()
                 )
             }
             Finding::NotCompleted { seq, ranks } => write!(
@@ -565,6 +629,60 @@ mod tests {
         let records = vec![record(0, 2, &ops, 1), record(1, 2, &ops[..2], 1)];
         let text = compare(&records).unwrap().to_string();
         assert!(text.contains("did not complete"), "{text}");
+    }
+
+    #[test]
+    fn a_minority_that_issued_one_more_at_the_end_is_named_ahead() {
+        let ops = five();
+        let mut six = ops.clone();
+        six.push((6, 999));
+        // Rank 1 of 4 issued a sixth all-reduce the others never issue; theirs all completed.
+        let records: Vec<FlightRecord> = (0..4)
+            .map(|rank| {
+                if rank == 1 {
+                    record(rank, 4, &six, 5)
+                } else {
+                    record(rank, 4, &ops, 5)
+                }
+            })
+            .collect();
+        let cmp = compare(&records).unwrap();
+        assert_eq!(cmp.diverged_at, Some(6), "{cmp}");
+        assert_eq!(cmp.culprits(), vec![1], "{cmp}");
+        match &cmp.findings[..] {
+            [Finding::Ahead {
+                rank: 1,
+                seq: 6,
+                count: 1,
+                first,
+                behind,
+                behind_idle: true,
+            }] => {
+                assert_eq!(first.count, 999);
+                assert_eq!(behind, &vec![0, 2, 3]);
+            }
+            other => panic!("{other:?}\n{cmp}"),
+        }
+        let text = cmp.to_string();
+        assert!(text.contains("rank 1 AHEAD"), "{text}");
+        assert!(
+            text.contains("or ranks [0, 2, 3] stalled outside NCCL"),
+            "{text}"
+        );
+        // Two ranks: no majority, the one behind is named as before.
+        let records = vec![record(0, 2, &ops, 5), record(1, 2, &six, 5)];
+        let cmp = compare(&records).unwrap();
+        assert!(
+            matches!(
+                cmp.findings[..],
+                [Finding::Stalled {
+                    rank: 0,
+                    seq: 6,
+                    ..
+                }]
+            ),
+            "{cmp}"
+        );
     }
 
     #[test]

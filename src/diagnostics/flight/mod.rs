@@ -72,7 +72,10 @@
 //!   ([`Finding::Extra`]);
 //! * it never issued a collective `n` at all, while others did: it **stalled**
 //!   ([`Finding::Stalled`]), stuck outside NCCL if all it issued completed, or inside its
-//!   last collective if that did not;
+//!   last collective if that did not — unless most ranks never issued `n` and the few that
+//!   did agree on it: then, by majority, those few are **ahead** ([`Finding::Ahead`]), having
+//!   issued extra collectives at the end (the records cannot tell that from the majority
+//!   stalling, and the finding says so);
 //! * anything else is a plain **mismatch** ([`Finding::Mismatch`]).
 //!
 //! Where all ranks agree on every collective, the first one not seen complete on some rank
