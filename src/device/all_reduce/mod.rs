@@ -237,7 +237,9 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // The ranks meet once more after NCCL's local work of the creation: no rank returns,
         // and so launches a kernel that spins for its peers, while a peer may still allocate
         // or copy there (on a shared GPU that work can wait for the spinning kernel); and a
-        // creation that failed on one rank fails on all.
+        // creation that failed on one rank after NCCL's own exchanges fails on all. (One that
+        // fails before them, or a registration that fails on one rank, leaves its peers in
+        // NCCL's exchange until the communicator's timeout aborts it.)
         let refusal = dev_comm
             .as_ref()
             .err()

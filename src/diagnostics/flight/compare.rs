@@ -19,6 +19,7 @@ const CONFIRM: u64 = 8;
 
 /// What the analyser found about one rank (or, for [`Finding::NotCompleted`], a set of ranks).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Finding {
     /// `rank` skipped `count` collectives starting at collective `seq`: its collective `seq`
     /// is the others' `seq + count`. `skipped` is the first one it skipped.
@@ -68,10 +69,10 @@ pub enum Finding {
         /// The ranks that issued collective `seq`.
         ahead: Vec<usize>,
     },
-    /// `rank` issued collectives from `seq` on (`count` of them) that most ranks, `behind`,
-    /// never issued: by majority, this rank issued extra collectives at the end, though the
-    /// records cannot tell that apart from the majority stalling (said when everything they
-    /// issued completed).
+    /// `rank` issued collectives from `seq` on (`count` of them) that most of the compared
+    /// ranks, `behind`, never issued, though everything they issued completed: by majority,
+    /// this rank issued extra collectives at the end, which the records cannot tell apart from
+    /// the others stalling outside NCCL (the finding says so).
     Ahead {
         /// The rank ahead.
         rank: usize,
@@ -83,7 +84,8 @@ pub enum Finding {
         first: FlightEntry,
         /// The ranks that never issued collective `seq`.
         behind: Vec<usize>,
-        /// Whether everything the ranks behind issued was seen complete.
+        /// Whether everything the ranks behind issued was seen complete (always, today: where
+        /// it was not, the first collective not seen complete is reported instead).
         behind_idle: bool,
     },
     /// Every rank issued the same collectives, but collective `seq` was not seen complete on
@@ -346,6 +348,14 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
         let behind_idle = behind
             .iter()
             .all(|r| r.record.last_completed_collective() == r.last);
+        if !behind_idle {
+            // Everyone is still inside an earlier collective and a faster host merely queued
+            // the next one: blame nobody, name the first collective not seen complete.
+            let from = ranks.iter().map(RankOps::first_kept).max().unwrap_or(1);
+            if let Some(finding) = not_completed(ranks, from, seq.saturating_sub(1)) {
+                return vec![finding];
+            }
+        }
         let behind: Vec<usize> = behind.iter().map(|r| r.rank).collect();
         return reference
             .iter()
@@ -353,7 +363,7 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
                 r.at(seq).map(|first| Finding::Ahead {
                     rank: r.rank,
                     seq,
-                    count: r.last + 1 - seq,
+                    count: r.last.saturating_add(1).saturating_sub(seq).max(1),
                     first: first.clone(),
                     behind: behind.clone(),
                     behind_idle,
@@ -490,7 +500,7 @@ impl fmt::Display for Finding {
                 write!(
                     f,
                     "rank {rank} AHEAD: it issued {count} collective(s) from #{seq} ({}) that \
-                     ranks {behind:?}, the majority, never issued; {why}",
+                     ranks {behind:?}, most of the ranks compared, never issued; {why}",
                     first.describe()
                 )
             }
@@ -669,6 +679,26 @@ mod tests {
             text.contains("or ranks [0, 2, 3] stalled outside NCCL"),
             "{text}"
         );
+        // The others still inside #5 (not seen complete): nobody is blamed, #5 is named.
+        let records: Vec<FlightRecord> = (0..4)
+            .map(|rank| {
+                if rank == 1 {
+                    record(rank, 4, &six, 4)
+                } else {
+                    record(rank, 4, &ops, 4)
+                }
+            })
+            .collect();
+        let cmp = compare(&records).unwrap();
+        assert_eq!(
+            cmp.findings,
+            vec![Finding::NotCompleted {
+                seq: 5,
+                ranks: vec![0, 1, 2, 3]
+            }],
+            "{cmp}"
+        );
+        assert!(cmp.culprits().is_empty());
         // Two ranks: no majority, the one behind is named as before.
         let records = vec![record(0, 2, &ops, 5), record(1, 2, &six, 5)];
         let cmp = compare(&records).unwrap();

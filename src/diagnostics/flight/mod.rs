@@ -73,9 +73,11 @@
 //! * it never issued a collective `n` at all, while others did: it **stalled**
 //!   ([`Finding::Stalled`]), stuck outside NCCL if all it issued completed, or inside its
 //!   last collective if that did not — unless most ranks never issued `n` and the few that
-//!   did agree on it: then, by majority, those few are **ahead** ([`Finding::Ahead`]), having
-//!   issued extra collectives at the end (the records cannot tell that from the majority
-//!   stalling, and the finding says so);
+//!   did agree on it: then, where everything the many issued completed, by majority the few
+//!   are **ahead** ([`Finding::Ahead`]), having issued extra collectives at the end (the
+//!   records cannot tell that from the many stalling, and the finding says so); where it did
+//!   not, everyone is still inside an earlier collective, and the first one not seen complete
+//!   is reported ([`Finding::NotCompleted`]);
 //! * anything else is a plain **mismatch** ([`Finding::Mismatch`]).
 //!
 //! Where all ranks agree on every collective, the first one not seen complete on some rank
