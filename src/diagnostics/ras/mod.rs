@@ -226,6 +226,27 @@ fn clip(text: &str) -> String {
     text.chars().take(80).collect()
 }
 
+/// `addr`'s socket addresses, `None` past `deadline`: an IP literal at once, a name on a
+/// thread of its own (the system resolver has no timeout; one that overruns is left behind to
+/// finish alone).
+fn resolve(addr: &str, deadline: Instant) -> Option<std::io::Result<Vec<SocketAddr>>> {
+    if let Ok(addr) = addr.parse::<SocketAddr>() {
+        return Some(Ok(vec![addr]));
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let name = addr.to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("nccl-rs-ras-resolve".into())
+        .spawn(move || {
+            let _ = tx.send(name.to_socket_addrs().map(Iterator::collect));
+        });
+    if let Err(e) = spawned {
+        return Some(Err(e));
+    }
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .ok()
+}
+
 /// One connection to the RAS server, every step bounded by the query's deadline.
 struct Connection<'q> {
     query: &'q RasQuery,
@@ -239,11 +260,11 @@ impl<'q> Connection<'q> {
             addr: query.addr.clone(),
             reason,
         };
-        let addrs: Vec<SocketAddr> = query
-            .addr
-            .to_socket_addrs()
-            .map_err(|e| unavailable(format!("the address does not resolve: {e}")))?
-            .collect();
+        let addrs = match resolve(&query.addr, deadline) {
+            Some(Ok(addrs)) => addrs,
+            Some(Err(e)) => return Err(unavailable(format!("the address does not resolve: {e}"))),
+            None => return Err(Connection::timeout(query, deadline)),
+        };
         let mut last = None;
         for addr in addrs {
             let left = deadline.saturating_duration_since(Instant::now());

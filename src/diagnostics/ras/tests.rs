@@ -355,12 +355,25 @@ fn nothing_listening_is_ras_unavailable() {
         Err(Error::RasUnavailable { addr: a, .. }) => assert_eq!(a, addr),
         other => panic!("{other:?}"),
     }
+    // A name goes through the resolver's thread, then the same refusal.
+    let named = addr.replace("127.0.0.1", "localhost");
+    match RasQuery::new().addr(&named).run() {
+        Err(Error::RasUnavailable { addr: a, reason }) => {
+            assert_eq!(a, named);
+            assert!(!reason.contains("resolve"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A name that does not resolve: refused, or (a resolver slower than the bound) timed out.
+    let started = std::time::Instant::now();
     match RasQuery::new().addr("no-such-host.invalid:28028").run() {
         Err(Error::RasUnavailable { reason, .. }) => {
             assert!(reason.contains("resolve"), "{reason}")
         }
+        Err(Error::RasTimeout { .. }) => {}
         other => panic!("{other:?}"),
     }
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
 
 #[test]
