@@ -218,6 +218,37 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
         .collect();
     let compared_from = ranks.iter().map(RankOps::first_kept).max().unwrap_or(1);
     let max_last = ranks.iter().map(|r| r.last).max().unwrap_or(0);
+    let min_last = ranks.iter().map(|r| r.last).min().unwrap_or(0);
+    if min_last.saturating_add(1) < compared_from {
+        // A rank stopped before the first collective every ring still holds: nothing of it
+        // can be compared, and it is behind the others by more than their rings keep.
+        let seq = min_last + 1;
+        let ahead: Vec<usize> = ranks
+            .iter()
+            .filter(|r| r.last >= seq)
+            .map(|r| r.rank)
+            .collect();
+        findings.extend(
+            ranks
+                .iter()
+                .filter(|r| r.last == min_last)
+                .map(|r| Finding::Stalled {
+                    rank: r.rank,
+                    seq,
+                    last_enqueued: r.last,
+                    last_completed: r.record.last_completed_collective(),
+                    ahead: ahead.clone(),
+                }),
+        );
+        return Ok(FlightComparison {
+            size,
+            ranks: ranks.iter().map(|r| r.rank).collect(),
+            compared_from,
+            agreed_through: min_last,
+            diverged_at: Some(seq),
+            findings,
+        });
+    }
 
     let mut agreed_through = compared_from.saturating_sub(1);
     let mut diverged_at = None;
@@ -713,6 +744,31 @@ mod tests {
             ),
             "{cmp}"
         );
+    }
+
+    #[test]
+    fn a_rank_behind_the_others_rings_is_named_stalled_not_agreeing() {
+        // Ranks 0 and 2 issued 1..=1063 and keep the last 64; rank 1 stopped at 500.
+        let far: Vec<(u64, u64)> = (1000..=1063).map(|i| (i, 256 + i)).collect();
+        let near: Vec<(u64, u64)> = (437..=500).map(|i| (i, 256 + i)).collect();
+        let records = vec![
+            record(0, 3, &far, 1063),
+            record(1, 3, &near, 500),
+            record(2, 3, &far, 1063),
+        ];
+        let cmp = compare(&records).unwrap();
+        assert_eq!(cmp.diverged_at, Some(501), "{cmp}");
+        assert_eq!(cmp.agreed_through, 500, "{cmp}");
+        match &cmp.findings[..] {
+            [Finding::Stalled {
+                rank: 1,
+                seq: 501,
+                last_enqueued: 500,
+                last_completed: 500,
+                ahead,
+            }] => assert_eq!(ahead, &vec![0, 2]),
+            other => panic!("{other:?}\n{cmp}"),
+        }
     }
 
     #[test]

@@ -80,6 +80,10 @@
 //!   is reported ([`Finding::NotCompleted`]);
 //! * anything else is a plain **mismatch** ([`Finding::Mismatch`]).
 //!
+//! A rank whose last collective comes before the first one every ring still holds is
+//! behind by more than the rings keep: it is reported **stalled** at its next collective and
+//! nothing else is compared.
+//!
 //! Where all ranks agree on every collective, the first one not seen complete on some rank
 //! is reported ([`Finding::NotCompleted`]): a hang inside NCCL with no rank out of step (a
 //! dead peer, a network failure).
