@@ -173,7 +173,9 @@ impl RankOps<'_> {
 /// Compares the flight records of the ranks of one communicator (one record per rank, in any
 /// order; ranks without a record are reported as such) and says where they diverge; see the
 /// [flight module docs](super#comparing-ranks). [`Error::FlightRecordFormat`] when there is no record, or the records
-/// disagree on the communicator's size, or two are of the same rank.
+/// disagree on the communicator's size or name ([`CommConfig::comm_name`](crate::CommConfig::comm_name),
+/// where both have one), or two are of the same rank. Records carry no other identity of their
+/// communicator: records of two unnamed communicators of one size are compared as one.
 pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
     let size = records
         .first()
@@ -192,6 +194,19 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
             return Err(Error::FlightRecordFormat(format!(
                 "a record of rank {} in a communicator of {size} ranks",
                 record.rank
+            )));
+        }
+        if let Some(other) = ranks.iter().find_map(|r| {
+            r.record
+                .name
+                .as_ref()
+                .zip(record.name.as_ref())
+                .filter(|(a, b)| a != b)
+        }) {
+            return Err(Error::FlightRecordFormat(format!(
+                "the records are of communicators named {:?} and {:?}: compare the records of \
+                 one communicator",
+                other.0, other.1
             )));
         }
         if ranks.iter().any(|r| r.rank == record.rank) {
@@ -769,6 +784,22 @@ mod tests {
             }] => assert_eq!(ahead, &vec![0, 2]),
             other => panic!("{other:?}\n{cmp}"),
         }
+    }
+
+    #[test]
+    fn records_of_differently_named_communicators_are_refused() {
+        let ops = five();
+        let mut a = record(0, 2, &ops, 5);
+        let mut b = record(1, 2, &ops, 5);
+        a.name = Some("tp".into());
+        b.name = Some("dp".into());
+        match compare(&[a.clone(), b.clone()]) {
+            Err(Error::FlightRecordFormat(why)) => assert!(why.contains("\"dp\""), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // One unnamed record is compared with a named one.
+        b.name = None;
+        assert!(compare(&[a, b]).unwrap().is_consistent());
     }
 
     #[test]
