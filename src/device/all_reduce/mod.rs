@@ -150,6 +150,10 @@ pub enum LsaAlgorithm {
 /// calls in step: a rank's allocation or free there (creating an instance, dropping a refused
 /// one) can wait for the GPU while the other rank's kernel or agreement spins on it waiting
 /// for this rank; with one process per rank (the usual shape) nothing of the kind happens.
+/// Known issue: on a host where that GPU is the only one visible, a flags kernel of such a
+/// pair has timed out mid-sequence (on 2.32.3; the pair passed on a host with a second GPU
+/// visible): the instance then refuses every later call with [`Error::Timeout`], so no
+/// result is wrong, but the shape is not dependable there yet.
 ///
 /// Created collectively by every rank ([`LsaAllReduce::new`]); each owns a scratch window of
 /// `(3 × ranks + 2) × max_count` elements, a device communicator and a few words of state.
