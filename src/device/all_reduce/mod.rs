@@ -40,6 +40,10 @@ const SINCE: Version = Version::new(2, 29, 2);
 /// The most bytes (the message times the ranks) [`LsaAlgorithm::Auto`] sends to the flags
 /// kernel.
 const AUTO_MAX_READ: usize = 1 << 20;
+/// The message sizes (bytes, exclusive start, inclusive end) where NCCL's symmetric kernels
+/// beat the flags kernel at 4 ranks or more: measured at 32 KiB on three 4-GPU hosts (4×H100
+/// 0.88×, 4×H200 0.92× and 0.87×), level at 8 KiB, the kernel ahead at 128 KiB.
+const AUTO_NCCL_BAND_WIDE: (usize, usize) = (16 << 10, 64 << 10);
 /// How long a kernel waits for its peers by default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -193,6 +197,18 @@ impl<T: LsaElem> std::fmt::Debug for LsaAllReduce<'_, T> {
     }
 }
 
+/// [`LsaAllReduce::choose`] for a message of `bytes` on `ranks` ranks, `fits`: whether it fits
+/// the scratch.
+fn auto_choice(bytes: usize, ranks: usize, fits: bool) -> LsaAlgorithm {
+    let (low, high) = AUTO_NCCL_BAND_WIDE;
+    let nccl_band = ranks >= 4 && bytes > low && bytes <= high;
+    if fits && bytes.saturating_mul(ranks) <= AUTO_MAX_READ && !nccl_band {
+        LsaAlgorithm::OneShotFlags
+    } else {
+        LsaAlgorithm::Nccl
+    }
+}
+
 /// The grid for `count` elements of `T`: one thread per 16 bytes, in CTAs of [`THREADS`]
 /// (fewer, a multiple of 32, for a message that fits one CTA: a smaller CTA starts and
 /// ends sooner), at most [`MAX_CTAS`] of them. A function of the count alone, so every rank
@@ -293,17 +309,17 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
 
     /// The algorithm [`LsaAlgorithm::Auto`] runs for `count` elements: the flags kernel while
     /// the bytes every rank reads (the message from every rank) are at most 1 MiB and the
-    /// message fits the scratch, NCCL past that. Measured on 2×H100 (NCCL 2.32.3, NVLS off,
-    /// CUDA graphs, against NCCL on symmetric windows): the flags kernel ahead from 8 B to
-    /// 512 KiB, NCCL ahead at 2 MiB; on 4×H100 level with NCCL to 8 KiB, behind at 32 KiB
-    /// (0.88×), ahead at 128 KiB (1.46×).
+    /// message fits the scratch, NCCL past that; and NCCL for messages past 16 KiB up to
+    /// 64 KiB at 4 ranks or more. Measured (NCCL 2.32.3, NVLS off, CUDA graphs, against NCCL
+    /// on symmetric windows): on 2×H100 the flags kernel ahead from 8 B to 512 KiB, NCCL
+    /// ahead at 2 MiB; on 4×H100 and 4×H200 level with NCCL to 8 KiB (within ±5 %), behind
+    /// at 32 KiB (0.87–0.92×), ahead at 128 KiB (1.46×).
     pub fn choose(&self, count: usize) -> LsaAlgorithm {
-        let read = (count * std::mem::size_of::<T>()).saturating_mul(self.comm.size());
-        if count <= self.max_count && read <= AUTO_MAX_READ {
-            LsaAlgorithm::OneShotFlags
-        } else {
-            LsaAlgorithm::Nccl
-        }
+        auto_choice(
+            count.saturating_mul(std::mem::size_of::<T>()),
+            self.comm.size(),
+            count <= self.max_count,
+        )
     }
 
     /// Sums `send` over the ranks into `recv` on the communicator's stream, with `algorithm`
@@ -483,6 +499,27 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_nccl_where_it_was_measured_ahead() {
+        use LsaAlgorithm::{Nccl, OneShotFlags};
+        for ranks in [2, 4, 8] {
+            assert_eq!(auto_choice(8, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(8 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(16 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(8, ranks, false), Nccl);
+        }
+        assert_eq!(auto_choice(32 << 10, 2, true), OneShotFlags);
+        assert_eq!(auto_choice(32 << 10, 4, true), Nccl);
+        assert_eq!(auto_choice(64 << 10, 4, true), Nccl);
+        assert_eq!(auto_choice((64 << 10) + 16, 4, true), OneShotFlags);
+        assert_eq!(auto_choice(128 << 10, 4, true), OneShotFlags);
+        // The bytes read bound: 1 MiB over all ranks.
+        assert_eq!(auto_choice(512 << 10, 2, true), OneShotFlags);
+        assert_eq!(auto_choice(512 << 10, 4, true), Nccl);
+        assert_eq!(auto_choice(2 << 20, 2, true), Nccl);
+        assert_eq!(auto_choice(usize::MAX, 2, true), Nccl);
+    }
 
     #[test]
     fn grids_cover_the_message_up_to_the_barrier_count() {
