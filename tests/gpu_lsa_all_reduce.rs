@@ -8,7 +8,9 @@
 //! (the peers' flags kernel gives up, `check` says so); NCCL before 2.29.2 refused on every
 //! rank.
 //!
-//! Ranks are threads of one process: one GPU each, or two sharing GPU 0 (NCCL 2.30+). Run on
+//! Ranks are threads of one process: one GPU each, or two sharing GPU 0 (NCCL 2.30+), where
+//! host copies go through page-locked memory (`Staging`; why in
+//! `two_ranks_on_one_gpu_read_back_through_page_locked_memory`). Run on
 //! a GPU host with `cargo test --test gpu_lsa_all_reduce -- --include-ignored
 //! --test-threads=1` (or `.gpu/run tests`), with NCCL 2.32.3 and the system's 2.28.3.
 
@@ -18,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::shape::skip;
-use common::threaded::{per_rank, Deadline};
+use common::threaded::{per_rank, Deadline, Staging};
 use common::Rng;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -123,6 +125,7 @@ fn start(test: &'static str) -> Option<(Vec<Comm>, Deadline)> {
 fn check_one<T: TestElem>(
     ar: &mut LsaAllReduce<'_, T>,
     stream: &Arc<CudaStream>,
+    staging: &mut Staging<T>,
     send: &mut CudaSlice<T>,
     recv: &mut CudaSlice<T>,
     count: usize,
@@ -138,9 +141,7 @@ fn check_one<T: TestElem>(
         .map(|i| inputs.iter().map(|x| x[i].to_f64()).sum())
         .collect();
     let target = if in_place { &mut *recv } else { &mut *send };
-    stream
-        .memcpy_htod(mine, &mut target.slice_mut(shift..shift + count))
-        .expect("copy the input");
+    staging.upload(mine, &mut target.slice_mut(shift..shift + count));
     if !in_place {
         stream.memset_zeros(recv).expect("zero the output");
     }
@@ -154,9 +155,7 @@ fn check_one<T: TestElem>(
         )
     }
     .unwrap_or_else(|e| panic!("rank {rank}: {count} elements {algorithm:?}: {e}"));
-    let got = stream
-        .clone_dtoh(&recv.slice(shift..shift + count))
-        .expect("read");
+    let got = staging.download(&recv.slice(shift..shift + count));
     ar.check().unwrap_or_else(|e| {
         panic!(
             "rank {rank}: {count} {} elements (shift {shift}, in place {in_place}, {algorithm:?} \
@@ -184,6 +183,7 @@ fn exact_for<T: TestElem>(comm: Comm) {
     let mut send = stream.alloc_zeros::<T>(MAX + 8).expect("send");
     let mut recv = stream.alloc_zeros::<T>(MAX + 8).expect("recv");
     let mut big = stream.alloc_zeros::<T>(MAX + 1).expect("big");
+    let mut staging = Staging::new(&stream, MAX + 8);
     let mut ar = LsaAllReduce::<T>::new(&comm, MAX).expect("LsaAllReduce::new");
     // A failure shows within seconds, not the default's minutes.
     ar.set_timeout(TIMEOUT);
@@ -197,7 +197,16 @@ fn exact_for<T: TestElem>(comm: Comm) {
             for (shift, in_place) in [(0, false), (1, false), (0, true), (3, true)] {
                 seed += 1;
                 let ran = check_one(
-                    &mut ar, &stream, &mut send, &mut recv, count, shift, in_place, algorithm, seed,
+                    &mut ar,
+                    &stream,
+                    &mut staging,
+                    &mut send,
+                    &mut recv,
+                    count,
+                    shift,
+                    in_place,
+                    algorithm,
+                    seed,
                 );
                 assert_ne!(ran, LsaAlgorithm::Auto);
             }
@@ -216,7 +225,16 @@ fn exact_for<T: TestElem>(comm: Comm) {
         };
         seed += 1;
         check_one(
-            &mut ar, &stream, &mut send, &mut recv, count, 0, false, algorithm, seed,
+            &mut ar,
+            &stream,
+            &mut staging,
+            &mut send,
+            &mut recv,
+            count,
+            0,
+            false,
+            algorithm,
+            seed,
         );
     }
     // Past the scratch: Auto goes to NCCL, a forced kernel is refused (on every rank alike).
@@ -278,6 +296,7 @@ fn graph_replays_advance_the_device_counters() {
         let count = 1000;
         let mut send = stream.alloc_zeros::<f32>(count).expect("send");
         let mut recv = stream.alloc_zeros::<f32>(count).expect("recv");
+        let mut staging = Staging::new(&stream, count);
         let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
         ar.set_timeout(TIMEOUT);
         for algorithm in [LsaAlgorithm::OneShotFlags, LsaAlgorithm::OneShotBarrier] {
@@ -296,11 +315,9 @@ fn graph_replays_advance_the_device_counters() {
             // Five replays, each on new data: the rotation advances on the device.
             for replay in 0..5u64 {
                 let seed = 100 + replay;
-                stream
-                    .memcpy_htod(&input::<f32>(rank, count, seed), &mut send)
-                    .expect("input");
+                staging.upload(&input::<f32>(rank, count, seed), &mut send);
                 graph.launch().expect("replay");
-                let got = stream.clone_dtoh(&recv).expect("read");
+                let got = staging.download(&recv);
                 for (i, g) in got.iter().enumerate() {
                     let want: f64 = (0..size)
                         .map(|r| input::<f32>(r, count, seed)[i] as f64)
@@ -548,6 +565,7 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
         let mut residual = stream.alloc_zeros::<half::bf16>(most).expect("residual");
         let mut out = stream.alloc_zeros::<half::bf16>(most).expect("out");
         let mut weight = stream.alloc_zeros::<half::bf16>(16384).expect("weight");
+        let mut staging = Staging::new(&stream, most);
         let mut ar = LsaAllReduce::<half::bf16>::new(&comm, most).expect("new");
         ar.set_timeout(TIMEOUT);
         let small = |seed: u64, rank: usize, len: usize| -> Vec<half::bf16> {
@@ -569,12 +587,9 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
                 LsaEpilogue::Separate(LsaAlgorithm::OneShotFlags),
                 LsaEpilogue::Separate(LsaAlgorithm::Nccl),
             ] {
-                let mut xv = x.slice_mut(0..len);
-                stream.memcpy_htod(&xs[rank], &mut xv).expect("x");
-                let mut rv = residual.slice_mut(0..len);
-                stream.memcpy_htod(&res0, &mut rv).expect("residual");
-                let mut wv = weight.slice_mut(0..hidden);
-                stream.memcpy_htod(&w, &mut wv).expect("weight");
+                staging.upload(&xs[rank], &mut x.slice_mut(0..len));
+                staging.upload(&res0, &mut residual.slice_mut(0..len));
+                staging.upload(&w, &mut weight.slice_mut(0..hidden));
                 let wv = weight.slice(0..hidden);
                 ar.all_reduce_add_rms_norm(
                     &mut x.slice_mut(0..len),
@@ -585,8 +600,8 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
                     how,
                 )
                 .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} {how:?}: {e}"));
-                let got_res = stream.clone_dtoh(&residual.slice(0..len)).expect("read");
-                let got_out = stream.clone_dtoh(&out.slice(0..len)).expect("read");
+                let got_res = staging.download(&residual.slice(0..len));
+                let got_out = staging.download(&out.slice(0..len));
                 ar.check().expect("in step");
                 // NCCL sums bf16 in its own order: exact against the rank-order f32 sum for
                 // these small multiples of 1/16 up to 4 ranks, not always past that.
@@ -638,15 +653,9 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
         let res0 = small(78, 99, len);
         let w = small(79, 98, hidden);
         let (want_res, _) = epilogue_reference(&xs, &res0, &w, hidden);
-        stream
-            .memcpy_htod(&xs[rank], &mut x.slice_mut(1..1 + len))
-            .expect("x");
-        stream
-            .memcpy_htod(&res0, &mut residual.slice_mut(3..3 + len))
-            .expect("res");
-        stream
-            .memcpy_htod(&w, &mut weight.slice_mut(5..5 + hidden))
-            .expect("w");
+        staging.upload(&xs[rank], &mut x.slice_mut(1..1 + len));
+        staging.upload(&res0, &mut residual.slice_mut(3..3 + len));
+        staging.upload(&w, &mut weight.slice_mut(5..5 + hidden));
         ar.all_reduce_add_rms_norm(
             &mut x.slice_mut(1..1 + len),
             &mut residual.slice_mut(3..3 + len),
@@ -656,10 +665,102 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
             LsaEpilogue::Fused,
         )
         .expect("unaligned");
-        let got = stream
-            .clone_dtoh(&residual.slice(3..3 + len))
-            .expect("read");
+        let got = staging.download(&residual.slice(3..3 + len));
         ar.check().expect("in step");
         assert_eq!(got, want_res, "rank {rank}: unaligned {rows}x{hidden}");
+    });
+}
+
+/// Two ranks of one process on one GPU (one CUDA context). Rank 1 launches first and its
+/// thread waits for the result while rank 0, later, copies, waits for an event on its own
+/// stream (as `check` does) and launches its half:
+/// * rank 1 waiting in a page-locked read-back (a stream synchronisation): rank 0's copies
+///   and event wait take microseconds and both ranks get the sum (asserted);
+/// * rank 1 waiting in a pageable read-back: rank 0's pageable copies still take
+///   microseconds, but its event wait lasts until rank 1's kernel gives up (reported, not
+///   asserted: the CUDA driver's behaviour, seen on driver 580). That is how the tests here
+///   timed out before they read back through [`Staging`].
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn two_ranks_on_one_gpu_read_back_through_page_locked_memory() {
+    const TEST: &str = "two_ranks_on_one_gpu_read_back_through_page_locked_memory";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    common::shape::setup();
+    let Some(layout) = common::shape::threaded(TEST) else {
+        return;
+    };
+    if layout.shape != common::shape::Shape::Shared {
+        skip(TEST, "only ranks sharing one GPU share one CUDA context");
+        return;
+    }
+    let comms = Comm::init_all(&layout.streams()).expect("ncclCommInitAll");
+    let _deadline = Deadline::new(TEST, LIMIT);
+    const WAIT: Duration = Duration::from_secs(2);
+    const PAUSE: Duration = Duration::from_millis(300);
+    per_rank(comms, |comm, barrier| {
+        let rank = comm.rank();
+        let stream = comm.stream().clone();
+        let mut buf = stream.alloc_zeros::<f32>(64).expect("buf");
+        let mut staging = Staging::new(&stream, 64);
+        for page_locked in [true, false] {
+            let mut ar = LsaAllReduce::<f32>::new(&comm, 64).expect("new");
+            ar.set_timeout(WAIT);
+            staging.upload(&[rank as f32 + 1.0; 64], &mut buf);
+            stream.synchronize().expect("sync");
+            barrier.wait();
+            if rank == 1 {
+                ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                    .expect("launch");
+                let got = if page_locked {
+                    staging.download(&buf)
+                } else {
+                    stream.clone_dtoh(&buf).expect("read")
+                };
+                if page_locked {
+                    ar.check().expect("rank 1's call completes");
+                    assert!(got.iter().all(|&g| g == 3.0), "rank 1: {:?}", &got[..4]);
+                }
+            } else {
+                std::thread::sleep(PAUSE);
+                let t = std::time::Instant::now();
+                if page_locked {
+                    staging.upload(&[1.0f32; 64], &mut buf);
+                    let _ = staging.download(&buf);
+                } else {
+                    stream.memcpy_htod(&[1.0f32; 64], &mut buf).expect("copy");
+                    let _ = stream.clone_dtoh(&buf).expect("read");
+                }
+                let copies = t.elapsed();
+                let t = std::time::Instant::now();
+                stream
+                    .record_event(None)
+                    .and_then(|e| e.synchronize())
+                    .expect("event");
+                let event = t.elapsed();
+                let how = if page_locked {
+                    "page-locked"
+                } else {
+                    "pageable"
+                };
+                println!(
+                    "NOTE {TEST}: rank 1 waiting in a {how} read-back for its kernel (which \
+                     gives up after {WAIT:?}): rank 0's {how} copies took {copies:?}, its event \
+                     wait {event:?}"
+                );
+                if page_locked {
+                    assert!(copies < WAIT / 4 && event < WAIT / 4, "rank 0 was held up");
+                    ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                        .expect("launch");
+                    let got = staging.download(&buf);
+                    ar.check().expect("rank 0's call completes");
+                    assert!(got.iter().all(|&g| g == 3.0), "rank 0: {:?}", &got[..4]);
+                }
+            }
+            barrier.wait();
+            stream.synchronize().expect("sync");
+            barrier.wait();
+        }
     });
 }

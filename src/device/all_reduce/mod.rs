@@ -154,10 +154,14 @@ pub enum LsaAlgorithm {
 /// calls in step: a rank's allocation or free there (creating an instance, dropping a refused
 /// one) can wait for the GPU while the other rank's kernel or agreement spins on it waiting
 /// for this rank; with one process per rank (the usual shape) nothing of the kind happens.
-/// Known issue: on a host where that GPU is the only one visible, a flags kernel of such a
-/// pair has timed out mid-sequence (on 2.32.3; the pair passed on a host with a second GPU
-/// visible): the instance then refuses every later call with [`Error::Timeout`], so no
-/// result is wrong, but the shape is not dependable there yet.
+/// In that shape, read results back through page-locked memory (or after the stream is
+/// synchronised): a thread waiting in a copy to pageable host memory for its rank's kernel
+/// (which waits for the other rank) holds up the other thread's event waits in the same CUDA
+/// context, [`check`](Self::check)'s included, so that rank never launches its half and the
+/// kernel times out (measured on driver 580: the other rank's event wait lasted until the
+/// kernel gave up; page-locked read-backs leave it at microseconds). The instance then
+/// refuses every later call with [`Error::Timeout`]; no result is wrong. nccl-rs's own
+/// read-backs wait for the stream before copying.
 ///
 /// Created collectively by every rank ([`LsaAllReduce::new`]); each owns a scratch window of
 /// `(3 × ranks + 2) × max_count` elements, a device communicator and a few words of state.
