@@ -435,6 +435,7 @@ fn benchmark_registered(
         Apis::Lsa(algorithm) => match lsa::name(algorithm) {
             "flags" => "NCCL (safe API) and nccl-rs's one-shot flags kernel",
             "barrier" => "NCCL (safe API) and nccl-rs's one-shot LSA-barrier kernel",
+            "twoshot" => "NCCL (safe API) and nccl-rs's two-shot flags kernel",
             _ => "NCCL (safe API) and nccl-rs's kernels chosen by size",
         },
     };

@@ -1,5 +1,5 @@
 //! The all-reduce kernels nccl-rs ships (`nccl::device::LsaAllReduce`) on real GPUs: each
-//! scheme (flags, LSA barrier, NCCL, chosen by size), f32/bf16/f16, sizes from one element to
+//! scheme (one- and two-shot flags, LSA barrier, NCCL, chosen by size), f32/bf16/f16, sizes from one element to
 //! the scratch's capacity, aligned and unaligned, in and out of place, checked exactly against
 //! a host reference on random integer-valued data (with negative zeros, the flags scheme's
 //! sentinel, among the inputs) on every rank; calls of differing sizes and schemes in a row
@@ -190,6 +190,7 @@ fn exact_for<T: TestElem>(comm: Comm) {
     let mut seed = 1;
     for algorithm in [
         LsaAlgorithm::OneShotFlags,
+        LsaAlgorithm::TwoShotFlags,
         LsaAlgorithm::OneShotBarrier,
         LsaAlgorithm::Auto,
     ] {
@@ -212,16 +213,16 @@ fn exact_for<T: TestElem>(comm: Comm) {
             }
         }
     }
-    // Sizes and schemes mixed call after call: each flags call clears the buffer its
-    // predecessor used, of that predecessor's size.
+    // Sizes and schemes mixed call after call: each flags call (one- or two-shot) clears
+    // the buffer its predecessor used, of that predecessor's size and layout.
     for (i, count) in [MAX, 5, 4096, 1, 333, MAX, 2, 2, 40_000]
         .into_iter()
         .enumerate()
     {
-        let algorithm = if i % 3 == 2 {
-            LsaAlgorithm::OneShotBarrier
-        } else {
-            LsaAlgorithm::OneShotFlags
+        let algorithm = match i % 4 {
+            1 => LsaAlgorithm::TwoShotFlags,
+            2 => LsaAlgorithm::OneShotBarrier,
+            _ => LsaAlgorithm::OneShotFlags,
         };
         seed += 1;
         check_one(
@@ -299,7 +300,11 @@ fn graph_replays_advance_the_device_counters() {
         let mut staging = Staging::new(&stream, count);
         let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
         ar.set_timeout(TIMEOUT);
-        for algorithm in [LsaAlgorithm::OneShotFlags, LsaAlgorithm::OneShotBarrier] {
+        for algorithm in [
+            LsaAlgorithm::OneShotFlags,
+            LsaAlgorithm::TwoShotFlags,
+            LsaAlgorithm::OneShotBarrier,
+        ] {
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .expect("begin capture");
@@ -380,15 +385,18 @@ fn creation_is_agreed_on_every_rank() {
             other => panic!("rank {rank}: differing element types: {other:?}"),
         }
         barrier.wait();
-        // And then one that works.
-        let mut buf = comm
-            .stream()
-            .clone_htod(&[rank as f32 + 1.0; 64])
-            .expect("buf");
+        // And then one that works (read back through page-locked memory: a rank still in
+        // `new`'s last agreement while its peer already waits for its kernel in a pageable
+        // read-back would be held up there, see
+        // two_ranks_on_one_gpu_read_back_through_page_locked_memory).
+        let stream = comm.stream().clone();
+        let mut buf = stream.alloc_zeros::<f32>(64).expect("buf");
+        let mut staging = Staging::new(&stream, 64);
+        staging.upload(&[rank as f32 + 1.0; 64], &mut buf);
         let mut ar = LsaAllReduce::<f32>::new(&comm, 64).expect("agreed");
         ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
             .expect("sum");
-        let got = comm.stream().clone_dtoh(&buf).expect("read");
+        let got = staging.download(&buf);
         let n = comm.size() as f32;
         assert!(
             got.iter().all(|&g| g == n * (n + 1.0) / 2.0),

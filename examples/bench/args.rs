@@ -51,6 +51,7 @@ impl Apis {
                 match algorithm {
                     A::OneShotFlags => &[Api::Safe, Api::Lsa(A::OneShotFlags)],
                     A::OneShotBarrier => &[Api::Safe, Api::Lsa(A::OneShotBarrier)],
+                    A::TwoShotFlags => &[Api::Safe, Api::Lsa(A::TwoShotFlags)],
                     _ => &[Api::Safe, Api::Lsa(A::Auto)],
                 }
             }
@@ -337,10 +338,11 @@ this benchmark's own:
       --compare                issue through both and print them side by side
       --rounds <n>             with --compare: measurements per API, median reported, and
                                the median of the per-round ratios (default 1)
-      --lsa <flags|barrier|auto>
+      --lsa <flags|twoshot|barrier|auto>
                                all_reduce (sum) through the kernels nccl-rs ships
-                               (nccl::device::LsaAllReduce: one-shot with flags, one-shot
-                               with NCCL's LSA barrier, or chosen by size) beside NCCL's
+                               (nccl::device::LsaAllReduce: one-shot with flags, two-shot
+                               with flags, one-shot with NCCL's LSA barrier, or chosen by
+                               size) beside NCCL's
                                own through the safe API, in the same run; f32, bf16, f16;
                                every rank in one LSA team; NCCL 2.29.2+
       --control                with --compare: both columns issue raw calls, which shows how
@@ -530,7 +532,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Parsed, String> {
             "--lsa" => {
                 let text = value()?;
                 options.apis = Apis::Lsa(crate::lsa::parse(&text).ok_or_else(|| {
-                    format!("{name}: expected flags, barrier or auto, got {text:?}")
+                    format!("{name}: expected flags, twoshot, barrier or auto, got {text:?}")
                 })?);
             }
             "--ranks" => options.ranks = Some(number(&name, &value()?)?),

@@ -47,6 +47,7 @@ pub fn parse(text: &str) -> Option<LsaAlgorithm> {
     Some(match text {
         "flags" => LsaAlgorithm::OneShotFlags,
         "barrier" => LsaAlgorithm::OneShotBarrier,
+        "twoshot" => LsaAlgorithm::TwoShotFlags,
         "auto" => LsaAlgorithm::Auto,
         _ => return None,
     })
@@ -57,6 +58,7 @@ pub fn name(algorithm: LsaAlgorithm) -> &'static str {
     match algorithm {
         LsaAlgorithm::OneShotFlags => "flags",
         LsaAlgorithm::OneShotBarrier => "barrier",
+        LsaAlgorithm::TwoShotFlags => "twoshot",
         LsaAlgorithm::Auto => "auto",
         _ => "nccl",
     }

@@ -24,9 +24,13 @@ use crate::window::{Window, WindowFlags};
 
 /// Threads per CTA of the shipped kernels.
 const THREADS: u32 = 512;
-/// The most CTAs a call runs (and the LSA barriers the device communicator holds): few
+/// The most CTAs a barrier or fused call runs (and the barrier inboxes per rank): few
 /// enough that every CTA of every rank is resident at once, even two ranks on one GPU.
 const MAX_CTAS: u32 = 16;
+/// The most CTAs a one- or two-shot flags call runs: more memory traffic in flight for large
+/// messages, and still every CTA of two ranks resident on one GPU (64 registers a thread:
+/// two 512-thread CTAs an SM, 264 on an H100, 216 on an A100, against 128).
+const FLAGS_MAX_CTAS: u32 = 64;
 /// Bytes one thread moves per step.
 const VECTOR: usize = 16;
 /// Size of the kernels' `State` (see `allreduce.cu`), in u64 words: two call counters, the
@@ -37,13 +41,22 @@ const STATE_WORDS: usize = 8;
 const INBOX_BYTES: usize = MAX_CTAS as usize * 4;
 /// The first NCCL whose device communicator the shipped kernels can read.
 const SINCE: Version = Version::new(2, 29, 2);
-/// The most bytes (the message times the ranks) [`LsaAlgorithm::Auto`] sends to the flags
-/// kernel.
-const AUTO_MAX_READ: usize = 1 << 20;
-/// The message sizes (bytes, exclusive start, inclusive end) where NCCL's symmetric kernels
-/// beat the flags kernel at 4 ranks or more: measured at 32 KiB on three 4-GPU hosts (4×H100
-/// 0.88×, 4×H200 0.92× and 0.87×), level at 8 KiB, the kernel ahead at 128 KiB.
-const AUTO_NCCL_BAND_WIDE: (usize, usize) = (16 << 10, 64 << 10);
+/// What [`LsaAlgorithm::Auto`] runs, by message size in bytes: each entry covers the sizes up
+/// to its bound (inclusive) past the previous one's; past the last, NCCL. Measured on 4×H100
+/// (NV18, NCCL 2.32.3, NVLS off, CUDA graphs, one process per GPU, against NCCL on symmetric
+/// windows; f32 and bf16), the fastest of NCCL and the three kernels at each size.
+/// Fewer than four ranks (measured at two): the one-shot flags kernel ahead from 8 B (1.1×)
+/// to 4 MiB (1.16×), NCCL at 8 MiB.
+const AUTO_FEW_RANKS: &[(usize, LsaAlgorithm)] = &[(4 << 20, LsaAlgorithm::OneShotFlags)];
+/// Four ranks or more (measured at four): one-shot level with NCCL to 2 KiB, behind at 8 and
+/// 32 KiB (0.86-0.95×), ahead at 64-128 KiB (1.5-1.8×); two-shot ahead of both from 256 KiB
+/// to 1 MiB (1.5-1.9× NCCL); NCCL ahead from 2 MiB (two-shot 0.90×).
+const AUTO_MANY_RANKS: &[(usize, LsaAlgorithm)] = &[
+    (4 << 10, LsaAlgorithm::OneShotFlags),
+    (32 << 10, LsaAlgorithm::Nccl),
+    (128 << 10, LsaAlgorithm::OneShotFlags),
+    (1 << 20, LsaAlgorithm::TwoShotFlags),
+];
 /// How long a kernel waits for its peers by default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -94,6 +107,9 @@ pub enum LsaAlgorithm {
     OneShotFlags,
     /// One-shot with NCCL's LSA barrier.
     OneShotBarrier,
+    /// Two-shot, no barrier: each rank sums a 1/ranks chunk (reduce-scatter) and writes the
+    /// sum into every peer's scratch (all-gather), both sentinel-checked.
+    TwoShotFlags,
     /// `ncclAllReduce` (sum) on the communicator.
     Nccl,
 }
@@ -104,8 +120,8 @@ pub enum LsaAlgorithm {
 ///
 /// # Schemes
 ///
-/// Both are one-shot: every rank reduces the whole message from every rank's copy, in rank
-/// order, accumulating in `f32`, so every rank ends with the same bits.
+/// Every scheme sums in rank order, accumulating in `f32`, so every rank ends with the same
+/// bits, and the same bits whichever scheme ran.
 ///
 /// * [`LsaAlgorithm::OneShotFlags`]: each rank stores its input straight into every peer's
 ///   scratch slot; the receiver waits on its own slots until no element holds the sentinel
@@ -113,6 +129,11 @@ pub enum LsaAlgorithm {
 ///   scratch buffers rotate by call and each call clears the previous call's, so no barrier
 ///   is needed at all (the Lamport scheme TensorRT-LLM's and FlashInfer's one-shot kernels
 ///   use).
+/// * [`LsaAlgorithm::TwoShotFlags`]: the message is cut into one chunk per rank; each rank
+///   stores chunk j into rank j's scratch, rank j sums its chunk (waiting on the sentinel)
+///   and stores the sum into every peer's scratch, where they wait for it. Each rank moves
+///   its message twice in all instead of once per peer, at the cost of a second wait: for
+///   larger messages at more ranks. The same buffers, rotation and clearing as the flags.
 /// * [`LsaAlgorithm::OneShotBarrier`]: each rank copies its input into its own scratch slot,
 ///   meets its peers at a barrier (NCCL's LSA barrier's scheme, flags in the scratch window,
 ///   with a timeout), and reads every peer's slot; two buffers alternate by call, so one
@@ -157,7 +178,8 @@ pub enum LsaAlgorithm {
 /// In that shape, read results back through page-locked memory (or after the stream is
 /// synchronised): a thread waiting in a copy to pageable host memory for its rank's kernel
 /// (which waits for the other rank) holds up the other thread's event waits in the same CUDA
-/// context, [`check`](Self::check)'s included, so that rank never launches its half and the
+/// context, [`check`](Self::check)'s and [`new`](Self::new)'s own included, so that rank
+/// never launches its half and the
 /// kernel times out (measured on driver 580: the other rank's event wait lasted until the
 /// kernel gave up; page-locked read-backs leave it at microseconds). The instance then
 /// refuses every later call with [`Error::Timeout`]; no result is wrong. nccl-rs's own
@@ -172,6 +194,7 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     // that took it.
     dev_comm: DevComm<'c>,
     flags: CudaFunction,
+    twoshot: CudaFunction,
     barrier: CudaFunction,
     fused_norm: CudaFunction,
     add_norm: CudaFunction,
@@ -204,10 +227,17 @@ impl<T: LsaElem> std::fmt::Debug for LsaAllReduce<'_, T> {
 /// [`LsaAllReduce::choose`] for a message of `bytes` on `ranks` ranks, `fits`: whether it fits
 /// the scratch.
 fn auto_choice(bytes: usize, ranks: usize, fits: bool) -> LsaAlgorithm {
-    let (low, high) = AUTO_NCCL_BAND_WIDE;
-    let nccl_band = ranks >= 4 && bytes > low && bytes <= high;
-    if fits && bytes.saturating_mul(ranks) <= AUTO_MAX_READ && !nccl_band {
-        LsaAlgorithm::OneShotFlags
+    let table = if ranks >= 4 {
+        AUTO_MANY_RANKS
+    } else {
+        AUTO_FEW_RANKS
+    };
+    let chosen = table
+        .iter()
+        .find(|(bound, _)| bytes <= *bound)
+        .map_or(LsaAlgorithm::Nccl, |&(_, algorithm)| algorithm);
+    if fits {
+        chosen
     } else {
         LsaAlgorithm::Nccl
     }
@@ -215,13 +245,13 @@ fn auto_choice(bytes: usize, ranks: usize, fits: bool) -> LsaAlgorithm {
 
 /// The grid for `count` elements of `T`: one thread per 16 bytes, in CTAs of [`THREADS`]
 /// (fewer, a multiple of 32, for a message that fits one CTA: a smaller CTA starts and
-/// ends sooner), at most [`MAX_CTAS`] of them. A function of the count alone, so every rank
+/// ends sooner), at most `max_ctas` of them. A function of the count alone, so every rank
 /// runs the same grid.
-fn grid<T>(count: usize) -> (u32, u32) {
+fn grid<T>(count: usize, max_ctas: u32) -> (u32, u32) {
     let vectors = (count * std::mem::size_of::<T>()).div_ceil(VECTOR);
     let ctas = vectors
         .div_ceil(THREADS as usize)
-        .clamp(1, MAX_CTAS as usize) as u32;
+        .clamp(1, max_ctas as usize) as u32;
     let threads = if ctas == 1 {
         vectors.next_multiple_of(32).clamp(32, THREADS as usize) as u32
     } else {
@@ -275,6 +305,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             comm,
             dev_comm,
             flags: prepared.flags,
+            twoshot: prepared.twoshot,
             barrier: prepared.barrier,
             fused_norm: prepared.fused_norm,
             add_norm: prepared.add_norm,
@@ -300,7 +331,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         self.comm
     }
 
-    /// How long a flags kernel waits for its peers before giving up (30 s unless set).
+    /// How long a kernel waits for its peers before giving up (300 s unless set).
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -311,13 +342,11 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         self.timeout = timeout;
     }
 
-    /// The algorithm [`LsaAlgorithm::Auto`] runs for `count` elements: the flags kernel while
-    /// the bytes every rank reads (the message from every rank) are at most 1 MiB and the
-    /// message fits the scratch, NCCL past that; and NCCL for messages past 16 KiB up to
-    /// 64 KiB at 4 ranks or more. Measured (NCCL 2.32.3, NVLS off, CUDA graphs, against NCCL
-    /// on symmetric windows): on 2×H100 the flags kernel ahead from 8 B to 512 KiB, NCCL
-    /// ahead at 2 MiB; on 4×H100 and 4×H200 level with NCCL to 8 KiB (within ±5 %), behind
-    /// at 32 KiB (0.87–0.92×), ahead at 128 KiB (1.46×).
+    /// The algorithm [`LsaAlgorithm::Auto`] runs for `count` elements: by the message's
+    /// size and the number of ranks, from measurements on 4×H100 (NCCL 2.32.3): fewer than
+    /// four ranks, the one-shot flags kernel up to 4 MiB; four or more, the one-shot up to
+    /// 4 KiB, NCCL to 32 KiB, the one-shot to 128 KiB, the two-shot to 1 MiB; NCCL past
+    /// those, and for a message past [`max_count`](Self::max_count).
     pub fn choose(&self, count: usize) -> LsaAlgorithm {
         auto_choice(
             count.saturating_mul(std::mem::size_of::<T>()),
@@ -464,12 +493,17 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         }
         let function = match algorithm {
             LsaAlgorithm::OneShotBarrier => &self.barrier,
+            LsaAlgorithm::TwoShotFlags => &self.twoshot,
             _ => &self.flags,
         };
         let stream = self.comm.stream();
         let scratch = self.scratch.as_raw() as u64;
         let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
-        let (ctas, threads) = grid::<T>(count);
+        let max_ctas = match algorithm {
+            LsaAlgorithm::OneShotBarrier => MAX_CTAS,
+            _ => FLAGS_MAX_CTAS,
+        };
+        let (ctas, threads) = grid::<T>(count, max_ctas);
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (threads, 1, 1),
@@ -482,7 +516,8 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // by `ready`), ordered on this stream by their guards; the kernel writes only `dst`,
         // its own state (STATE_WORDS words, whose last is the live GaveUp word's device
         // address) and the scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks ×
-        // INBOX_BYTES` bytes since count ≤ max_count and the grid is at most MAX_CTAS CTAs.
+        // INBOX_BYTES` bytes since count ≤ max_count and a barrier grid is at most MAX_CTAS
+        // CTAs (the flags kernels touch no inbox).
         unsafe {
             stream
                 .launch_builder(function)
@@ -505,35 +540,41 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_takes_nccl_where_it_was_measured_ahead() {
-        use LsaAlgorithm::{Nccl, OneShotFlags};
-        for ranks in [2, 4, 8] {
+    fn auto_takes_what_was_measured_fastest() {
+        use LsaAlgorithm::{Nccl, OneShotFlags, TwoShotFlags};
+        for ranks in [2, 3] {
             assert_eq!(auto_choice(8, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(8 << 10, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(16 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(32 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(4 << 20, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice((4 << 20) + 16, ranks, true), Nccl);
             assert_eq!(auto_choice(8, ranks, false), Nccl);
         }
-        assert_eq!(auto_choice(32 << 10, 2, true), OneShotFlags);
-        assert_eq!(auto_choice(32 << 10, 4, true), Nccl);
-        assert_eq!(auto_choice(64 << 10, 4, true), Nccl);
-        assert_eq!(auto_choice((64 << 10) + 16, 4, true), OneShotFlags);
-        assert_eq!(auto_choice(128 << 10, 4, true), OneShotFlags);
-        // The bytes read bound: 1 MiB over all ranks.
-        assert_eq!(auto_choice(512 << 10, 2, true), OneShotFlags);
-        assert_eq!(auto_choice(512 << 10, 4, true), Nccl);
-        assert_eq!(auto_choice(2 << 20, 2, true), Nccl);
+        for ranks in [4, 8] {
+            assert_eq!(auto_choice(8, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(4 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice((4 << 10) + 16, ranks, true), Nccl);
+            assert_eq!(auto_choice(32 << 10, ranks, true), Nccl);
+            assert_eq!(auto_choice(64 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(128 << 10, ranks, true), OneShotFlags);
+            assert_eq!(auto_choice(256 << 10, ranks, true), TwoShotFlags);
+            assert_eq!(auto_choice(1 << 20, ranks, true), TwoShotFlags);
+            assert_eq!(auto_choice(2 << 20, ranks, true), Nccl);
+            assert_eq!(auto_choice(256 << 10, ranks, false), Nccl);
+        }
         assert_eq!(auto_choice(usize::MAX, 2, true), Nccl);
     }
 
     #[test]
     fn grids_cover_the_message_up_to_the_barrier_count() {
-        assert_eq!(grid::<f32>(1), (1, 32));
-        assert_eq!(grid::<f32>(4 * 32), (1, 32));
-        assert_eq!(grid::<f32>(4 * 33), (1, 64));
-        assert_eq!(grid::<f32>(4 * 512), (1, 512));
-        assert_eq!(grid::<f32>(4 * 512 + 1), (2, 512));
-        assert_eq!(grid::<half::bf16>(8 * 512 * 3), (3, 512));
-        assert_eq!(grid::<f32>(1 << 30), (MAX_CTAS, 512));
+        assert_eq!(grid::<f32>(1, MAX_CTAS), (1, 32));
+        assert_eq!(grid::<f32>(4 * 32, MAX_CTAS), (1, 32));
+        assert_eq!(grid::<f32>(4 * 33, MAX_CTAS), (1, 64));
+        assert_eq!(grid::<f32>(4 * 512, MAX_CTAS), (1, 512));
+        assert_eq!(grid::<f32>(4 * 512 + 1, MAX_CTAS), (2, 512));
+        assert_eq!(grid::<half::bf16>(8 * 512 * 3, MAX_CTAS), (3, 512));
+        assert_eq!(grid::<f32>(1 << 30, MAX_CTAS), (MAX_CTAS, 512));
+        assert_eq!(grid::<f32>(1 << 30, FLAGS_MAX_CTAS), (FLAGS_MAX_CTAS, 512));
+        assert_eq!(grid::<f32>(4 * 512 * 20, FLAGS_MAX_CTAS), (20, 512));
     }
 
     #[test]

@@ -57,6 +57,7 @@ impl GaveUp {
 /// What a rank prepares on its own before the ranks agree.
 pub(super) struct Prepared {
     pub(super) flags: CudaFunction,
+    pub(super) twoshot: CudaFunction,
     pub(super) barrier: CudaFunction,
     pub(super) fused_norm: CudaFunction,
     pub(super) add_norm: CudaFunction,
@@ -66,12 +67,14 @@ pub(super) struct Prepared {
     pub(super) slot_bytes: usize,
 }
 
-/// Scratch bytes per rank slot for `max_count` elements of `T`, and the scratch's words for
-/// `ranks` ranks; `None` on overflow.
+/// Scratch bytes per rank slot for `max_count` elements of `T` (one vector more than the
+/// message: a two-shot call's slot holds twice a 1/ranks chunk, rounded up), and the
+/// scratch's words for `ranks` ranks; `None` on overflow.
 pub(super) fn scratch_size<T>(max_count: usize, ranks: usize) -> Option<(usize, usize)> {
     let slot = max_count
         .checked_mul(std::mem::size_of::<T>())?
-        .checked_next_multiple_of(VECTOR)?;
+        .checked_next_multiple_of(VECTOR)?
+        .checked_add(VECTOR)?;
     let words = ranks
         .checked_mul(3)?
         .checked_add(2)?
@@ -112,6 +115,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     ctx.bind_to_thread()?;
     let module = shipped::load(ctx)?;
     let flags = module.function(&format!("nccl_rs_oneshot_flags_{}", T::SUFFIX))?;
+    let twoshot = module.function(&format!("nccl_rs_twoshot_flags_{}", T::SUFFIX))?;
     let barrier = module.function(&format!("nccl_rs_oneshot_barrier_{}", T::SUFFIX))?;
     let fused_norm = module.function(&format!("nccl_rs_fused_add_rms_norm_{}", T::SUFFIX))?;
     let add_norm = module.function(&format!("nccl_rs_add_rms_norm_{}", T::SUFFIX))?;
@@ -151,6 +155,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     }
     Ok(Prepared {
         flags,
+        twoshot,
         barrier,
         fused_norm,
         add_norm,
@@ -213,16 +218,19 @@ mod tests {
         let inbox = |ranks: usize| ranks * INBOX_BYTES;
         assert_eq!(
             scratch_size::<f32>(1, 2),
-            Some((16, ((3 * 2 + 2) * 16 + inbox(2)) / 4))
+            Some((32, ((3 * 2 + 2) * 32 + inbox(2)) / 4))
         );
         assert_eq!(
             scratch_size::<half::bf16>(8, 4),
-            Some((16, (14 * 16 + inbox(4)) / 4))
+            Some((32, (14 * 32 + inbox(4)) / 4))
         );
         assert_eq!(
             scratch_size::<f32>(5, 4),
-            Some((32, (14 * 32 + inbox(4)) / 4))
+            Some((48, (14 * 48 + inbox(4)) / 4))
         );
+        // Two ranks, an odd number of vectors: the chunk (2 of 3) twice fits the slot.
+        let (slot, _) = scratch_size::<f32>(12, 2).unwrap();
+        assert!(2 * 3usize.div_ceil(2) * VECTOR <= slot);
         assert_eq!(scratch_size::<f32>(usize::MAX / 2, 2), None);
         assert_eq!(scratch_size::<f32>(1 << 20, usize::MAX / 2), None);
     }

@@ -11,6 +11,11 @@
 //   zero, which inputs never carry: it is written as +0, which sums the same). Three buffers
 //   rotate by call: a call clears the buffer of the call before it, which no peer can write
 //   again before it has this rank's data of the call after. No barrier at all.
+// * two-shot "flags": rank j reduces chunk j of the message (a 1/ranks share): every rank
+//   stores its chunk j into rank j's slot (reduce-scatter), rank j waits for its slots, sums
+//   them and stores the sum into every rank's slot j past the chunk (all-gather), where the
+//   others wait for it. The one-shot's buffers, rotation and clearing; a rank moves its
+//   message twice instead of once per peer, at the cost of a second wait.
 // * one-shot "barrier": a rank copies its input into its scratch slot, meets its peers at a
 //   barrier (CTA b of every rank at barrier b: flags in each rank's scratch, NCCL's LSA
 //   barrier's scheme with a timeout), and reads every peer's slot. Two buffers alternate by
@@ -280,8 +285,9 @@ __device__ __forceinline__ bool pull(float (&acc)[16 / sizeof(T)], const char* l
   return true;
 }
 
-// Clears what the previous flags call wrote into buffer `prev` (every slot) for the call
-// after next, records this call's size, and advances the call counter.
+// Clears what the previous flags call wrote into buffer `prev` (the same vectors of every
+// slot) for the call after next, records how many vectors of each slot this call wrote
+// (`vecs`), and advances the call counter.
 template <typename T>
 __device__ __forceinline__ void end_flags_call(char* local, int buf, int prev, int peers,
                                                size_t slot, size_t vecs, State* st) {
@@ -334,6 +340,83 @@ __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
     store_output(out, v, count, aligned, acc);
   }
   end_flags_call<T>(local, buf, prev, peers, slot, vecs, st);
+}
+
+// Slot layout of a two-shot call in buffer `buf` of rank r: slot p holds, at vectors
+// [0, chunk), rank p's part of r's chunk, and at [chunk, 2 × chunk) the sum rank p made of
+// chunk p (slots are sized for 2 × chunk: one vector more than the message).
+template <typename T>
+__device__ void twoshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
+                              const T* in, T* out, size_t count, State* st,
+                              unsigned long long timeout_ns) {
+  constexpr int n = 16 / sizeof(T);
+  const int peers = comm->lsaSize, me = comm->lsaRank;
+  const unsigned long long call = st->flags_call;
+  const size_t vecs = (count + n - 1) / n;
+  const size_t chunk = (vecs + peers - 1) / peers;
+  const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+  Vec x0 = first < vecs ? load_input(in, first, count, aligned) : Vec{};
+  if (instance_failed(st)) return;
+  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
+  const size_t mine = ((size_t)buf * peers + me) * slot;
+  char* local = (char*)ncclGetLocalPointer(scratch, 0);
+
+  // Reduce-scatter, pushing: vector v goes to its owner's slot `me`. In place, a thread
+  // reads each input vector it handles here, before any thread writes it below: the writes
+  // of chunk j wait for this rank's own pushes of chunk j, and the other chunks are written
+  // by the thread that pushed them.
+  for (size_t v = first; v < vecs; v += step) {
+    Vec x = v == first ? x0 : load_input(in, v, count, aligned);
+    scrub<T>(x);
+    const int owner = (int)(v / chunk);
+    store_volatile((char*)ncclGetLsaPointer(scratch, mine + (v - owner * chunk) * 16, owner), x);
+  }
+
+  // This rank's chunk: sum its slots in rank order, write it out, push it to every peer.
+  const size_t base = (size_t)me * chunk;
+  const size_t len = base < vecs ? min(chunk, vecs - base) : 0;
+  Waiter waiter;
+  bool ok = true;
+  for (size_t k = first; k < len; k += step) {
+    float acc[n];
+    if (!pull<T>(acc, local, buf, peers, slot, k, waiter, st, timeout_ns)) {
+      ok = false;
+      break;
+    }
+    Vec sum;
+#pragma unroll
+    for (int i = 0; i < n; i++) {
+      T e = Elem<T>::narrow(acc[i]);
+      memcpy(sum.b + i * sizeof(T), &e, sizeof(T));
+    }
+    scrub<T>(sum);
+    store_vec(out, base + k, count, aligned, sum);
+    for (int p = 0; p < peers; p++) {
+      if (p != me) {
+        store_volatile((char*)ncclGetLsaPointer(scratch, mine + (chunk + k) * 16, p), sum);
+      }
+    }
+  }
+
+  // All-gather: every other rank's sums, as they arrive.
+  for (size_t v = first; ok && v < vecs; v += step) {
+    const int owner = (int)(v / chunk);
+    if (owner == me) continue;
+    const char* at = local + ((size_t)buf * peers + owner) * slot + (chunk + v - owner * chunk) * 16;
+    Vec x = load_volatile(at);
+    while (holds_sentinel<T>(x)) {
+      if (!waiter.go_on(st, timeout_ns)) {
+        ok = false;
+        break;
+      }
+      x = load_volatile(at);
+    }
+    if (ok) store_vec(out, v, count, aligned, x);
+  }
+  // One rank pushes no sums: its slot holds the chunk alone.
+  end_flags_call<T>(local, buf, prev, peers, slot, peers > 1 ? 2 * chunk : chunk, st);
 }
 
 // CTA b of every rank meets at barrier b: flags (the call's epoch) stored with release into
@@ -570,6 +653,11 @@ __device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
       size_t count, State* st, unsigned long long timeout_ns) {                               \
     oneshot_flags<T>(comm, scratch, slot, in, out, count, st, timeout_ns);                    \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_twoshot_flags_##NAME(             \
+      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
+      size_t count, State* st, unsigned long long timeout_ns) {                               \
+    twoshot_flags<T>(comm, scratch, slot, in, out, count, st, timeout_ns);                    \
   }                                                                                           \
   extern "C" __global__ void __launch_bounds__(512) nccl_rs_oneshot_barrier_##NAME(                                  \
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
