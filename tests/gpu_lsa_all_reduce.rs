@@ -6,7 +6,8 @@
 //! (the flags buffers' rotation and clearing); CUDA-graph replay (the call counters live on
 //! the device); the ranks' agreement at creation; typed refusals; a rank that skips a call
 //! (the peers' flags kernel gives up, `check` says so); NCCL before 2.29.2 refused on every
-//! rank.
+//! rank; the all-gather kernel, bit for bit on random bit patterns (NaNs, negative zeros),
+//! between all-reduces of the same rotation.
 //!
 //! Ranks are threads of one process: one GPU each, or two sharing GPU 0 (NCCL 2.30+), where
 //! host copies go through page-locked memory (`Staging`; why in
@@ -771,4 +772,130 @@ fn two_ranks_on_one_gpu_read_back_through_page_locked_memory() {
             barrier.wait();
         }
     });
+}
+
+/// Random bit patterns for the all-gather: any `u32` as an `f32` (negative zeros, NaNs with
+/// payloads, infinities among them), any `u16` as a `bf16`.
+trait Bits: TestElem + Copy {
+    fn random(rng: &mut Rng) -> Self;
+    fn bits(self) -> u32;
+}
+impl Bits for f32 {
+    fn random(rng: &mut Rng) -> Self {
+        match rng.range(0, 7) {
+            0 => -0.0,
+            1 => f32::from_bits(0x7fc0_0000 | (rng.next_u64() as u32 & 0x3f_ffff)),
+            _ => f32::from_bits(rng.next_u64() as u32),
+        }
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+impl Bits for half::bf16 {
+    fn random(rng: &mut Rng) -> Self {
+        match rng.range(0, 7) {
+            0 => half::bf16::NEG_ZERO,
+            _ => half::bf16::from_bits(rng.next_u64() as u16),
+        }
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+fn gather_for<T: Bits>(comm: Comm, barrier: &std::sync::Barrier) {
+    let (rank, size) = (comm.rank(), comm.size());
+    let stream = comm.stream().clone();
+    const MAX_COUNT: usize = 20_011;
+    let most = MAX_COUNT / 2;
+    let mut send = stream.alloc_zeros::<T>(most + 4).expect("send");
+    let mut recv = stream.alloc_zeros::<T>(most * size + 4).expect("recv");
+    let mut sums = stream.alloc_zeros::<T>(64).expect("sums");
+    let mut staging = Staging::new(&stream, most * size + 4);
+    let mut ar = LsaAllReduce::<T>::new(&comm, MAX_COUNT).expect("new");
+    ar.set_timeout(TIMEOUT);
+    assert_eq!(ar.max_gather_count(), most);
+    let data = |r: usize, n: usize, seed: u64| -> Vec<T> {
+        let mut rng = Rng::new(seed ^ ((r as u64 + 3) << 32));
+        (0..n).map(|_| T::random(&mut rng)).collect()
+    };
+    let mut seed = 7;
+    for n in [1, 2, 3, 4, 5, 7, 1000, 4097, most] {
+        for (s_shift, r_shift) in [(0, 0), (1, 3)] {
+            seed += 1;
+            staging.upload(
+                &data(rank, n, seed),
+                &mut send.slice_mut(s_shift..s_shift + n),
+            );
+            ar.all_gather(
+                &send.slice(s_shift..s_shift + n),
+                &mut recv.slice_mut(r_shift..r_shift + n * size),
+            )
+            .unwrap_or_else(|e| panic!("rank {rank}: all-gather of {n}: {e}"));
+            let got = staging.download(&recv.slice(r_shift..r_shift + n * size));
+            ar.check()
+                .unwrap_or_else(|e| panic!("rank {rank}: all-gather of {n}: {e}"));
+            for r in 0..size {
+                let want = data(r, n, seed);
+                let wrong = (0..n)
+                    .filter(|&i| got[r * n + i].bits() != want[i].bits())
+                    .count();
+                assert_eq!(
+                    wrong, 0,
+                    "rank {rank}: all-gather of {n} (shifts {s_shift}/{r_shift}): rank {r}'s \
+                     part has {wrong} wrong"
+                );
+            }
+            // An all-reduce between all-gathers: the rotation and the clearing of an
+            // all-gather's buffer (its lines, not a sentinel) by the call after it.
+            let algorithm = if n % 2 == 0 {
+                LsaAlgorithm::OneShotFlags
+            } else {
+                LsaAlgorithm::TwoShotFlags
+            };
+            let ones: Vec<T> = (0..64).map(|_| T::from_i64(rank as i64 + 1)).collect();
+            staging.upload(&ones, &mut sums);
+            ar.all_reduce_in_place(&mut sums, algorithm).expect("sum");
+            let got = staging.download(&sums);
+            let want = (size * (size + 1) / 2) as f64;
+            assert!(
+                got.iter().all(|g| g.to_f64() == want),
+                "rank {rank}: the sum after an all-gather of {n} ({algorithm:?})"
+            );
+        }
+    }
+    // Refused alike on every rank: too long a message, a receive buffer of the wrong size.
+    match ar.all_gather(
+        &send.slice(0..most + 1),
+        &mut recv.slice_mut(0..(most + 1) * size),
+    ) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("max_gather_count"), "{msg}"),
+        other => panic!("rank {rank}: past max_gather_count: {other:?}"),
+    }
+    match ar.all_gather(&send.slice(0..4), &mut recv.slice_mut(0..4 * size + 1)) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("receive buffer"), "{msg}"),
+        other => panic!("rank {rank}: a receive buffer of the wrong size: {other:?}"),
+    }
+    ar.check().expect("still in step");
+    barrier.wait();
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn all_gather_moves_every_bit() {
+    const TEST: &str = "all_gather_moves_every_bit";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    let _deadline = Deadline::new(TEST, LIMIT);
+    for name in ["f32", "bf16"] {
+        let Some(comms) = comms(TEST) else {
+            return;
+        };
+        per_rank(comms, |comm, barrier| match name {
+            "f32" => gather_for::<f32>(comm, barrier),
+            _ => gather_for::<half::bf16>(comm, barrier),
+        });
+    }
 }

@@ -60,6 +60,7 @@ const AUTO_MANY_RANKS: &[(usize, LsaAlgorithm)] = &[
 /// How long a kernel waits for its peers by default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+mod all_gather;
 mod epilogue;
 mod setup;
 
@@ -195,6 +196,7 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     dev_comm: DevComm<'c>,
     flags: CudaFunction,
     twoshot: CudaFunction,
+    all_gather: CudaFunction,
     barrier: CudaFunction,
     fused_norm: CudaFunction,
     add_norm: CudaFunction,
@@ -241,6 +243,13 @@ fn auto_choice(bytes: usize, ranks: usize, fits: bool) -> LsaAlgorithm {
     } else {
         LsaAlgorithm::Nccl
     }
+}
+
+/// A shipped kernel of the instance's scratch and call counter.
+#[derive(Clone, Copy)]
+enum Kernel {
+    AllReduce(LsaAlgorithm),
+    AllGather,
 }
 
 /// The grid for `count` elements of `T`: one thread per 16 bytes, in CTAs of [`THREADS`]
@@ -306,6 +315,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             dev_comm,
             flags: prepared.flags,
             twoshot: prepared.twoshot,
+            all_gather: prepared.all_gather,
             barrier: prepared.barrier,
             fused_norm: prepared.fused_norm,
             add_norm: prepared.add_norm,
@@ -383,7 +393,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let stream = self.comm.stream();
         let (src, _read) = send.device_ptr(stream);
         let (dst, _written) = recv.device_ptr_mut(stream);
-        self.launch(chosen, src, dst, count)?;
+        self.launch(Kernel::AllReduce(chosen), src, dst, count)?;
         Ok(chosen)
     }
 
@@ -402,7 +412,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         self.ready(&[(buf.stream().context(), "the buffer")])?;
         let stream = self.comm.stream();
         let (ptr, _written) = buf.device_ptr_mut(stream);
-        self.launch(chosen, ptr, ptr, count)?;
+        self.launch(Kernel::AllReduce(chosen), ptr, ptr, count)?;
         Ok(chosen)
     }
 
@@ -486,24 +496,30 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         }
     }
 
-    fn launch(&mut self, algorithm: LsaAlgorithm, src: u64, dst: u64, count: usize) -> Result<()> {
+    /// Launches `kernel` on `count` elements per rank from `src` into `dst` (`count` elements,
+    /// or `count` × ranks for the all-gather).
+    fn launch(&mut self, kernel: Kernel, src: u64, dst: u64, count: usize) -> Result<()> {
         let _usable = self.usable()?;
         if count == 0 {
             return Ok(());
         }
-        let function = match algorithm {
-            LsaAlgorithm::OneShotBarrier => &self.barrier,
-            LsaAlgorithm::TwoShotFlags => &self.twoshot,
-            _ => &self.flags,
+        let (function, (ctas, threads)) = match kernel {
+            Kernel::AllReduce(LsaAlgorithm::OneShotBarrier) => {
+                (&self.barrier, grid::<T>(count, MAX_CTAS))
+            }
+            Kernel::AllReduce(LsaAlgorithm::TwoShotFlags) => {
+                (&self.twoshot, grid::<T>(count, FLAGS_MAX_CTAS))
+            }
+            Kernel::AllReduce(_) => (&self.flags, grid::<T>(count, FLAGS_MAX_CTAS)),
+            // A thread per 16-byte LL line, which carries 8 bytes.
+            Kernel::AllGather => (
+                &self.all_gather,
+                grid::<u8>(2 * count * std::mem::size_of::<T>(), FLAGS_MAX_CTAS),
+            ),
         };
         let stream = self.comm.stream();
         let scratch = self.scratch.as_raw() as u64;
         let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
-        let max_ctas = match algorithm {
-            LsaAlgorithm::OneShotBarrier => MAX_CTAS,
-            _ => FLAGS_MAX_CTAS,
-        };
-        let (ctas, threads) = grid::<T>(count, max_ctas);
         let cfg = LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (threads, 1, 1),
@@ -512,12 +528,14 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let (state, _state) = self.state.device_ptr_mut(stream);
         // SAFETY: the kernels' parameters are (const ncclDevComm*, ncclWindow_t, size_t slot,
         // const T* in, T* out, size_t count, State*, unsigned long long timeout_ns), pushed
-        // in that order. `src` and `dst` hold `count` elements of T on this context (checked
-        // by `ready`), ordered on this stream by their guards; the kernel writes only `dst`,
-        // its own state (STATE_WORDS words, whose last is the live GaveUp word's device
-        // address) and the scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks ×
-        // INBOX_BYTES` bytes since count ≤ max_count and a barrier grid is at most MAX_CTAS
-        // CTAs (the flags kernels touch no inbox).
+        // in that order. `src` holds `count` elements of T and `dst` `count` (all-reduce) or
+        // `count` × ranks (all-gather) on this context (checked by `ready` and the callers),
+        // ordered on this stream by their guards; the kernel writes only `dst`, its own state
+        // (STATE_WORDS words, whose last is the live GaveUp word's device address) and the
+        // scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks × INBOX_BYTES` bytes
+        // since count ≤ max_count (the all-gather: count ≤ max_count / 2, its 2 × count × size
+        // bytes of lines within a slot) and a barrier grid is at most MAX_CTAS CTAs (the
+        // flags kernels touch no inbox).
         unsafe {
             stream
                 .launch_builder(function)

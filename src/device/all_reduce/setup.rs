@@ -58,6 +58,7 @@ impl GaveUp {
 pub(super) struct Prepared {
     pub(super) flags: CudaFunction,
     pub(super) twoshot: CudaFunction,
+    pub(super) all_gather: CudaFunction,
     pub(super) barrier: CudaFunction,
     pub(super) fused_norm: CudaFunction,
     pub(super) add_norm: CudaFunction,
@@ -116,6 +117,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     let module = shipped::load(ctx)?;
     let flags = module.function(&format!("nccl_rs_oneshot_flags_{}", T::SUFFIX))?;
     let twoshot = module.function(&format!("nccl_rs_twoshot_flags_{}", T::SUFFIX))?;
+    let all_gather = module.function(&format!("nccl_rs_all_gather_{}", T::SUFFIX))?;
     let barrier = module.function(&format!("nccl_rs_oneshot_barrier_{}", T::SUFFIX))?;
     let fused_norm = module.function(&format!("nccl_rs_fused_add_rms_norm_{}", T::SUFFIX))?;
     let add_norm = module.function(&format!("nccl_rs_add_rms_norm_{}", T::SUFFIX))?;
@@ -156,6 +158,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     Ok(Prepared {
         flags,
         twoshot,
+        all_gather,
         barrier,
         fused_norm,
         add_norm,

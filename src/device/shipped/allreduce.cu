@@ -16,6 +16,11 @@
 //   them and stores the sum into every rank's slot j past the chunk (all-gather), where the
 //   others wait for it. The one-shot's buffers, rotation and clearing; a rank moves its
 //   message twice instead of once per peer, at the cost of a second wait.
+// * all-gather "LL": a rank stores its input into every peer's slot in NCCL's LL format, 8
+//   bytes of data and two 4-byte flags (the call's number) in each 16-byte line, so any bits
+//   travel exactly (a negative zero too) and a receiver waits for the flags, not a sentinel.
+//   A call of the flags rotation: its buffer is cleared to sentinels (never a valid flag)
+//   by the next call, like any other's.
 // * one-shot "barrier": a rank copies its input into its scratch slot, meets its peers at a
 //   barrier (CTA b of every rank at barrier b: flags in each rank's scratch, NCCL's LSA
 //   barrier's scheme with a timeout), and reads every peer's slot. Two buffers alternate by
@@ -419,6 +424,89 @@ __device__ void twoshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
   end_flags_call<T>(local, buf, prev, peers, slot, peers > 1 ? 2 * chunk : chunk, st);
 }
 
+// 8 bytes of `src` from byte `at`, zero past `bytes`; bytewise where not 8-byte aligned.
+__device__ __forceinline__ uint2 load_8(const unsigned char* src, size_t at, size_t bytes,
+                                        bool aligned) {
+  if (aligned && at + 8 <= bytes) return *(const uint2*)(src + at);
+  unsigned char b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < 8; i++) {
+    if (at + i < bytes) b[i] = src[at + i];
+  }
+  uint2 x;
+  memcpy(&x, b, 8);
+  return x;
+}
+
+// 8 bytes `x` into `dst` from byte `at`, none past `bytes`; bytewise where not aligned.
+__device__ __forceinline__ void store_8(unsigned char* dst, size_t at, size_t bytes,
+                                        bool aligned, uint2 x) {
+  if (aligned && at + 8 <= bytes) {
+    *(uint2*)(dst + at) = x;
+    return;
+  }
+  unsigned char b[8];
+  memcpy(b, &x, 8);
+  for (int i = 0; i < 8; i++) {
+    if (at + i < bytes) dst[at + i] = b[i];
+  }
+}
+
+// All-gather of `bytes` bytes per rank into `out` (rank p's at `out + p × bytes`), in LL
+// lines: line l carries bytes [8l, 8l + 8) of a rank's input with the call's flag twice. `T`
+// only names the sentinel the clearing writes (the flags buffers serve one element type).
+template <typename T>
+__device__ void all_gather_ll(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
+                              const unsigned char* in, unsigned char* out, size_t bytes,
+                              State* st, unsigned long long timeout_ns) {
+  const int peers = comm->lsaSize, me = comm->lsaRank;
+  const unsigned long long call = st->flags_call;
+  const size_t lines = (bytes + 7) / 8;
+  // In [1, 2^31): below the sentinels' top bit, so a cleared slot never holds a valid flag.
+  const uint32_t flag = (uint32_t)(call % 0x7fffffffull) + 1u;
+  const bool in_aligned = (uintptr_t)in % 8 == 0;
+  const bool out_aligned = (uintptr_t)out % 8 == 0 && bytes % 8 == 0;
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+  if (instance_failed(st)) return;
+  const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
+  const size_t mine = ((size_t)buf * peers + me) * slot;
+  char* local = (char*)ncclGetLocalPointer(scratch, 0);
+
+  // Push every line to every peer; this rank's own part straight into the output.
+  for (size_t l = first; l < lines; l += step) {
+    const uint2 d = load_8(in, l * 8, bytes, in_aligned);
+    Vec line;
+    line.w[0] = d.x;
+    line.w[1] = flag;
+    line.w[2] = d.y;
+    line.w[3] = flag;
+    for (int p = 0; p < peers; p++) {
+      if (p != me) store_volatile((char*)ncclGetLsaPointer(scratch, mine + l * 16, p), line);
+    }
+    store_8(out + (size_t)me * bytes, l * 8, bytes, out_aligned, d);
+  }
+  // Every peer's lines, as their flags arrive.
+  Waiter waiter;
+  bool ok = true;
+  for (int p = 0; ok && p < peers; p++) {
+    if (p == me) continue;
+    const char* slot_p = local + ((size_t)buf * peers + p) * slot;
+    for (size_t l = first; l < lines; l += step) {
+      Vec x = load_volatile(slot_p + l * 16);
+      while (x.w[1] != flag || x.w[3] != flag) {
+        if (!waiter.go_on(st, timeout_ns)) {
+          ok = false;
+          break;
+        }
+        x = load_volatile(slot_p + l * 16);
+      }
+      if (!ok) break;
+      store_8(out + (size_t)p * bytes, l * 8, bytes, out_aligned, make_uint2(x.w[0], x.w[2]));
+    }
+  }
+  end_flags_call<T>(local, buf, prev, peers, slot, lines, st);
+}
+
 // CTA b of every rank meets at barrier b: flags (the call's epoch) stored with release into
 // every peer's inbox, awaited with acquire in this rank's; false if the wait gave up.
 __device__ __forceinline__ bool meet(ncclWindow_t scratch, size_t inboxes, int peers, int me,
@@ -658,6 +746,12 @@ __device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
       size_t count, State* st, unsigned long long timeout_ns) {                               \
     twoshot_flags<T>(comm, scratch, slot, in, out, count, st, timeout_ns);                    \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_all_gather_##NAME(                 \
+      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
+      size_t count, State* st, unsigned long long timeout_ns) {                               \
+    all_gather_ll<T>(comm, scratch, slot, (const unsigned char*)in, (unsigned char*)out,      \
+                     count * sizeof(T), st, timeout_ns);                                      \
   }                                                                                           \
   extern "C" __global__ void __launch_bounds__(512) nccl_rs_oneshot_barrier_##NAME(                                  \
       const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* out,        \
