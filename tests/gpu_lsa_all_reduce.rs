@@ -899,3 +899,71 @@ fn all_gather_moves_every_bit() {
         });
     }
 }
+
+/// An abort from another thread stops a kernel that waits for a peer which never comes, at
+/// once rather than at its timeout, and leaves the CUDA context working: the kernel returns
+/// before NCCL unmaps the peers' scratch it would write to. Nonblocking communicators (an
+/// abort handle needs one).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn an_abort_stops_a_waiting_kernel_first() {
+    const TEST: &str = "an_abort_stops_a_waiting_kernel_first";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    common::shape::setup();
+    let Some(layout) = common::shape::threaded(TEST) else {
+        return;
+    };
+    let config = nccl::CommConfig::new()
+        .blocking(false)
+        .ready_timeout(Duration::from_secs(60));
+    let comms = common::threaded::init_threaded(layout.streams(), &config);
+    let _deadline = Deadline::new(TEST, LIMIT);
+    // Far past the test's bound: only the abort can end the kernel in time.
+    const KERNEL_TIMEOUT: Duration = Duration::from_secs(120);
+    per_rank(comms, |comm, barrier| {
+        let rank = comm.rank();
+        let stream = comm.stream().clone();
+        let mut buf = stream.alloc_zeros::<f32>(1024).expect("buf");
+        let mut staging = Staging::new(&stream, 1024);
+        let handle = comm.abort_handle().expect("abort handle");
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
+        ar.set_timeout(KERNEL_TIMEOUT);
+        barrier.wait();
+        if rank == 0 {
+            // Two-shot: after its wait it would store sums into the peers' scratch.
+            ar.all_reduce_in_place(&mut buf, LsaAlgorithm::TwoShotFlags)
+                .expect("launch");
+            std::thread::sleep(Duration::from_millis(300));
+            let t = std::time::Instant::now();
+            std::thread::scope(|s| {
+                s.spawn(|| handle.abort().expect("abort"));
+            });
+            let aborted = t.elapsed();
+            stream
+                .synchronize()
+                .expect("the kernel ended without a CUDA error");
+            let ended = t.elapsed();
+            println!(
+                "NOTE {TEST}: abort took {aborted:?}, the kernel had ended {ended:?} after it"
+            );
+            assert!(
+                ended < Duration::from_secs(10),
+                "the kernel ran on for {ended:?}"
+            );
+            // The context still works, and the instance refuses further calls.
+            staging.upload(&[2.0f32; 1024], &mut buf);
+            assert!(staging.download(&buf).iter().all(|&x| x == 2.0));
+            assert!(ar
+                .all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                .is_err());
+        }
+        barrier.wait();
+        if rank != 0 {
+            handle.abort().expect("abort");
+        }
+        drop(ar);
+        barrier.wait();
+    });
+}

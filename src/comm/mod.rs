@@ -107,7 +107,7 @@ pub(crate) use init::rank_and_size;
 pub(crate) use job_slot::JobSlot;
 pub(crate) use lease::Lease;
 pub(crate) use membership::Membership;
-pub(crate) use state::{Shared, State};
+pub(crate) use state::{KernelStop, Shared, State};
 pub use status::CommStatus;
 pub use suspend::MemStats;
 pub(crate) use wait::Backoff;
@@ -292,6 +292,22 @@ impl Comm {
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// Registers `stop`, run before the communicator is aborted (see [`KernelStop`]), under
+    /// `id` (the owner's address, unique while it lives); [`Comm::unregister_kernel_stop`]
+    /// takes it back.
+    pub(crate) fn register_kernel_stop(&self, id: usize, stop: Arc<dyn KernelStop>) {
+        self.shared.lock().kernel_stops.push((id, stop));
+    }
+
+    /// Takes back what [`Comm::register_kernel_stop`] registered under `id`, if an abort did
+    /// not run it already; after this no abort touches the owner's kernels' state.
+    pub(crate) fn unregister_kernel_stop(&self, id: usize) {
+        self.shared
+            .lock()
+            .kernel_stops
+            .retain(|(owner, _)| *owner != id);
     }
 
     /// Completes a call on this communicator: `ncclInProgress` from a nonblocking

@@ -7,6 +7,7 @@
 //! taken out exactly once, by destroy or abort (see `close.rs` and [`crate::fault`]).
 
 use std::ptr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, DriverError};
@@ -87,6 +88,16 @@ pub(crate) struct State {
     /// [`crate::diagnostics::flight`]); `None` when it is off. Kept after the handle is
     /// released, so a failed or aborted communicator's last operations can still be read.
     pub(crate) flight: Option<Box<FlightRing>>,
+    /// Kernels of this crate that reach the peers through the communicator's mappings (the
+    /// shipped LSA kernels), by their owner's id: stopped before an abort unmaps them.
+    pub(crate) kernel_stops: Vec<(usize, Arc<dyn KernelStop>)>,
+}
+
+/// Stops an owner's kernels that use the communicator's mappings (running, queued or replayed
+/// from a graph) so that none touches a peer once the communicator is aborted; best effort
+/// and bounded. Called under the communicator's lock, which its owner takes to unregister.
+pub(crate) trait KernelStop: Send + Sync {
+    fn stop(&self);
 }
 
 impl State {
@@ -99,6 +110,7 @@ impl State {
             suspended: false,
             foreign: None,
             flight: None,
+            kernel_stops: Vec::new(),
         }
     }
 
@@ -192,6 +204,10 @@ impl State {
         // Best effort: NCCL finds its device itself, but its cleanup may use the current
         // context.
         let _ = ctx.bind_to_thread();
+        // This crate's own kernels first: NCCL's abort stops only NCCL's.
+        for (_, stop) in self.kernel_stops.drain(..) {
+            stop.stop();
+        }
         // SAFETY: the handle was taken out of the state under its lock, so no other call can
         // use it. An abort from another thread additionally needs a nonblocking communicator
         // that no group holds, which its callers check (see `crate::fault`).

@@ -63,6 +63,7 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 mod all_gather;
 mod epilogue;
 mod setup;
+mod stop;
 
 pub use epilogue::LsaEpilogue;
 use setup::{agree, prepare, GaveUp};
@@ -165,8 +166,12 @@ pub enum LsaAlgorithm {
 ///
 /// A launch is refused once the communicator was aborted, destroyed, failed or suspended.
 /// An abort from another thread (an [`AbortHandle`](crate::AbortHandle), a
-/// [`Watchdog`](crate::Watchdog)) while a kernel waits frees the scratch window under it:
-/// the kernel may then fault (a CUDA error on this context) until it gives up. Dropping the
+/// [`Watchdog`](crate::Watchdog)) first stops the instance's kernels, running, queued or
+/// replayed from a graph (a device word they read when they start and watch while they
+/// wait; the abort then gives running ones 10 ms to return, measured ending well within
+/// it, though a kernel descheduled for longer could still touch a peer after NCCL's
+/// unmapping), then lets NCCL unmap the peers' scratch; the instance refuses every later
+/// call. Dropping the
 /// instance waits a bounded time for its kernels and leaks the scratch window if they have
 /// not ended; the kernels' module stays loaded for the life of the process. A CUDA graph
 /// that captured its calls must not be replayed after the instance is dropped. The shipped
@@ -190,6 +195,8 @@ pub enum LsaAlgorithm {
 /// `(3 × ranks + 2) × max_count` elements, a device communicator and a few words of state.
 /// Calls take `&mut self`: one at a time, in the same order on every rank.
 pub struct LsaAllReduce<'c, T: LsaElem> {
+    // Dropped first: no abort touches the state once it is taken back.
+    _stop: stop::Registration<'c>,
     comm: &'c Comm,
     // Dropped before the window and the state: a device communicator waits for the kernels
     // that took it.
@@ -310,7 +317,16 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let agreed = agree(comm, [refusal, row[1], row[2]]);
         let dev_comm = dev_comm?;
         agreed?;
+        let state = {
+            let (ptr, _read) = prepared.state.device_ptr(comm.stream());
+            ptr
+        };
+        // After the last meeting: a rank that fails here alone (a stream it cannot make)
+        // leaves its peers a working instance whose first call times out, as any rank that
+        // stops calling does.
+        let stop = stop::Registration::new(comm, state)?;
         Ok(Self {
+            _stop: stop,
             comm,
             dev_comm,
             flags: prepared.flags,
