@@ -298,16 +298,19 @@ impl Comm {
     /// `id` (the owner's address, unique while it lives); [`Comm::unregister_kernel_stop`]
     /// takes it back.
     pub(crate) fn register_kernel_stop(&self, id: usize, stop: Arc<dyn KernelStop>) {
-        self.shared.lock().kernel_stops.push((id, stop));
+        self.shared
+            .lock()
+            .kernel_stops
+            .get_or_insert_with(Default::default)
+            .push((id, stop));
     }
 
     /// Takes back what [`Comm::register_kernel_stop`] registered under `id`, if an abort did
     /// not run it already; after this no abort touches the owner's kernels' state.
     pub(crate) fn unregister_kernel_stop(&self, id: usize) {
-        self.shared
-            .lock()
-            .kernel_stops
-            .retain(|(owner, _)| *owner != id);
+        if let Some(stops) = self.shared.lock().kernel_stops.as_mut() {
+            stops.retain(|(owner, _)| *owner != id);
+        }
     }
 
     /// Completes a call on this communicator: `ncclInProgress` from a nonblocking

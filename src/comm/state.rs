@@ -89,9 +89,13 @@ pub(crate) struct State {
     /// released, so a failed or aborted communicator's last operations can still be read.
     pub(crate) flight: Option<Box<FlightRing>>,
     /// Kernels of this crate that reach the peers through the communicator's mappings (the
-    /// shipped LSA kernels), by their owner's id: stopped before an abort unmaps them.
-    pub(crate) kernel_stops: Vec<(usize, Arc<dyn KernelStop>)>,
+    /// shipped LSA kernels), by their owner's id: stopped before an abort unmaps them. Boxed
+    /// and made at the first, as `foreign`.
+    pub(crate) kernel_stops: Option<Box<KernelStops>>,
 }
+
+/// The kernel stops registered on a communicator, by their owner's id.
+pub(crate) type KernelStops = Vec<(usize, Arc<dyn KernelStop>)>;
 
 /// Stops an owner's kernels that use the communicator's mappings (running, queued or replayed
 /// from a graph) so that none touches a peer once the communicator is aborted; best effort
@@ -110,7 +114,7 @@ impl State {
             suspended: false,
             foreign: None,
             flight: None,
-            kernel_stops: Vec::new(),
+            kernel_stops: None,
         }
     }
 
@@ -205,7 +209,12 @@ impl State {
         // context.
         let _ = ctx.bind_to_thread();
         // This crate's own kernels first: NCCL's abort stops only NCCL's.
-        for (_, stop) in self.kernel_stops.drain(..) {
+        for (_, stop) in self
+            .kernel_stops
+            .take()
+            .into_iter()
+            .flat_map(|stops| *stops)
+        {
             stop.stop();
         }
         // SAFETY: the handle was taken out of the state under its lock, so no other call can
