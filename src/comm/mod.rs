@@ -295,7 +295,7 @@ impl Comm {
     }
 
     /// Registers `stop`, run before the communicator is aborted (see [`KernelStop`]), under
-    /// `id` (the owner's address, unique while it lives); [`Comm::unregister_kernel_stop`]
+    /// `id` (unique to the owner); [`Comm::unregister_kernel_stop`]
     /// takes it back.
     pub(crate) fn register_kernel_stop(&self, id: usize, stop: Arc<dyn KernelStop>) {
         self.shared

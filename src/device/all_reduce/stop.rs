@@ -26,6 +26,9 @@ const TIMED_OUT_OFFSET: u64 = 48;
 struct Stopper {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The communicator's stream, on which the state is freed: made to wait for the write, so
+    /// a write the GPU runs late never lands in freed memory.
+    comm_stream: Arc<CudaStream>,
     /// Device address of the instance's `State::timed_out`.
     timed_out: u64,
 }
@@ -41,6 +44,17 @@ impl KernelStop for Stopper {
         let rc = unsafe { sys::cuMemsetD32Async(self.timed_out, 1, 1, self.stream.cu_stream()) };
         if rc != sys::CUresult::CUDA_SUCCESS {
             return;
+        }
+        // The state is freed on the communicator's stream once the instance is dropped, which
+        // may be before the GPU runs this write (its wait below is bounded): order the free
+        // after it. Without the event the write is waited for in full instead.
+        match self.stream.record_event(None) {
+            Ok(written) => {
+                let _ = self.comm_stream.wait(&written);
+            }
+            Err(_) => {
+                let _ = self.stream.synchronize();
+            }
         }
         let start = Instant::now();
         loop {
@@ -70,12 +84,14 @@ impl<'c> Registration<'c> {
         static NEXT: AtomicUsize = AtomicUsize::new(1);
         let ctx = comm.context().clone();
         let stream = ctx.new_stream()?;
+        let comm_stream = comm.stream().clone();
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         comm.register_kernel_stop(
             id,
             Arc::new(Stopper {
                 ctx,
                 stream,
+                comm_stream,
                 timed_out: state + TIMED_OUT_OFFSET,
             }),
         );
