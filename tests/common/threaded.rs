@@ -107,6 +107,14 @@ pub struct Staging<T> {
     stream: Arc<CudaStream>,
 }
 
+impl<T> Drop for Staging<T> {
+    fn drop(&mut self) {
+        // A copy still queued reads the room: it ends before the room is freed (a test that
+        // panics between an upload and its download drops this too).
+        let _ = self.stream.synchronize();
+    }
+}
+
 impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy> Staging<T> {
     /// Page-locked room for `len` elements, for copies on `stream`. Made before any kernel
     /// that waits for another rank is launched: allocating may wait for the GPU.

@@ -136,6 +136,10 @@ pub enum LsaAlgorithm {
 ///   and stores the sum into every peer's scratch, where they wait for it. Each rank moves
 ///   its message twice in all instead of once per peer, at the cost of a second wait: for
 ///   larger messages at more ranks. The same buffers, rotation and clearing as the flags.
+///   Its CTAs wait on each other's pushes, so every CTA of the grid (up to 64 of 512 threads)
+///   must be resident at once, as the fused kernel's (16): where a GPU is shared with limits
+///   (MPS thread percentages, green contexts, a kernel that keeps SMs busy) it times out
+///   instead; force the one-shot or NCCL there.
 /// * [`LsaAlgorithm::OneShotBarrier`]: each rank copies its input into its own scratch slot,
 ///   meets its peers at a barrier (NCCL's LSA barrier's scheme, flags in the scratch window,
 ///   with a timeout), and reads every peer's slot; two buffers alternate by call, so one
@@ -192,7 +196,8 @@ pub enum LsaAlgorithm {
 /// read-backs wait for the stream before copying.
 ///
 /// Created collectively by every rank ([`LsaAllReduce::new`]); each owns a scratch window of
-/// `(3 × ranks + 2) × max_count` elements, a device communicator and a few words of state.
+/// `(3 × ranks + 2)` slots of `max_count` elements and 16 bytes, a device communicator and a
+/// few words of state.
 /// Calls take `&mut self`: one at a time, in the same order on every rank.
 pub struct LsaAllReduce<'c, T: LsaElem> {
     // Dropped first: no abort touches the state once it is taken back.
@@ -214,7 +219,8 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     /// (another context, a group open, an unusable communicator): the instance is out of
     /// step, and every later call is refused.
     out_of_step: Option<&'static str>,
-    /// Bytes of one rank's slot of one buffer: `max_count` elements, rounded up to 16.
+    /// Bytes of one rank's slot of one buffer: `max_count` elements rounded up to 16, and one
+    /// 16-byte vector more (a two-shot call's two chunks).
     slot_bytes: usize,
     max_count: usize,
     timeout: Duration,
@@ -549,7 +555,8 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // ordered on this stream by their guards; the kernel writes only `dst`, its own state
         // (STATE_WORDS words, whose last is the live GaveUp word's device address) and the
         // scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks × INBOX_BYTES` bytes
-        // since count ≤ max_count (the all-gather: count ≤ max_count / 2, its 2 × count × size
+        // since count ≤ max_count (two-shot: 2 × ceil(vectors / ranks) ≤ the slot's vectors;
+        // the all-gather: count ≤ max_count / 2, its 2 × count × size
         // bytes of lines within a slot) and a barrier grid is at most MAX_CTAS CTAs (the
         // flags kernels touch no inbox).
         unsafe {
