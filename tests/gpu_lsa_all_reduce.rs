@@ -103,6 +103,16 @@ fn skip_before_device_api(test: &str) -> bool {
     false
 }
 
+/// A test's threaded layout where the shipped kernels can run (else `None`, said through
+/// `skip`).
+fn device_api_layout(test: &str) -> Option<common::shape::Layout> {
+    if skip_before_device_api(test) {
+        return None;
+    }
+    common::shape::setup();
+    common::shape::threaded(test)
+}
+
 /// The communicators of a threaded layout (one GPU per rank, or two ranks on GPU 0).
 fn comms(test: &str) -> Option<Vec<Comm>> {
     common::shape::setup();
@@ -693,11 +703,7 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
 #[ignore = "needs CUDA GPUs"]
 fn two_ranks_on_one_gpu_read_back_through_page_locked_memory() {
     const TEST: &str = "two_ranks_on_one_gpu_read_back_through_page_locked_memory";
-    if skip_before_device_api(TEST) {
-        return;
-    }
-    common::shape::setup();
-    let Some(layout) = common::shape::threaded(TEST) else {
+    let Some(layout) = device_api_layout(TEST) else {
         return;
     };
     if layout.shape != common::shape::Shape::Shared {
@@ -908,11 +914,7 @@ fn all_gather_moves_every_bit() {
 #[ignore = "needs CUDA GPUs"]
 fn an_abort_stops_a_waiting_kernel_first() {
     const TEST: &str = "an_abort_stops_a_waiting_kernel_first";
-    if skip_before_device_api(TEST) {
-        return;
-    }
-    common::shape::setup();
-    let Some(layout) = common::shape::threaded(TEST) else {
+    let Some(layout) = device_api_layout(TEST) else {
         return;
     };
     let config = nccl::CommConfig::new()
