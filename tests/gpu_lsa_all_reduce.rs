@@ -14,6 +14,8 @@
 //! `two_ranks_on_one_gpu_read_back_through_page_locked_memory`). Run on
 //! a GPU host with `cargo test --test gpu_lsa_all_reduce -- --include-ignored
 //! --test-threads=1` (or `.gpu/run tests`), with NCCL 2.32.3 and the system's 2.28.3.
+//! One file past 600 lines: the tests share the shape set-up, the page-locked staging and
+//! the per-rank harness, and each test file is one GPU binary to carry.
 
 mod common;
 
@@ -567,13 +569,17 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
     let Some((comms, _deadline)) = start(TEST) else {
         return;
     };
-    const SHAPES: [(usize, usize); 6] = [
+    // Rows split over CTAs (3 × 4096: four a row; 1 × 8192: eight; 2 × 16384), one CTA a row
+    // (17 × 1024, 40 × 4096), and rows too many and too long to fuse (9 × 16384: the
+    // all-reduce into `out`, then the norm).
+    const SHAPES: [(usize, usize); 7] = [
         (1, 8),
         (3, 4096),
         (1, 8192),
         (17, 1024),
         (2, 16384),
         (40, 4096),
+        (9, 16384),
     ];
     per_rank(comms, |comm, _| {
         use nccl::device::LsaEpilogue;
@@ -583,6 +589,9 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
         let mut x = stream.alloc_zeros::<half::bf16>(most).expect("x");
         let mut residual = stream.alloc_zeros::<half::bf16>(most).expect("residual");
         let mut out = stream.alloc_zeros::<half::bf16>(most).expect("out");
+        let mut residual_out = stream
+            .alloc_zeros::<half::bf16>(most)
+            .expect("residual out");
         let mut weight = stream.alloc_zeros::<half::bf16>(16384).expect("weight");
         let mut staging = Staging::new(&stream, most);
         let mut ar = LsaAllReduce::<half::bf16>::new(&comm, most).expect("new");
@@ -652,6 +661,40 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
                 results[0], results[1],
                 "rank {rank} {rows}x{hidden}: fused vs separate"
             );
+            // The new residual into a buffer of its own: the old one stays as it was.
+            staging.upload(&xs[rank], &mut x.slice_mut(0..len));
+            staging.upload(&res0, &mut residual.slice_mut(0..len));
+            ar.all_reduce_add_rms_norm_to(
+                &mut x.slice_mut(0..len),
+                &residual.slice(0..len),
+                &weight.slice(0..hidden),
+                1e-5,
+                &mut residual_out.slice_mut(0..len),
+                &mut out.slice_mut(0..len),
+                LsaEpilogue::Fused,
+            )
+            .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} to: {e}"));
+            assert_eq!(
+                staging.download(&residual_out.slice(0..len)),
+                want_res,
+                "rank {rank} {rows}x{hidden} to: residual out"
+            );
+            assert_eq!(
+                staging.download(&residual.slice(0..len)),
+                res0,
+                "rank {rank} {rows}x{hidden} to: residual kept"
+            );
+            assert_eq!(
+                staging.download(&x.slice(0..len)),
+                xs[rank],
+                "rank {rank} {rows}x{hidden} to: x kept"
+            );
+            assert_eq!(
+                staging.download(&out.slice(0..len)),
+                results[0],
+                "rank {rank} {rows}x{hidden} to: out"
+            );
+            ar.check().expect("in step");
         }
         // Refusals, alike on every rank.
         let refused = ar.all_reduce_add_rms_norm(

@@ -31,40 +31,38 @@ const MAX_CTAS: u32 = 16;
 /// messages, and still every CTA of two ranks resident on one GPU (64 registers a thread:
 /// two 512-thread CTAs an SM, 264 on an H100, 216 on an A100, against 128).
 const FLAGS_MAX_CTAS: u32 = 64;
+/// The smallest CTA of a flags kernel (for messages that fill fewer than [`FLAGS_MAX_CTAS`]
+/// of them): a small message spread over more SMs, each storing less into the peers, ends
+/// sooner (4×H100, one-shot at 4 ranks, f32: 4.38 µs at 8 KiB and 4.56 at 32 KiB in CTAs of
+/// 128 threads, against 4.82 and 4.98 in CTAs of 512).
+const FLAGS_MIN_THREADS: u32 = 128;
 /// Bytes one thread moves per step.
 const VECTOR: usize = 16;
-/// Size of the kernels' `State` (see `allreduce.cu`), in u64 words: two call counters, the
-/// three flags buffers' sizes, two `done` counters, `timed_out` (the low half of word 6) and
-/// the device address of the host-mapped [`GaveUp`] word (word 7).
-const STATE_WORDS: usize = 8;
+/// Size of the kernels' `State` (see `allreduce.cu`), in u64 words: the three flags buffers'
+/// sizes (words 2-4), `timed_out` (the low half of word 6), the device address of the
+/// host-mapped [`GaveUp`] word (word 7), the three buffers' norm partial counts (words 8-10),
+/// each CTA's count of flags calls ([`FLAGS_MAX_CTAS`] words from 12) and of barrier calls
+/// ([`MAX_CTAS`] words), then the norm partials ([`STATE_PARTIAL_WORDS`] words, sentinels at
+/// creation).
+const STATE_WORDS: usize = STATE_PARTIALS_AT + STATE_PARTIAL_WORDS;
+/// The first word of the norm partials: three buffers of `kMaxSplitRows` (8) rows of
+/// `kMaxChunks` (64) f32 chunk sums.
+const STATE_PARTIALS_AT: usize = 12 + FLAGS_MAX_CTAS as usize + MAX_CTAS as usize;
+const STATE_PARTIAL_WORDS: usize = 3 * 8 * 64 / 2;
 /// The barrier inboxes' bytes per rank: a 4-byte flag per CTA per peer.
 const INBOX_BYTES: usize = MAX_CTAS as usize * 4;
 /// The first NCCL whose device communicator the shipped kernels can read.
 const SINCE: Version = Version::new(2, 29, 2);
-/// What [`LsaAlgorithm::Auto`] runs, by message size in bytes: each entry covers the sizes up
-/// to its bound (inclusive) past the previous one's; past the last, NCCL. Measured on 4×H100
-/// (NV18, NCCL 2.32.3, NVLS off, CUDA graphs, one process per GPU, against NCCL on symmetric
-/// windows; f32 and bf16), the fastest of NCCL and the three kernels at each size.
-/// Fewer than four ranks (measured at two): the one-shot flags kernel ahead from 8 B (1.1×)
-/// to 4 MiB (1.16×), NCCL at 8 MiB.
-const AUTO_FEW_RANKS: &[(usize, LsaAlgorithm)] = &[(4 << 20, LsaAlgorithm::OneShotFlags)];
-/// Four ranks or more (measured at four): one-shot level with NCCL to 2 KiB, behind at 8 and
-/// 32 KiB (0.86-0.95×), ahead at 64-128 KiB (1.5-1.8×); two-shot ahead of both from 256 KiB
-/// to 1 MiB (1.5-1.9× NCCL); NCCL ahead from 2 MiB (two-shot 0.90×).
-const AUTO_MANY_RANKS: &[(usize, LsaAlgorithm)] = &[
-    (4 << 10, LsaAlgorithm::OneShotFlags),
-    (32 << 10, LsaAlgorithm::Nccl),
-    (128 << 10, LsaAlgorithm::OneShotFlags),
-    (1 << 20, LsaAlgorithm::TwoShotFlags),
-];
 /// How long a kernel waits for its peers by default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 mod all_gather;
+mod choice;
 mod epilogue;
 mod setup;
 mod stop;
 
+use choice::{auto_choice, flags_grid, grid};
 pub use epilogue::LsaEpilogue;
 use setup::{agree, prepare, GaveUp};
 
@@ -239,47 +237,11 @@ impl<T: LsaElem> std::fmt::Debug for LsaAllReduce<'_, T> {
     }
 }
 
-/// [`LsaAllReduce::choose`] for a message of `bytes` on `ranks` ranks, `fits`: whether it fits
-/// the scratch.
-fn auto_choice(bytes: usize, ranks: usize, fits: bool) -> LsaAlgorithm {
-    let table = if ranks >= 4 {
-        AUTO_MANY_RANKS
-    } else {
-        AUTO_FEW_RANKS
-    };
-    let chosen = table
-        .iter()
-        .find(|(bound, _)| bytes <= *bound)
-        .map_or(LsaAlgorithm::Nccl, |&(_, algorithm)| algorithm);
-    if fits {
-        chosen
-    } else {
-        LsaAlgorithm::Nccl
-    }
-}
-
 /// A shipped kernel of the instance's scratch and call counter.
 #[derive(Clone, Copy)]
 enum Kernel {
     AllReduce(LsaAlgorithm),
     AllGather,
-}
-
-/// The grid for `count` elements of `T`: one thread per 16 bytes, in CTAs of [`THREADS`]
-/// (fewer, a multiple of 32, for a message that fits one CTA: a smaller CTA starts and
-/// ends sooner), at most `max_ctas` of them. A function of the count alone, so every rank
-/// runs the same grid.
-fn grid<T>(count: usize, max_ctas: u32) -> (u32, u32) {
-    let vectors = (count * std::mem::size_of::<T>()).div_ceil(VECTOR);
-    let ctas = vectors
-        .div_ceil(THREADS as usize)
-        .clamp(1, max_ctas as usize) as u32;
-    let threads = if ctas == 1 {
-        vectors.next_multiple_of(32).clamp(32, THREADS as usize) as u32
-    } else {
-        THREADS
-    };
-    (ctas, threads)
 }
 
 impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
@@ -377,8 +339,8 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
     /// The algorithm [`LsaAlgorithm::Auto`] runs for `count` elements: by the message's
     /// size and the number of ranks, from measurements on 4×H100 (NCCL 2.32.3): fewer than
     /// four ranks, the one-shot flags kernel up to 4 MiB; four or more, the one-shot up to
-    /// 4 KiB, NCCL to 32 KiB, the one-shot to 128 KiB, the two-shot to 1 MiB; NCCL past
-    /// those, and for a message past [`max_count`](Self::max_count).
+    /// 64 KiB and the two-shot to 2 MiB; NCCL past those, and for a message past
+    /// [`max_count`](Self::max_count).
     pub fn choose(&self, count: usize) -> LsaAlgorithm {
         auto_choice(
             count.saturating_mul(std::mem::size_of::<T>()),
@@ -530,13 +492,13 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 (&self.barrier, grid::<T>(count, MAX_CTAS))
             }
             Kernel::AllReduce(LsaAlgorithm::TwoShotFlags) => {
-                (&self.twoshot, grid::<T>(count, FLAGS_MAX_CTAS))
+                (&self.twoshot, flags_grid::<T>(count))
             }
-            Kernel::AllReduce(_) => (&self.flags, grid::<T>(count, FLAGS_MAX_CTAS)),
+            Kernel::AllReduce(_) => (&self.flags, flags_grid::<T>(count)),
             // A thread per 16-byte LL line, which carries 8 bytes.
             Kernel::AllGather => (
                 &self.all_gather,
-                grid::<u8>(2 * count * std::mem::size_of::<T>(), FLAGS_MAX_CTAS),
+                flags_grid::<u8>(2 * count * std::mem::size_of::<T>()),
             ),
         };
         let stream = self.comm.stream();
@@ -553,12 +515,13 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // in that order. `src` holds `count` elements of T and `dst` `count` (all-reduce) or
         // `count` × ranks (all-gather) on this context (checked by `ready` and the callers),
         // ordered on this stream by their guards; the kernel writes only `dst`, its own state
-        // (STATE_WORDS words, whose last is the live GaveUp word's device address) and the
+        // (STATE_WORDS words, whose word 7 is the live GaveUp word's device address) and the
         // scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks × INBOX_BYTES` bytes
         // since count ≤ max_count (two-shot: 2 × ceil(vectors / ranks) ≤ the slot's vectors;
         // the all-gather: count ≤ max_count / 2, its 2 × count × size
-        // bytes of lines within a slot) and a barrier grid is at most MAX_CTAS CTAs (the
-        // flags kernels touch no inbox).
+        // bytes of lines within a slot); a flags grid is at most FLAGS_MAX_CTAS CTAs and a
+        // barrier grid MAX_CTAS (each CTA's call count in the state; the flags kernels touch
+        // no inbox).
         unsafe {
             stream
                 .launch_builder(function)
@@ -579,44 +542,6 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn auto_takes_what_was_measured_fastest() {
-        use LsaAlgorithm::{Nccl, OneShotFlags, TwoShotFlags};
-        for ranks in [2, 3] {
-            assert_eq!(auto_choice(8, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(32 << 10, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(4 << 20, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice((4 << 20) + 16, ranks, true), Nccl);
-            assert_eq!(auto_choice(8, ranks, false), Nccl);
-        }
-        for ranks in [4, 8] {
-            assert_eq!(auto_choice(8, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(4 << 10, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice((4 << 10) + 16, ranks, true), Nccl);
-            assert_eq!(auto_choice(32 << 10, ranks, true), Nccl);
-            assert_eq!(auto_choice(64 << 10, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(128 << 10, ranks, true), OneShotFlags);
-            assert_eq!(auto_choice(256 << 10, ranks, true), TwoShotFlags);
-            assert_eq!(auto_choice(1 << 20, ranks, true), TwoShotFlags);
-            assert_eq!(auto_choice(2 << 20, ranks, true), Nccl);
-            assert_eq!(auto_choice(256 << 10, ranks, false), Nccl);
-        }
-        assert_eq!(auto_choice(usize::MAX, 2, true), Nccl);
-    }
-
-    #[test]
-    fn grids_cover_the_message_up_to_the_barrier_count() {
-        assert_eq!(grid::<f32>(1, MAX_CTAS), (1, 32));
-        assert_eq!(grid::<f32>(4 * 32, MAX_CTAS), (1, 32));
-        assert_eq!(grid::<f32>(4 * 33, MAX_CTAS), (1, 64));
-        assert_eq!(grid::<f32>(4 * 512, MAX_CTAS), (1, 512));
-        assert_eq!(grid::<f32>(4 * 512 + 1, MAX_CTAS), (2, 512));
-        assert_eq!(grid::<half::bf16>(8 * 512 * 3, MAX_CTAS), (3, 512));
-        assert_eq!(grid::<f32>(1 << 30, MAX_CTAS), (MAX_CTAS, 512));
-        assert_eq!(grid::<f32>(1 << 30, FLAGS_MAX_CTAS), (FLAGS_MAX_CTAS, 512));
-        assert_eq!(grid::<f32>(4 * 512 * 20, FLAGS_MAX_CTAS), (20, 512));
-    }
 
     #[test]
     fn sentinels_are_negative_zero() {

@@ -10,7 +10,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use super::{LsaElem, INBOX_BYTES, SINCE, STATE_WORDS, THREADS, VECTOR};
+use super::{LsaElem, INBOX_BYTES, SINCE, STATE_PARTIALS_AT, STATE_WORDS, THREADS, VECTOR};
 use crate::agreement::{all_gather_rows, Wait};
 use crate::comm::Comm;
 use crate::device::shipped;
@@ -125,8 +125,10 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     let stream = comm.stream();
     let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;
     let gave_up = GaveUp::new(ctx)?;
-    let mut words_of_state = [0u64; STATE_WORDS];
+    let mut words_of_state = vec![0u64; STATE_WORDS];
     words_of_state[7] = gave_up.device;
+    // The norm partials start as sentinels (-0.0 f32, two a word).
+    words_of_state[STATE_PARTIALS_AT..].fill(0x8000_0000_8000_0000);
     let state = stream.clone_htod(&words_of_state)?;
     // The flags buffers start as sentinels (the barrier buffers need nothing). Peers first
     // write into them after this rank's window registration, whose exchange runs on this

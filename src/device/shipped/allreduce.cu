@@ -4,6 +4,8 @@
 // Compiled ahead of time by generate.sh against NCCL 2.29.2's headers (the oldest versioned
 // device ABI; LSA code runs on every later library). Peers never touch the caller's buffers:
 // each rank copies its input into its own scratch window, and peers read or receive only that.
+// One file past 600 lines: nvcc builds it as one module, and every kernel shares the State,
+// the vector helpers and the bounded waits.
 //
 // Two schemes:
 // * one-shot "flags" (Lamport): a rank stores its input straight into every peer's scratch
@@ -42,16 +44,32 @@
 
 namespace {
 
-// Mirrored by `State` in src/device/all_reduce.rs (8 words, written at creation).
+// The row-split norm's exchange: a row's sum of squares is the sum of its 32-vector chunks'
+// sums (at most kMaxChunks), which the CTAs splitting the row publish here.
+constexpr int kMaxChunks = 64;
+// Rows a split norm call normalises at once (its 16 CTAs in groups of two or more).
+constexpr int kMaxSplitRows = 8;
+// CTAs of a flags call (one- and two-shot, all-gather, fused) and of a barrier call at most:
+// FLAGS_MAX_CTAS and MAX_CTAS in mod.rs.
+constexpr int kFlagsMaxCtas = 64;
+constexpr int kBarrierMaxCtas = 16;
+
+// Mirrored by src/device/all_reduce/setup.rs (STATE_WORDS u64 words, zero at creation but the
+// partials, sentinels, and `gave_up`). Each CTA keeps its own count of the calls made (every
+// count of an array equal between calls: CTA 0 also advances those past its grid), so no CTA
+// waits for another's to start or finish a call.
 struct State {
-  unsigned long long flags_call;
-  unsigned long long barrier_call;
-  unsigned long long flags_bytes[3];  // bytes per slot the flags call that used buffer i wrote
-  unsigned int flags_done;            // blocks of the current flags call that have finished
-  unsigned int barrier_done;
-  unsigned int timed_out;             // a kernel of this instance gave up waiting
+  unsigned long long unused0[2];
+  unsigned long long flags_bytes[3];     // bytes per slot the flags call that used buffer i wrote
+  unsigned long long unused1;
+  unsigned int timed_out;                // a kernel of this instance gave up waiting (byte 48)
   unsigned int pad;
-  unsigned int* gave_up;              // host-mapped: set with timed_out, read by the host
+  unsigned int* gave_up;                 // host-mapped: set with timed_out, read by the host
+  unsigned long long partial_floats[3];  // partials the flags call that used buffer i wrote
+  unsigned long long unused2;
+  unsigned long long flags_calls[kFlagsMaxCtas];
+  unsigned long long barrier_calls[kBarrierMaxCtas];
+  float partials[3][kMaxSplitRows * kMaxChunks];  // sentinels (-0) until written
 };
 
 template <typename T> struct Elem;
@@ -130,7 +148,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
 }
 
 // Gives up: every later kernel of this instance returns at once, and the host hears of it.
-__device__ __noinline__ void give_up(State* st) {
+__device__ __forceinline__ void give_up(State* st) {
   atomicExch(&st->timed_out, 1u);
   unsigned int* host = *(unsigned int* volatile*)&st->gave_up;
   if (host != nullptr) {
@@ -160,13 +178,47 @@ struct Waiter {
   }
 };
 
-// Whether an earlier kernel of this instance gave up (read once per CTA, so every thread of
-// the CTA leaves together).
-__device__ __forceinline__ bool instance_failed(const State* st) {
-  __shared__ unsigned int failed;
-  if (threadIdx.x == 0) failed = *(const volatile unsigned int*)&st->timed_out;
+// The call number begin_call gives when an earlier kernel of the instance gave up.
+constexpr unsigned long long kFailed = ~0ull;
+
+// What a CTA reads of the state as its call starts: read once by thread 0, every load issued
+// before any is used, and shared, so every thread of the CTA leaves together.
+struct CallStart {
+  unsigned long long call;  // this CTA's count of calls, or kFailed
+  size_t prev_bytes;        // flags calls: bytes a slot the previous call wrote
+  size_t prev_partials;     // flags calls: norm partials the previous call wrote
+};
+
+// (A reference to shared memory, which keeps it to the end: nothing held in registers over
+// the waits.)
+__device__ __forceinline__ const CallStart& begin_call(const State* st,
+                                                       const unsigned long long* calls) {
+  __shared__ CallStart shared;
+  if (threadIdx.x == 0) {
+    const unsigned int failed = *(const volatile unsigned int*)&st->timed_out;
+    const unsigned long long call = calls[blockIdx.x];
+    const unsigned long long b0 = st->flags_bytes[0], b1 = st->flags_bytes[1],
+                             b2 = st->flags_bytes[2];
+    const unsigned long long p0 = st->partial_floats[0], p1 = st->partial_floats[1],
+                             p2 = st->partial_floats[2];
+    const int prev = (int)((call + 2) % 3);
+    shared.call = failed ? kFailed : call;
+    shared.prev_bytes = prev == 0 ? b0 : prev == 1 ? b1 : b2;
+    shared.prev_partials = prev == 0 ? p0 : prev == 1 ? p1 : p2;
+  }
   __syncthreads();
-  return failed != 0;
+  return shared;
+}
+
+// Sets this CTA's count of calls past `call`; CTA 0 also the counts of the CTAs past the
+// grid, so every count agrees at the next call whatever its grid. Only later kernels read
+// them. (Stores alone: a load here would hold the kernel's end for a round trip.)
+__device__ __forceinline__ void end_call(unsigned long long* calls, unsigned long long call,
+                                         int max_ctas) {
+  if (threadIdx.x == 0) calls[blockIdx.x] = call + 1;
+  if (blockIdx.x == 0) {
+    for (int b = gridDim.x + threadIdx.x; b < max_ctas; b += blockDim.x) calls[b] = call + 1;
+  }
 }
 
 // Vector `v` (16 bytes) of `in`, zero past `count`; element-wise where `in` is not aligned.
@@ -237,24 +289,6 @@ __device__ __forceinline__ void store_vec(T* out, size_t v, size_t count, bool a
   }
 }
 
-// The last block of a call to finish advances the call counter for the next launch.
-__device__ __forceinline__ void finish_call(unsigned int* done, unsigned long long* call) {
-  __syncthreads();
-  if (gridDim.x == 1) {
-    // One block (every small message): no other block to count.
-    if (threadIdx.x == 0) *call += 1;
-    return;
-  }
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {
-      *done = 0;
-      *call += 1;
-      __threadfence();
-    }
-  }
-}
-
 // Scratch layout (bytes, per rank): flags buffers [3][lsaSize][slot], barrier buffers
 // [2][slot], then the barrier inboxes [16 CTAs][lsaSize] of 4 bytes.
 
@@ -291,23 +325,32 @@ __device__ __forceinline__ bool pull(float (&acc)[16 / sizeof(T)], const char* l
 }
 
 // Clears what the previous flags call wrote into buffer `prev` (the same vectors of every
-// slot) for the call after next, records how many vectors of each slot this call wrote
-// (`vecs`), and advances the call counter.
+// slot, and its norm partials) for the call after next, records what this call wrote (`vecs`
+// vectors of each slot, `partials` floats), and advances the call count.
 template <typename T>
 __device__ __forceinline__ void end_flags_call(char* local, int buf, int prev, int peers,
-                                               size_t slot, size_t vecs, State* st) {
-  const size_t prev_vecs = st->flags_bytes[prev] / 16;
+                                               size_t slot, size_t vecs, size_t partials,
+                                               State* st, const CallStart& start) {
+  const size_t prev_vecs = start.prev_bytes / 16;
+  const size_t prev_partials = start.prev_partials;
   Vec sentinel;
   sentinel.v = make_uint4(Elem<T>::kSentinelWord, Elem<T>::kSentinelWord,
                           Elem<T>::kSentinelWord, Elem<T>::kSentinelWord);
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < prev_vecs * peers;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const size_t p = i / prev_vecs, v = i % prev_vecs;
-    store_volatile(local + ((size_t)prev * peers + p) * slot + v * 16, sentinel);
+  const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const size_t step = (size_t)gridDim.x * blockDim.x;
+  for (int p = 0; p < peers; p++) {
+    char* at = local + ((size_t)prev * peers + p) * slot;
+    for (size_t v = first; v < prev_vecs; v += step) store_volatile(at + v * 16, sentinel);
   }
-  // Another entry than the one read above (buf != prev); read by the next call.
-  if (blockIdx.x == 0 && threadIdx.x == 0) st->flags_bytes[buf] = vecs * 16;
-  finish_call(&st->flags_done, &st->flags_call);
+  for (size_t i = first; i < prev_partials; i += step) {
+    *(volatile unsigned int*)&st->partials[prev][i] = 0x80000000u;
+  }
+  // Other entries than those read above (buf != prev); read by the next call.
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    st->flags_bytes[buf] = vecs * 16;
+    st->partial_floats[buf] = partials;
+  }
+  end_call(st->flags_calls, start.call, kFlagsMaxCtas);
 }
 
 template <typename T>
@@ -316,14 +359,15 @@ __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
                               unsigned long long timeout_ns) {
   constexpr int n = 16 / sizeof(T);
   const int peers = comm->lsaSize, me = comm->lsaRank;
-  const unsigned long long call = st->flags_call;
   const size_t vecs = (count + n - 1) / n;
   const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t step = (size_t)gridDim.x * blockDim.x;
   // The first vector's load is issued before the failure check, so their latencies overlap.
   Vec x0 = first < vecs ? load_input(in, first, count, aligned) : Vec{};
-  if (instance_failed(st)) return;
+  const CallStart& start = begin_call(st, st->flags_calls);
+  if (start.call == kFailed) return;
+  const unsigned long long call = start.call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
 
@@ -344,7 +388,7 @@ __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
     if (!pull<T>(acc, local, buf, peers, slot, v, waiter, st, timeout_ns)) break;
     store_output(out, v, count, aligned, acc);
   }
-  end_flags_call<T>(local, buf, prev, peers, slot, vecs, st);
+  end_flags_call<T>(local, buf, prev, peers, slot, vecs, 0, st, start);
 }
 
 // Slot layout of a two-shot call in buffer `buf` of rank r: slot p holds, at vectors
@@ -356,14 +400,15 @@ __device__ void twoshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
                               unsigned long long timeout_ns) {
   constexpr int n = 16 / sizeof(T);
   const int peers = comm->lsaSize, me = comm->lsaRank;
-  const unsigned long long call = st->flags_call;
   const size_t vecs = (count + n - 1) / n;
   const size_t chunk = (vecs + peers - 1) / peers;
   const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t step = (size_t)gridDim.x * blockDim.x;
   Vec x0 = first < vecs ? load_input(in, first, count, aligned) : Vec{};
-  if (instance_failed(st)) return;
+  const CallStart& start = begin_call(st, st->flags_calls);
+  if (start.call == kFailed) return;
+  const unsigned long long call = start.call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
@@ -421,7 +466,7 @@ __device__ void twoshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
     if (ok) store_vec(out, v, count, aligned, x);
   }
   // One rank pushes no sums: its slot holds the chunk alone.
-  end_flags_call<T>(local, buf, prev, peers, slot, peers > 1 ? 2 * chunk : chunk, st);
+  end_flags_call<T>(local, buf, prev, peers, slot, peers > 1 ? 2 * chunk : chunk, 0, st, start);
 }
 
 // 8 bytes of `src` from byte `at`, zero past `bytes`; bytewise where not 8-byte aligned.
@@ -459,15 +504,16 @@ __device__ void all_gather_ll(const ncclDevComm* comm, ncclWindow_t scratch, siz
                               const unsigned char* in, unsigned char* out, size_t bytes,
                               State* st, unsigned long long timeout_ns) {
   const int peers = comm->lsaSize, me = comm->lsaRank;
-  const unsigned long long call = st->flags_call;
   const size_t lines = (bytes + 7) / 8;
-  // In [1, 2^31): below the sentinels' top bit, so a cleared slot never holds a valid flag.
-  const uint32_t flag = (uint32_t)(call % 0x7fffffffull) + 1u;
   const bool in_aligned = (uintptr_t)in % 8 == 0;
   const bool out_aligned = (uintptr_t)out % 8 == 0 && bytes % 8 == 0;
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t step = (size_t)gridDim.x * blockDim.x;
-  if (instance_failed(st)) return;
+  const CallStart& start = begin_call(st, st->flags_calls);
+  if (start.call == kFailed) return;
+  const unsigned long long call = start.call;
+  // In [1, 2^31): below the sentinels' top bit, so a cleared slot never holds a valid flag.
+  const uint32_t flag = (uint32_t)(call % 0x7fffffffull) + 1u;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
@@ -504,7 +550,7 @@ __device__ void all_gather_ll(const ncclDevComm* comm, ncclWindow_t scratch, siz
       store_8(out + (size_t)p * bytes, l * 8, bytes, out_aligned, make_uint2(x.w[0], x.w[2]));
     }
   }
-  end_flags_call<T>(local, buf, prev, peers, slot, lines, st);
+  end_flags_call<T>(local, buf, prev, peers, slot, lines, 0, st, start);
 }
 
 // CTA b of every rank meets at barrier b: flags (the call's epoch) stored with release into
@@ -539,10 +585,10 @@ template <typename T>
 __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
                                 const T* in, T* out, size_t count, State* st,
                                 unsigned long long timeout_ns) {
-  if (instance_failed(st)) return;
+  const unsigned long long call = begin_call(st, st->barrier_calls).call;
+  if (call == kFailed) return;
   constexpr int n = 16 / sizeof(T);
   const int peers = comm->lsaSize, me = comm->lsaRank;
-  const unsigned long long call = st->barrier_call;
   const size_t base = (size_t)3 * peers * slot + (size_t)(call & 1) * slot;
   const size_t inboxes = (size_t)(3 * peers + 2) * slot;
   const size_t vecs = (count + n - 1) / n;
@@ -567,76 +613,133 @@ __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, s
       store_output(out, v, count, aligned, acc);
     }
   }
-  finish_call(&st->barrier_done, &st->barrier_call);
+  end_call(st->barrier_calls, call, kBarrierMaxCtas);
 }
 
 // ---- All-reduce + residual add + RMSNorm (the tensor-parallel epilogue) -------------------
 //   s   = T(sum over ranks of x)       (what an all-reduce of T gives, rounded once)
-//   h   = T(s + residual)              (written back to `residual`)
+//   h   = T(s + residual_in)           (written to `residual_out`, which may be residual_in)
 //   out = T(h * rsqrt(mean(h^2) + eps) * weight)
 // over `rows` rows of `hidden` elements (hidden a multiple of the vector, at most
-// kMaxPerThread vectors per thread), one CTA per row in turn (CTAs past the rows help push).
+// kMaxChunks × 32 vectors). Fused, `splits` CTAs normalise a row together, each a part of
+// it (a multiple of 32 vectors, at most kFusedMaxPerThread a thread); CTAs past the rows
+// only push. A
+// row's sum of squares is summed in one order whatever the split: each warp's 32 vectors (a
+// chunk) in a fixed tree, then the chunks in a fixed tree over kMaxChunks, so every split,
+// and the separate kernel, give the same bits.
+// The most vectors of a row a thread keeps: the separate kernel's (a CTA a row, 512 threads);
+// the fused kernel keeps fewer (its registers also hold the wait) and splits longer rows.
 constexpr int kMaxPerThread = 4;
+constexpr int kFusedMaxPerThread = 2;
 
-__device__ __forceinline__ float block_sum(float v, float* shared) {
+// Vectors [base, end) of a row: the part one CTA normalises.
+struct Part {
+  size_t base, end;
+};
+
+// Lane 0's result is the warp's 32 values summed in a fixed (xor butterfly) order.
+__device__ __forceinline__ float warp_tree(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  __syncthreads();  // `shared` free from the previous row
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < warps; w++) total += shared[w];
-  return total;
+  return v;
 }
 
-// The residual and weight vectors of one row this thread handles (vectors
-// `k * blockDim + tid`), loaded before anything waits, so their latency overlaps the rest.
-template <typename T>
-__device__ __forceinline__ void load_row(Vec (&r)[kMaxPerThread], Vec (&w)[kMaxPerThread],
-                                         const T* residual, const T* weight, size_t row,
-                                         size_t hidden, size_t len, bool aligned) {
+// A row's sum of squares from its `chunks` chunk sums (the rest of kMaxChunks count as
+// zero), in the fixed order: every lane of the warp gets lane 0's.
+__device__ __forceinline__ float chunks_total(float a, float b) {
+  return __shfl_sync(0xffffffffu, warp_tree(a + b), 0);
+}
+
+// Vectors `part.base + k × blockDim + tid` of a row of `rows × hidden` elements `src`
+// (`row` 0 and `len` = hidden: the weight): the ones this thread handles.
+template <typename T, int K>
+__device__ __forceinline__ void load_part(Vec (&x)[K], const T* src, size_t row,
+                                          size_t hidden, Part part, size_t len, bool aligned) {
   constexpr int n = 16 / sizeof(T);
   const size_t vpr = hidden / n;
 #pragma unroll
-  for (int k = 0; k < kMaxPerThread; k++) {
-    const size_t v = k * blockDim.x + threadIdx.x;
-    if (v >= vpr) continue;
-    r[k] = load_input(residual, row * vpr + v, len, aligned);
-    w[k] = load_input(weight, v, hidden, aligned);
+  for (int k = 0; k < K; k++) {
+    const size_t v = part.base + (size_t)k * blockDim.x + threadIdx.x;
+    if (v < part.end) x[k] = load_input(src, row * vpr + v, len, aligned);
   }
 }
 
-// The norm of one row whose sums (as T, widened) are in `h`, with the row's residual and
-// weight vectors from load_row.
-template <typename T>
-__device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T)],
-                                         const Vec (&r)[kMaxPerThread],
-                                         const Vec (&w)[kMaxPerThread], T* residual, T* out,
-                                         size_t row, size_t hidden, size_t len, bool aligned,
-                                         float eps, float* shared) {
+// h = T(T(h) + residual) for this thread's vectors (the unfused sequence's two roundings),
+// and the part's chunk sums of squares into `chunks` (chunk c of the row at index c; lane
+// 0 of each warp writes, volatile where other CTAs read them).
+template <typename T, int K, bool kVolatile>
+__device__ __forceinline__ void add_residual(float (&h)[K][16 / sizeof(T)], const Vec (&r)[K],
+                                             Part part,
+                                             float* chunks) {
   constexpr int n = 16 / sizeof(T);
-  const size_t vpr = hidden / n;
-  float squares = 0.f;
+  const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
-  for (int k = 0; k < kMaxPerThread; k++) {
-    const size_t v = k * blockDim.x + threadIdx.x;
-    if (v >= vpr) continue;
+  for (int k = 0; k < K; k++) {
+    const size_t first = part.base + (size_t)k * blockDim.x;
+    if (first >= part.end) break;  // alike for the whole CTA
+    const size_t v = first + threadIdx.x;
+    float squares = 0.f;
+    if (v < part.end) {
 #pragma unroll
-    for (int i = 0; i < n; i++) {
-      T e;
-      memcpy(&e, r[k].b + i * sizeof(T), sizeof(T));
-      // The sum as T, plus the residual, as T: the unfused sequence's two roundings.
-      const float x = Elem<T>::widen(Elem<T>::narrow(h[k][i])) + Elem<T>::widen(e);
-      h[k][i] = Elem<T>::widen(Elem<T>::narrow(x));
-      squares += h[k][i] * h[k][i];
+      for (int i = 0; i < n; i++) {
+        T e;
+        memcpy(&e, r[k].b + i * sizeof(T), sizeof(T));
+        const float x = Elem<T>::widen(Elem<T>::narrow(h[k][i])) + Elem<T>::widen(e);
+        h[k][i] = Elem<T>::widen(Elem<T>::narrow(x));
+        squares += h[k][i] * h[k][i];
+      }
+    }
+    const float chunk = warp_tree(squares);
+    if (lane == 0 && first + warp * 32 < part.end) {
+      const size_t c = first / 32 + warp;
+      if (kVolatile) {
+        *(volatile float*)&chunks[c] = chunk;
+      } else {
+        chunks[c] = chunk;
+      }
     }
   }
-  const float inv = rsqrtf(block_sum(squares, shared) / (float)hidden + eps);
+}
+
+// The row's sum of squares from chunk sums other CTAs publish in `chunks` (sentinels, -0,
+// until written: a sum of squares is never -0); false on this lane if the wait gave up.
+__device__ __forceinline__ bool published_total(const float* chunks, int count, float& total,
+                                                Waiter& waiter, State* st,
+                                                unsigned long long timeout_ns) {
+  const int lane = threadIdx.x % 32;
+  float x[2] = {0.f, 0.f};
+  bool ok = true;
 #pragma unroll
-  for (int k = 0; k < kMaxPerThread; k++) {
-    const size_t v = k * blockDim.x + threadIdx.x;
-    if (v >= vpr) continue;
+  for (int j = 0; j < 2; j++) {
+    const int c = lane + 32 * j;
+    if (!ok || c >= count) continue;
+    const volatile unsigned int* at = (const volatile unsigned int*)&chunks[c];
+    unsigned int bits = *at;
+    while (bits == 0x80000000u) {
+      if (!waiter.go_on(st, timeout_ns)) {
+        ok = false;
+        break;
+      }
+      bits = *at;
+    }
+    x[j] = __uint_as_float(bits);
+  }
+  total = chunks_total(x[0], x[1]);
+  return ok;
+}
+
+// The norm of this thread's vectors of a row, whose h and weights are in `h` and `w`.
+template <typename T, int K>
+__device__ __forceinline__ void write_row(const float (&h)[K][16 / sizeof(T)],
+                                          const Vec (&w)[K], T* residual_out,
+                                          T* out, size_t row, size_t hidden, Part part,
+                                          size_t len, bool aligned, float inv) {
+  constexpr int n = 16 / sizeof(T);
+  const size_t vpr = hidden / n;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const size_t v = part.base + (size_t)k * blockDim.x + threadIdx.x;
+    if (v >= part.end) continue;
     Vec hr, o;
 #pragma unroll
     for (int i = 0; i < n; i++) {
@@ -646,34 +749,44 @@ __device__ __forceinline__ void norm_row(float (&h)[kMaxPerThread][16 / sizeof(T
       memcpy(hr.b + i * sizeof(T), &he, sizeof(T));
       memcpy(o.b + i * sizeof(T), &oe, sizeof(T));
     }
-    store_vec(residual, row * vpr + v, len, aligned, hr);
+    store_vec(residual_out, row * vpr + v, len, aligned, hr);
     store_vec(out, row * vpr + v, len, aligned, o);
   }
 }
 
 template <typename T>
-__device__ __forceinline__ bool all_aligned(const T* a, const T* b, const T* c, const T* d) {
-  return ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) % 16 == 0;
+__device__ __forceinline__ bool all_aligned(const T* a, const T* b, const T* c, const T* d,
+                                            const T* e) {
+  return ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) % 16 == 0;
+}
+
+// The part of each row CTA `blockIdx.x` normalises, `splits` CTAs a row.
+__device__ __forceinline__ Part row_part(size_t vpr, size_t splits) {
+  const size_t each = ((vpr + splits - 1) / splits + 31) / 32 * 32;
+  const size_t base = (blockIdx.x % splits) * each;
+  return Part{base, min(base + each, vpr)};
 }
 
 template <typename T>
 __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
-                            const T* in, T* residual, const T* weight, T* out, size_t rows,
-                            size_t hidden, float eps, State* st, unsigned long long timeout_ns) {
+                            const T* in, const T* residual_in, T* residual_out, const T* weight,
+                            T* out, size_t rows, size_t hidden, size_t splits, float eps,
+                            State* st, unsigned long long timeout_ns) {
   constexpr int n = 16 / sizeof(T);
-  __shared__ float shared[32];
+  __shared__ float chunks[kMaxChunks];
   const int peers = comm->lsaSize, me = comm->lsaRank;
-  const unsigned long long call = st->flags_call;
   const size_t vpr = hidden / n, vecs = rows * vpr, len = rows * hidden;
-  const bool aligned = all_aligned(in, (const T*)residual, weight, (const T*)out);
-  // Each CTA pushes one contiguous chunk of the message (all vectors of all rows), so every
+  const bool aligned = all_aligned(in, residual_in, (const T*)residual_out, weight, (const T*)out);
+  // Each CTA pushes one contiguous share of the message (all vectors of all rows), so every
   // CTA of the grid pushes, however few vectors a CTA's threads could take.
-  const size_t chunk = (vecs + gridDim.x - 1) / gridDim.x;
-  const size_t first = (size_t)blockIdx.x * chunk + threadIdx.x;
-  const size_t end = min((size_t)(blockIdx.x + 1) * chunk, vecs);
-  // The first vector's load is issued before the failure check, so their latencies overlap.
+  const size_t share = (vecs + gridDim.x - 1) / gridDim.x;
+  const size_t first = (size_t)blockIdx.x * share + threadIdx.x;
+  const size_t end = min((size_t)(blockIdx.x + 1) * share, vecs);
+  // The first vector's load is issued before the call's state is read, to overlap them.
   Vec x0 = first < end ? load_input(in, first, len, aligned) : Vec{};
-  if (instance_failed(st)) return;
+  const CallStart& start = begin_call(st, st->flags_calls);
+  if (start.call == kFailed) return;
+  const unsigned long long call = start.call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
@@ -687,51 +800,85 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
       store_volatile((char*)ncclGetLsaPointer(scratch, mine + v * 16, p), x);
     }
   }
+  // CTA b < groups × splits normalises part b % splits of rows b / splits, + groups, ...;
+  // split (splits > 1: the host gives at most one row a group, at most kMaxSplitRows rows),
+  // the group's CTAs publish their chunk sums in the call's partials.
+  const size_t groups = gridDim.x / splits;
+  const Part part = row_part(vpr, splits);
+  const int count = (int)((vpr + 31) / 32);
+  float* published = st->partials[buf] + (blockIdx.x / splits) * kMaxChunks;
   Waiter waiter;
-  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    Vec r[kMaxPerThread], w[kMaxPerThread];
-    load_row<T>(r, w, residual, weight, row, hidden, len, aligned);
-    float h[kMaxPerThread][n];
+  for (size_t row = blockIdx.x / splits; blockIdx.x < groups * splits && row < rows;
+       row += groups) {
+    // The residual and weight before the wait, to overlap their latency.
+    Vec r[kFusedMaxPerThread], w[kFusedMaxPerThread];
+    load_part<T, kFusedMaxPerThread>(r, residual_in, row, hidden, part, len, aligned);
+    load_part<T, kFusedMaxPerThread>(w, weight, 0, hidden, part, hidden, aligned);
+    float h[kFusedMaxPerThread][n];
     bool complete = true;
 #pragma unroll
-    for (int k = 0; k < kMaxPerThread; k++) {
-      const size_t v = k * blockDim.x + threadIdx.x;
-      if (v < vpr) {
+    for (int k = 0; k < kFusedMaxPerThread; k++) {
+      const size_t v = part.base + (size_t)k * blockDim.x + threadIdx.x;
+      if (v < part.end) {
         complete &= pull<T>(h[k], local, buf, peers, slot, row * vpr + v, waiter, st, timeout_ns);
       } else {
 #pragma unroll
         for (int i = 0; i < n; i++) h[k][i] = 0.f;
       }
     }
-    // Every thread of the CTA takes part in the norm's block sum, given up or not.
+    // Every thread of the CTA takes part in the exchange, given up or not (the barrier also
+    // frees `chunks` from the previous row).
     if (!__syncthreads_and(complete)) break;
-    norm_row<T>(h, r, w, residual, out, row, hidden, len, aligned, eps, shared);
+    float total;
+    const int lane = threadIdx.x % 32;
+    if (splits == 1) {
+      add_residual<T, kFusedMaxPerThread, false>(h, r, part, chunks);
+      __syncthreads();
+      total = chunks_total(lane < count ? chunks[lane] : 0.f,
+                           lane + 32 < count ? chunks[lane + 32] : 0.f);
+    } else {
+      add_residual<T, kFusedMaxPerThread, true>(h, r, part, published);
+      const bool ok = published_total(published, count, total, waiter, st, timeout_ns);
+      if (!__syncthreads_and(ok)) break;
+    }
+    write_row<T, kFusedMaxPerThread>(h, w, residual_out, out, row, hidden, part, len, aligned,
+                 rsqrtf(total / (float)hidden + eps));
   }
-  end_flags_call<T>(local, buf, prev, peers, slot, vecs, st);
+  end_flags_call<T>(local, buf, prev, peers, slot, vecs, splits > 1 ? rows * kMaxChunks : 0,
+                    st, start);
 }
 
 // The unfused epilogue, after an all-reduce that left the sums in `sums`: the same math as
-// fused_flags from there on.
+// fused_flags from there on, a CTA a row.
 template <typename T>
-__device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out, size_t rows,
-                             size_t hidden, float eps) {
+__device__ void add_rms_norm(const T* sums, const T* residual_in, T* residual_out,
+                             const T* weight, T* out, size_t rows, size_t hidden, float eps) {
   constexpr int n = 16 / sizeof(T);
-  __shared__ float shared[32];
+  __shared__ float chunks[kMaxChunks];
   const size_t vpr = hidden / n, len = rows * hidden;
-  const bool aligned = all_aligned(sums, (const T*)residual, weight, (const T*)out);
+  const bool aligned = all_aligned(sums, residual_in, (const T*)residual_out, weight, (const T*)out);
+  const Part part = row_part(vpr, 1);
+  const int count = (int)((vpr + 31) / 32), lane = threadIdx.x % 32;
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
     Vec r[kMaxPerThread], w[kMaxPerThread];
-    load_row<T>(r, w, residual, weight, row, hidden, len, aligned);
+    load_part<T, kMaxPerThread>(r, residual_in, row, hidden, part, len, aligned);
+    load_part<T, kMaxPerThread>(w, weight, 0, hidden, part, hidden, aligned);
     float h[kMaxPerThread][n];
 #pragma unroll
     for (int k = 0; k < kMaxPerThread; k++) {
 #pragma unroll
       for (int i = 0; i < n; i++) h[k][i] = 0.f;
-      const size_t v = k * blockDim.x + threadIdx.x;
+      const size_t v = (size_t)k * blockDim.x + threadIdx.x;
       if (v >= vpr) continue;
       accumulate<T>(h[k], load_input(sums, row * vpr + v, len, aligned));
     }
-    norm_row<T>(h, r, w, residual, out, row, hidden, len, aligned, eps, shared);
+    __syncthreads();  // `chunks` free from the previous row
+    add_residual<T, kMaxPerThread, false>(h, r, part, chunks);
+    __syncthreads();
+    const float total = chunks_total(lane < count ? chunks[lane] : 0.f,
+                                     lane + 32 < count ? chunks[lane + 32] : 0.f);
+    write_row<T, kMaxPerThread>(h, w, residual_out, out, row, hidden, part, len, aligned,
+                 rsqrtf(total / (float)hidden + eps));
   }
 }
 }  // namespace
@@ -760,17 +907,17 @@ __device__ void add_rms_norm(const T* sums, T* residual, const T* weight, T* out
   }
 
 #define NCCL_RS_NORM(NAME, T)                                                                 \
-  extern "C" __global__ void __launch_bounds__(512) nccl_rs_fused_add_rms_norm_##NAME(                               \
-      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in, T* residual,   \
-      const T* weight, T* out, size_t rows, size_t hidden, float eps, State* st,              \
-      unsigned long long timeout_ns) {                                                        \
-    fused_flags<T>(comm, scratch, slot, in, residual, weight, out, rows, hidden, eps, st,     \
-                   timeout_ns);                                                               \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_fused_add_rms_norm_##NAME(        \
+      const ncclDevComm* comm, ncclWindow_t scratch, size_t slot, const T* in,                \
+      const T* residual_in, T* residual_out, const T* weight, T* out, size_t rows,            \
+      size_t hidden, size_t splits, float eps, State* st, unsigned long long timeout_ns) {    \
+    fused_flags<T>(comm, scratch, slot, in, residual_in, residual_out, weight, out, rows,     \
+                   hidden, splits, eps, st, timeout_ns);                                      \
   }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(512) nccl_rs_add_rms_norm_##NAME(const T* sums, T* residual,          \
-                                                         const T* weight, T* out, size_t rows,\
-                                                         size_t hidden, float eps) {          \
-    add_rms_norm<T>(sums, residual, weight, out, rows, hidden, eps);                          \
+  extern "C" __global__ void __launch_bounds__(512) nccl_rs_add_rms_norm_##NAME(              \
+      const T* sums, const T* residual_in, T* residual_out, const T* weight, T* out,          \
+      size_t rows, size_t hidden, float eps) {                                                \
+    add_rms_norm<T>(sums, residual_in, residual_out, weight, out, rows, hidden, eps);         \
   }
 
 NCCL_RS_ALLREDUCE(f32, float)
