@@ -433,6 +433,9 @@ fn benchmark_registered(
         Apis::Raw => "raw nccl-sys calls",
         Apis::Compare => "the safe API and raw nccl-sys calls",
         Apis::Lsa(algorithm) => match lsa::name(algorithm) {
+            "flags" if options.coll == Coll::AllGather => {
+                "NCCL (safe API) and nccl-rs's LL all-gather kernel"
+            }
             "flags" => "NCCL (safe API) and nccl-rs's one-shot flags kernel",
             "barrier" => "NCCL (safe API) and nccl-rs's one-shot LSA-barrier kernel",
             "twoshot" => "NCCL (safe API) and nccl-rs's two-shot flags kernel",
@@ -646,7 +649,13 @@ impl TypeVisitor for TypeRun<'_> {
             _ => Buffers::<T>::alloc(&rank.stream, buffer_len, alloc)?,
         };
         if let Apis::Lsa(_) = options.apis {
-            bufs.lsa = Some(T::lsa_all_reduce(&rank.comm, buffer_len)?);
+            // The all-gather takes max_count / 2 elements a rank (its LL lines).
+            let max_count = if coll == Coll::AllGather {
+                (2 * buffer_len).div_ceil(n)
+            } else {
+                buffer_len
+            };
+            bufs.lsa = Some(T::lsa_all_reduce(&rank.comm, max_count)?);
         }
         measure::fill(rank, &mut bufs, &Pattern::new(n, None, 0))?;
 
@@ -690,8 +699,10 @@ impl TypeVisitor for TypeRun<'_> {
                 let mut issuer = Issuer::new(&rank.comm, coll, layout, redop, root);
                 issuer.control = options.control;
                 issuer.construction = options.construction;
+                // The shipped all-gather has no in-place form.
+                let lsa_gather = matches!(options.apis, Apis::Lsa(_)) && coll == Coll::AllGather;
                 for in_place in [false, true] {
-                    if in_place && !coll.has_in_place() {
+                    if in_place && (!coll.has_in_place() || lsa_gather) {
                         continue;
                     }
                     let cell = Cell {

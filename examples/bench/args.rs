@@ -344,7 +344,9 @@ this benchmark's own:
                                with flags, one-shot with NCCL's LSA barrier, or chosen by
                                size) beside NCCL's
                                own through the safe API, in the same run; f32, bf16, f16;
-                               every rank in one LSA team; NCCL 2.29.2+
+                               every rank in one LSA team; NCCL 2.29.2+. With all_gather
+                               and --lsa flags: the LL all-gather kernel beside NCCL's
+                               all_gather (out of place only)
       --control                with --compare: both columns issue raw calls, which shows how
                                far apart the comparison puts two identical paths
       --simulate               after each row, a comment line with NCCL's own estimate of
@@ -618,9 +620,12 @@ fn validate(options: &Options) -> Result<(), String> {
     if options.rounds == 0 {
         return Err("--rounds must be at least 1".into());
     }
-    if let Apis::Lsa(_) = options.apis {
-        if options.coll != Coll::AllReduce || options.ops != [ReduceOp::Sum] {
-            return Err("--lsa runs all_reduce with -o sum only".into());
+    if let Apis::Lsa(algorithm) = options.apis {
+        let gather = options.coll == Coll::AllGather
+            && algorithm == nccl::device::LsaAlgorithm::OneShotFlags;
+        let sum = options.coll == Coll::AllReduce && options.ops == [ReduceOp::Sum];
+        if !gather && !sum {
+            return Err("--lsa runs all_reduce with -o sum, or all_gather with --lsa flags".into());
         }
     }
     if options.control && options.apis != Apis::Compare {

@@ -1,5 +1,7 @@
 //! `--lsa KERNEL`: the all-reduce kernels nccl-rs ships (`nccl::device::LsaAllReduce`), timed
-//! beside NCCL's own all-reduce in the same run. Only for sums of f32, bf16 and f16.
+//! beside NCCL's own all-reduce in the same run (sums of f32, bf16 and f16); as `bench
+//! all_gather --lsa flags`, its LL all-gather beside NCCL's all-gather (out of place: the
+//! kernel has no in-place form).
 
 use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaElem};
 use nccl::Comm;
@@ -17,6 +19,8 @@ pub trait LsaIssue<T: Elem> {
         send: Option<&Part<'_, T>>,
         recv: &mut PartMut<'_, '_, T>,
     ) -> BenchResult<()>;
+    /// Issues one all-gather of `send` into `recv` (the LL kernel).
+    fn gather(&mut self, send: &Part<'_, T>, recv: &mut PartMut<'_, '_, T>) -> BenchResult<()>;
 }
 
 impl<T: Elem + LsaElem> LsaIssue<T> for LsaAllReduce<'_, T> {
@@ -30,6 +34,11 @@ impl<T: Elem + LsaElem> LsaIssue<T> for LsaAllReduce<'_, T> {
             Some(send) => self.all_reduce(send, recv, algorithm)?,
             None => self.all_reduce_in_place(recv, algorithm)?,
         };
+        Ok(())
+    }
+
+    fn gather(&mut self, send: &Part<'_, T>, recv: &mut PartMut<'_, '_, T>) -> BenchResult<()> {
+        self.all_gather(send, recv)?;
         Ok(())
     }
 }

@@ -402,11 +402,25 @@ impl Issuer {
             Api::Safe if !self.control => self.issue_safe(comm, bufs, in_place, shift),
             Api::Safe | Api::Raw => self.issue_raw(bufs, in_place, shift),
             Api::Lsa(algorithm) => {
-                let count = self.layout.count;
+                let Layout {
+                    count,
+                    send_len,
+                    recv_len,
+                    ..
+                } = self.layout;
                 let Buffers {
                     send, recv, lsa, ..
                 } = bufs;
                 let lsa = lsa.as_mut().ok_or("--lsa: no LsaAllReduce was created")?;
+                if self.coll == Coll::AllGather {
+                    if in_place {
+                        return Err("--lsa: the all-gather kernel has no in-place form".into());
+                    }
+                    return lsa.gather(
+                        &send.part(shift, send_len)?,
+                        &mut recv.part_mut(shift, recv_len)?,
+                    );
+                }
                 let send = (!in_place).then(|| send.part(shift, count)).transpose()?;
                 lsa.issue(algorithm, send.as_ref(), &mut recv.part_mut(shift, count)?)
             }
