@@ -572,7 +572,10 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
     // Rows split over CTAs (3 × 4096: four a row; 1 × 8192: eight; 2 × 16384), one CTA a row
     // (17 × 1024, 40 × 4096), and rows too many and too long to fuse (9 × 16384: the
     // all-reduce into `out`, then the norm).
-    const SHAPES: [(usize, usize); 7] = [
+    // Ragged splits too: rows whose length is no multiple of the split (2 × 8200: seven
+    // parts of 160 vectors, the last of 65; 1 × 1288: a partial last chunk) and five splits a
+    // row (3 × 16384).
+    const SHAPES: [(usize, usize); 10] = [
         (1, 8),
         (3, 4096),
         (1, 8192),
@@ -580,6 +583,9 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
         (2, 16384),
         (40, 4096),
         (9, 16384),
+        (2, 8200),
+        (3, 16384),
+        (1, 1288),
     ];
     per_rank(comms, |comm, _| {
         use nccl::device::LsaEpilogue;
@@ -694,8 +700,45 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
                 results[0],
                 "rank {rank} {rows}x{hidden} to: out"
             );
+            // And separate: the all-reduce in place on x, then the norm into the new buffers.
+            staging.upload(&res0, &mut residual_out.slice_mut(0..len));
+            ar.all_reduce_add_rms_norm_to(
+                &mut x.slice_mut(0..len),
+                &residual.slice(0..len),
+                &weight.slice(0..hidden),
+                1e-5,
+                &mut residual_out.slice_mut(0..len),
+                &mut out.slice_mut(0..len),
+                LsaEpilogue::Separate(LsaAlgorithm::OneShotFlags),
+            )
+            .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} to, separate: {e}"));
+            assert_eq!(
+                staging.download(&residual_out.slice(0..len)),
+                want_res,
+                "rank {rank} {rows}x{hidden} to, separate: residual out"
+            );
+            assert_eq!(
+                staging.download(&residual.slice(0..len)),
+                res0,
+                "rank {rank} {rows}x{hidden} to, separate: residual kept"
+            );
+            assert_eq!(
+                staging.download(&out.slice(0..len)),
+                results[0],
+                "rank {rank} {rows}x{hidden} to, separate: out"
+            );
             ar.check().expect("in step");
         }
+        // No rows: nothing runs, on every rank alike.
+        ar.all_reduce_add_rms_norm(
+            &mut x.slice_mut(0..0),
+            &mut residual.slice_mut(0..0),
+            &weight.slice(0..64),
+            1e-5,
+            &mut out.slice_mut(0..0),
+            LsaEpilogue::Fused,
+        )
+        .expect("no rows");
         // Refusals, alike on every rank.
         let refused = ar.all_reduce_add_rms_norm(
             &mut x.slice_mut(0..24),

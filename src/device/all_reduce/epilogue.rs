@@ -28,7 +28,7 @@ const NORM_VECTORS_PER_THREAD: usize = 4;
 const FUSED_VECTORS_PER_THREAD: usize = 2;
 /// The most rows a fused call whose rows are split over CTAs normalises (the kernel's
 /// exchange room for the CTAs' partial sums: `kMaxSplitRows`).
-const SPLIT_ROWS: usize = 8;
+pub(super) const SPLIT_ROWS: usize = 8;
 
 /// The vectors of a row a CTA of the fused kernel aims at where rows are split: 128 was the
 /// fastest of 64, 128, 256 and unsplit rows (4×H100, bf16, hidden 4096 and 8192, at 4 and 2
@@ -69,11 +69,20 @@ fn fused_grid<T>(rows: usize, hidden: usize, target: usize) -> Option<NormGrid> 
     } else {
         1
     };
-    let splits = vectors.div_ceil(target).min(most).max(needed);
+    let mut splits = vectors.div_ceil(target).min(most).max(needed);
     if splits > most {
         return None;
     }
-    let part = vectors.div_ceil(splits).next_multiple_of(32);
+    // Parts are whole 32-vector chunks: fewer splits where rounding left the last ones
+    // empty (each pass only shrinks the part, so it ends).
+    let part = loop {
+        let part = vectors.div_ceil(splits).next_multiple_of(32);
+        let used = vectors.div_ceil(part);
+        if used == splits {
+            break part;
+        }
+        splits = used;
+    };
     let threads = part.clamp(32, THREADS as usize);
     let pushers = (rows * vectors).div_ceil(threads);
     let ctas = (rows * splits).max(pushers).clamp(1, MAX_CTAS as usize);
@@ -227,10 +236,12 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         let (out, _out) = out.device_ptr_mut(stream);
         // The sums the norm kernel reads: the all-reduce's, in place on x, or into out.
         let sums = if let Plan::IntoOut = plan {
-            // A shipped kernel (len <= max_count): the one Auto takes, or for sizes it gives
-            // NCCL, the two-shot.
+            // A shipped kernel (len <= max_count), so the sums keep the shipped kernels' rank
+            // order: the one Auto takes where that is the one-shot.
             let algorithm = match self.choose(len) {
-                LsaAlgorithm::Nccl => LsaAlgorithm::TwoShotFlags,
+                // Not the two-shot, whose 64 CTAs must all be resident: the one-shot needs
+                // no more than the fused kernel would have.
+                LsaAlgorithm::Nccl | LsaAlgorithm::TwoShotFlags => LsaAlgorithm::OneShotFlags,
                 chosen => chosen,
             };
             self.launch(Kernel::AllReduce(algorithm), x, out, len)?;
@@ -403,6 +414,11 @@ mod tests {
                 };
                 let part = vectors.div_ceil(g.splits).next_multiple_of(32);
                 assert!(part.div_ceil(g.threads as usize) <= FUSED_VECTORS_PER_THREAD);
+                // Every split has vectors: no CTA waits on siblings with nothing of its own.
+                assert!(
+                    (g.splits - 1) * part < vectors,
+                    "{rows} x {hidden}: an empty part"
+                );
                 assert!(g.ctas <= MAX_CTAS && g.threads % 32 == 0);
                 if g.splits > 1 {
                     assert!(rows <= SPLIT_ROWS && rows * g.splits <= g.ctas as usize);

@@ -48,7 +48,9 @@ const STATE_WORDS: usize = STATE_PARTIALS_AT + STATE_PARTIAL_WORDS;
 /// The first word of the norm partials: three buffers of `kMaxSplitRows` (8) rows of
 /// `kMaxChunks` (64) f32 chunk sums.
 const STATE_PARTIALS_AT: usize = 12 + FLAGS_MAX_CTAS as usize + MAX_CTAS as usize;
-const STATE_PARTIAL_WORDS: usize = 3 * 8 * 64 / 2;
+const STATE_PARTIAL_WORDS: usize = 3 * epilogue::SPLIT_ROWS * NORM_CHUNKS / 2;
+/// The most 32-vector chunks of a row (`kMaxChunks`): 2 048 vectors.
+const NORM_CHUNKS: usize = 64;
 /// The barrier inboxes' bytes per rank: a 4-byte flag per CTA per peer.
 const INBOX_BYTES: usize = MAX_CTAS as usize * 4;
 /// The first NCCL whose device communicator the shipped kernels can read.
@@ -542,6 +544,27 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernels_constants_are_the_hosts() {
+        // The kernels' source as checked in beside the images generated from it.
+        let source = include_str!("../shipped/allreduce.cu");
+        let constant = |name: &str| -> usize {
+            let at = source
+                .find(&format!("constexpr int {name} = "))
+                .unwrap_or_else(|| panic!("{name} not in allreduce.cu"));
+            let rest = &source[at..];
+            let value = &rest[rest.find('=').unwrap() + 1..rest.find(';').unwrap()];
+            value.trim().parse().unwrap()
+        };
+        assert_eq!(constant("kFlagsMaxCtas"), FLAGS_MAX_CTAS as usize);
+        assert_eq!(constant("kBarrierMaxCtas"), MAX_CTAS as usize);
+        assert_eq!(constant("kMaxSplitRows"), epilogue::SPLIT_ROWS);
+        assert_eq!(constant("kMaxChunks"), NORM_CHUNKS);
+        // The state: 12 words, the CTAs' call counts, the partials.
+        assert_eq!(STATE_PARTIALS_AT, 12 + 64 + 16);
+        assert_eq!(STATE_WORDS, STATE_PARTIALS_AT + 3 * 8 * 64 / 2);
+    }
 
     #[test]
     fn sentinels_are_negative_zero() {

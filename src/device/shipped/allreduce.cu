@@ -197,10 +197,12 @@ __device__ __forceinline__ const CallStart& begin_call(const State* st,
   if (threadIdx.x == 0) {
     const unsigned int failed = *(const volatile unsigned int*)&st->timed_out;
     const unsigned long long call = calls[blockIdx.x];
-    const unsigned long long b0 = st->flags_bytes[0], b1 = st->flags_bytes[1],
-                             b2 = st->flags_bytes[2];
-    const unsigned long long p0 = st->partial_floats[0], p1 = st->partial_floats[1],
-                             p2 = st->partial_floats[2];
+    // All three entries at once, not only [prev] (which needs `call` first): the [buf] ones,
+    // which CTA 0 of this call may be writing at its end, are read volatile and discarded.
+    const volatile unsigned long long* bytes = st->flags_bytes;
+    const volatile unsigned long long* partials = st->partial_floats;
+    const unsigned long long b0 = bytes[0], b1 = bytes[1], b2 = bytes[2];
+    const unsigned long long p0 = partials[0], p1 = partials[1], p2 = partials[2];
     const int prev = (int)((call + 2) % 3);
     shared.call = failed ? kFailed : call;
     shared.prev_bytes = prev == 0 ? b0 : prev == 1 ? b1 : b2;
@@ -791,8 +793,9 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
   const size_t mine = ((size_t)buf * peers + me) * slot;
   char* local = (char*)ncclGetLocalPointer(scratch, 0);
 
-  // Push first, then wait: no CTA waits before every CTA of every peer has pushed all it
-  // pushes. The CTAs past the rows only push.
+  // Push, then wait: a CTA waits right after its own pushes, for data other CTAs (of every
+  // rank) push, so every CTA of the grid must be resident at once. The CTAs past the rows
+  // only push.
   for (size_t v = first; v < end; v += blockDim.x) {
     Vec x = v == first ? x0 : load_input(in, v, len, aligned);
     scrub<T>(x);
@@ -806,7 +809,6 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
   const size_t groups = gridDim.x / splits;
   const Part part = row_part(vpr, splits);
   const int count = (int)((vpr + 31) / 32);
-  float* published = st->partials[buf] + (blockIdx.x / splits) * kMaxChunks;
   Waiter waiter;
   for (size_t row = blockIdx.x / splits; blockIdx.x < groups * splits && row < rows;
        row += groups) {
@@ -837,6 +839,8 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
       total = chunks_total(lane < count ? chunks[lane] : 0.f,
                            lane + 32 < count ? chunks[lane + 32] : 0.f);
     } else {
+      // This row's room (one row a group, so group < kMaxSplitRows).
+      float* published = st->partials[buf] + (blockIdx.x / splits) * kMaxChunks;
       add_residual<T, kFusedMaxPerThread, true>(h, r, part, published);
       const bool ok = published_total(published, count, total, waiter, st, timeout_ns);
       if (!__syncthreads_and(ok)) break;
