@@ -2,7 +2,9 @@
 //! thread of its own with a candle device and a communicator of `Comm::init_all` on that
 //! device's stream. Each layer's output over the ranks equals the host's computation of the
 //! whole layer (f32, random weights and inputs), weights loaded through `ShardedVarBuilder`
-//! from a safetensors file written here; the typed refusals come out on every rank.
+//! from a safetensors file written here; the typed refusals come out on every rank. With
+//! `LsaCollectives`, the fused row-parallel epilogue (one shipped kernel) gives what the
+//! unfused sequence gives, on random bf16 data.
 //!
 //! Run on a GPU host: `cargo test --test gpu_tp -- --include-ignored --test-threads=1`.
 
@@ -13,7 +15,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::var_builder::{ShardedSafeTensors, ShardedVarBuilder};
 use nccl::{Comm, ReduceOp};
 use nccl_candle::tp::{
-    ColumnParallelLinear, LsaCollectives, RowParallelLinear, TpGroup, VocabParallelEmbedding,
+    Collectives, ColumnParallelLinear, LsaCollectives, RowParallelLinear, TpGroup,
+    VocabParallelEmbedding,
 };
 use nccl_candle::Error;
 
@@ -31,6 +34,19 @@ fn on_every_gpu(test: &str, body: impl Fn(TpGroup, &Device) + Sync) {
 /// [`on_every_gpu`], the group's bf16 sums through nccl-rs's shipped kernels for up to
 /// `lsa` elements where given ([`LsaCollectives`]).
 fn on_every_gpu_with(test: &str, lsa: Option<usize>, body: impl Fn(TpGroup, &Device) + Sync) {
+    on_every_gpu_comm(test, |comm, device| {
+        let group = match lsa {
+            Some(max) => TpGroup::new(LsaCollectives::new(comm, max).expect("kernels")),
+            None => TpGroup::new(comm),
+        }
+        .expect("a group");
+        body(group, device)
+    })
+}
+
+/// Runs `body(comm, device)` on one thread per visible GPU, the communicator on the candle
+/// device's stream, or says why not.
+fn on_every_gpu_comm(test: &str, body: impl Fn(Comm, &Device) + Sync) {
     let gpus = match nccl::library::cuda_device_count() {
         Ok(n) if n >= 2 => n,
         Ok(n) => {
@@ -56,12 +72,7 @@ fn on_every_gpu_with(test: &str, lsa: Option<usize>, body: impl Fn(TpGroup, &Dev
             let body = &body;
             scope.spawn(move || {
                 let rank = comm.rank();
-                let group = match lsa {
-                    Some(max) => TpGroup::new(LsaCollectives::new(comm, max).expect("kernels")),
-                    None => TpGroup::new(comm),
-                }
-                .expect("a group");
-                body(group, &device);
+                body(comm, &device);
                 device
                     .synchronize()
                     .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -286,4 +297,173 @@ fn shipped_kernels_sum_like_nccl() {
             }
         },
     );
+}
+
+/// The bf16 unit in the last place at `v`'s magnitude (of the smallest normal for zero).
+fn bf16_ulp(v: f32) -> f32 {
+    let magnitude = f32::from_bits(v.abs().to_bits() & 0x7f80_0000).max(f32::MIN_POSITIVE);
+    magnitude / 128.0
+}
+
+/// Asserts that `got` and `want` (bf16 tensors of one shape) differ by at most `ulps` bf16
+/// units in the last place of `want`'s elements.
+fn within_ulps(got: &Tensor, want: &Tensor, ulps: f32, what: &str) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let host = |t: &Tensor| -> Vec<f32> {
+        t.flatten_all()
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.to_vec1::<f32>())
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let (got, want) = (host(got), host(want));
+    let mut worst = 0f32;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let off = (g - w).abs() / bf16_ulp(*w);
+        assert!(off <= ulps, "{what}: element {i}: {g} vs {w} ({off} ulps)");
+        worst = worst.max(off);
+    }
+    eprintln!("{what}: at most {worst} ulp(s) apart");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn fused_epilogue_matches_the_unfused_sequence() {
+    const TEST: &str = "fused_epilogue_matches_the_unfused_sequence";
+    const MAX: usize = 8 * 1024;
+    const EPS: f32 = 1e-5;
+    let lib = nccl::library::get().expect("NCCL loads");
+    if lib.version() < nccl::device::DEV_COMM_SINCE {
+        eprintln!(
+            "SKIPPED {TEST}: the shipped kernels need NCCL {}+, loaded {}",
+            nccl::device::DEV_COMM_SINCE,
+            lib.version()
+        );
+        return;
+    }
+    // (rows, hidden, whether the fused kernel takes it): one row split over CTAs, a decode
+    // batch, rows of an odd number of vectors; then past MAX elements and rows not of
+    // whole 16-byte vectors, which run the unfused sequence.
+    let cases = [
+        (1, 8192, true),
+        (8, 1024, true),
+        (3, 520, true),
+        (2, 8192, false),
+        (4, 36, false),
+    ];
+    // Rank `rank`'s partial output of case `i`, the residual and the weight (alike on all).
+    let partial_of =
+        |i: usize, rank: usize, len: usize| data(100 * i as u64 + 1 + rank as u64, len);
+    let residual_of = |i: usize, len: usize| data(100 * i as u64 + 50, len);
+    let weight_of = |i: usize, hidden: usize| data(100 * i as u64 + 60, hidden);
+    on_every_gpu_comm(TEST, |comm, device| {
+        let lsa = LsaCollectives::new(comm, MAX).expect("kernels");
+        let (r, n) = (lsa.rank(), lsa.size());
+        let bf16 = |values: Vec<f32>, shape: &[usize]| {
+            Tensor::from_vec(values, shape, device)
+                .and_then(|t| t.to_dtype(DType::BF16))
+                .unwrap()
+        };
+        let inputs: Vec<[Tensor; 3]> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, hidden, _))| {
+                let len = rows * hidden;
+                [
+                    bf16(partial_of(i, r, len), &[rows, hidden]),
+                    bf16(residual_of(i, len), &[rows, hidden]),
+                    bf16(weight_of(i, hidden), &[hidden]),
+                ]
+            })
+            .collect();
+        for ((rows, hidden, fits), [partial, residual, weight]) in cases.iter().zip(&inputs) {
+            let fuses = lsa.fuses(partial, residual, weight, EPS);
+            assert_eq!(fuses, *fits, "rank {r}: {rows} x {hidden}");
+        }
+        // A view of another tensor's storage is not fused either (candle would refuse to
+        // write the storage it reads).
+        let [partial, _, weight] = &inputs[0];
+        assert!(!lsa.fuses(partial, &partial.clone(), weight, EPS));
+        let group = TpGroup::new(lsa).expect("a group");
+        for (i, ((rows, hidden, fits), [partial, residual, weight])) in
+            cases.iter().zip(&inputs).enumerate()
+        {
+            let what = format!("rank {r} of {n}, {rows} x {hidden}, fused {fits}");
+            let before = partial
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let (got_residual, got_normed) = group
+                .all_reduce_add_rms_norm(partial, residual, weight, EPS)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            // The unfused sequence, through the same group (its bf16 sums through the
+            // shipped all-reduce, or NCCL past MAX).
+            let sum = group.all_reduce(partial, ReduceOp::Sum).unwrap();
+            let want_residual = (&sum + residual).unwrap();
+            let want_normed = candle_nn::ops::rms_norm(&want_residual, weight, EPS).unwrap();
+            let after = partial
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            assert_eq!(before, after, "{what}: the partial output changed");
+            if !fits {
+                // The unfused sequence itself, the same kernels in the same order.
+                within_ulps(
+                    &got_residual,
+                    &want_residual,
+                    0.0,
+                    &format!("{what}: residual"),
+                );
+                within_ulps(&got_normed, &want_normed, 0.0, &format!("{what}: normed"));
+                continue;
+            }
+            // Two ranks' sum is one rounding whatever the kernel. With more, the fused kernel
+            // sums in f32 and rounds the sum once, where an all-reduce that rounds at each step
+            // (NCCL's, which the unfused sequence takes at some sizes) can lie several units in
+            // the last place away after cancellation: so against the host's sum of the rounded
+            // inputs, rounded once (1 unit for a rounding of the kernel's f32 sum).
+            if n == 2 {
+                within_ulps(
+                    &got_residual,
+                    &want_residual,
+                    0.0,
+                    &format!("{what}: residual"),
+                );
+            } else {
+                let len = rows * hidden;
+                // Through f32: half's conversion from f64 drops bits before it rounds.
+                let round = |v: f64| f64::from(half::bf16::from_f32(v as f32));
+                let everyone: Vec<Vec<f32>> = (0..n).map(|rank| partial_of(i, rank, len)).collect();
+                let host: Vec<f32> = residual_of(i, len)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(e, res)| {
+                        let sum: f64 = everyone.iter().map(|p| round(p[e].into())).sum();
+                        round(round(sum) + round(res.into())) as f32
+                    })
+                    .collect();
+                let host = bf16(host, &[*rows, *hidden]);
+                within_ulps(
+                    &got_residual,
+                    &host,
+                    1.0,
+                    &format!("{what}: residual (host)"),
+                );
+            }
+            // The norm against candle's of the same residual: only the order of the sum
+            // of squares differs.
+            let own_norm = candle_nn::ops::rms_norm(&got_residual, weight, EPS).unwrap();
+            within_ulps(&got_normed, &own_norm, 1.0, &format!("{what}: normed"));
+        }
+        // Skip mode leaves the sum out: this rank's partial output added and normalised.
+        let [partial, residual, weight] = &inputs[0];
+        group.set_skip_collectives(true);
+        let (skipped, _) = group
+            .all_reduce_add_rms_norm(partial, residual, weight, EPS)
+            .unwrap();
+        group.set_skip_collectives(false);
+        let alone = (partial + residual).unwrap();
+        within_ulps(&skipped, &alone, 0.0, &format!("rank {r}: skipped"));
+    });
 }

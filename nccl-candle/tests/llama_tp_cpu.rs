@@ -1,7 +1,8 @@
 //! The `llama_tp` example's model on CPU tensors, ranks simulated on threads
 //! (`ThreadedCollectives`): split over 2 and 4 ranks, it decodes the same tokens as the whole
 //! model, with the same logits, loaded through `ShardedVarBuilder` from the example's own
-//! weights file. Everything of the example but NCCL and the CUDA kernels.
+//! weights file; arranged for the fused epilogue (`Llama::set_fused`), too. Everything of the
+//! example but NCCL and the CUDA kernels.
 
 #[allow(dead_code)]
 #[path = "../examples/llama_tp/decode.rs"]
@@ -73,8 +74,8 @@ impl Case {
         .unwrap()
     }
 
-    /// Rank 0's decode over `n` simulated ranks.
-    fn split(&self, path: &Path, n: usize, feed: Feed<'_>) -> Run {
+    /// Rank 0's decode over `n` simulated ranks, the forward pass `fused` or not.
+    fn split(&self, path: &Path, n: usize, feed: Feed<'_>, fused: bool) -> Run {
         let ranks = ThreadedCollectives::group(n).unwrap();
         let ids = self.prompt();
         let mut runs: Vec<Run> = std::thread::scope(|scope| {
@@ -87,6 +88,7 @@ impl Case {
                         let vb = var_builder(path, self.dtype);
                         let mut model =
                             Llama::load(&vb, &group, &self.cfg, self.max_seq()).unwrap();
+                        model.set_fused(fused);
                         let device = Device::Cpu;
                         decode(
                             &mut model,
@@ -128,13 +130,41 @@ fn the_split_model_decodes_like_the_whole_one() {
     assert_eq!(reference.tokens.len(), 6);
     assert_eq!(reference.logits[0].len(), 2 * 64);
     for n in [2, 4] {
-        let forced = case.split(&path, n, Feed::Forced(&reference.tokens));
+        let forced = case.split(&path, n, Feed::Forced(&reference.tokens), false);
         let verdict = compare(&reference, &forced, case.cfg.vocab, 1e-5);
         assert!(verdict.passed(1e-5), "{n} ranks: {verdict:?}");
         assert_eq!(verdict.near_ties, 0, "{n} ranks: {verdict:?}");
         assert_eq!(verdict.compared, 12);
-        let greedy = case.split(&path, n, Feed::Greedy);
+        let greedy = case.split(&path, n, Feed::Greedy, false);
         assert_eq!(greedy.tokens, reference.tokens, "{n} ranks, greedy");
+    }
+}
+
+/// The forward pass arranged for the fused epilogue (each row-parallel sum with the next
+/// norm, the first layer's input norm alone, the final norm after the last down_proj) is
+/// the same model: here the epilogue runs its default, unfused sequence, so any difference
+/// is the arrangement's.
+#[test]
+fn the_fused_arrangement_decodes_like_the_whole_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.safetensors");
+    let case = Case {
+        cfg: tiny(),
+        dtype: DType::F32,
+        batch: 2,
+        prompt_len: 5,
+        new_tokens: 6,
+    };
+    weights::write(&case.cfg, 12, &path, 2).unwrap();
+    let reference = case.reference(&path);
+    for n in [1, 2, 4] {
+        let forced = case.split(&path, n, Feed::Forced(&reference.tokens), true);
+        let verdict = compare(&reference, &forced, case.cfg.vocab, 1e-5);
+        assert!(verdict.passed(1e-5), "{n} ranks, fused: {verdict:?}");
+        assert_eq!(verdict.near_ties, 0, "{n} ranks, fused: {verdict:?}");
+        assert_eq!(verdict.compared, 12);
+        let greedy = case.split(&path, n, Feed::Greedy, true);
+        assert_eq!(greedy.tokens, reference.tokens, "{n} ranks, fused, greedy");
     }
 }
 
@@ -190,9 +220,11 @@ fn bf16_logit_differences() {
     let reference = case.reference(&path);
     let tolerance = decode::tolerance(&reference, decode::relative_tolerance(DType::BF16));
     for n in [2, 4] {
-        let forced = case.split(&path, n, Feed::Forced(&reference.tokens));
-        let verdict = compare(&reference, &forced, case.cfg.vocab, tolerance);
-        println!("bf16, {n} ranks: tolerance {tolerance}, {verdict:?}");
-        assert!(verdict.passed(tolerance), "{verdict:?}");
+        for fused in [false, true] {
+            let forced = case.split(&path, n, Feed::Forced(&reference.tokens), fused);
+            let verdict = compare(&reference, &forced, case.cfg.vocab, tolerance);
+            println!("bf16, {n} ranks, fused {fused}: tolerance {tolerance}, {verdict:?}");
+            assert!(verdict.passed(tolerance), "{verdict:?}");
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! The tensor-parallel layers on CPU tensors, ranks simulated on threads
 //! (`ThreadedCollectives`): each layer's output over 1 to 4 ranks equals the host's
 //! computation of the whole layer, weights loaded through `ShardedVarBuilder` from a
-//! safetensors file written here; the typed refusals come out on every rank.
+//! safetensors file written here; the typed refusals come out on every rank. The row-parallel
+//! epilogue (sum, residual add, RMSNorm) in its default, unfused form equals the explicit
+//! sequence and the host's.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -15,7 +17,7 @@ use nccl_candle::tp::{
 use nccl_candle::Error;
 
 mod common;
-use common::{close, columns, data, host_linear};
+use common::{close, columns, data, host_add_rms_norm, host_linear};
 
 /// The shapes of the test layers, and their weights.
 const IN: usize = 8;
@@ -255,5 +257,140 @@ fn ranks_with_different_fingerprints_all_fail() {
         }
         assert_eq!(gathered.to_vec2::<f32>().unwrap(), [[0.0, 1.0, 2.0]]);
         assert_eq!(total.to_vec1::<u32>().unwrap(), [3]);
+    }
+}
+
+/// RMSNorm's epsilon in the epilogue tests.
+const EPS: f32 = 1e-5;
+
+/// The elements of `t` as f32, in order.
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
+        .unwrap()
+}
+
+#[test]
+fn the_epilogue_defaults_to_sum_add_norm() {
+    const HIDDEN: usize = 16;
+    let shape = (1, 3, HIDDEN);
+    let len = 3 * HIDDEN;
+    let (residual, weight) = (data(40, len), data(41, HIDDEN));
+    for n in [1, 2, 3] {
+        let everyone: Vec<Vec<f32>> = (0..n).map(|r| data(20 + r as u64, len)).collect();
+        let sum: Vec<f32> = (0..len)
+            .map(|i| everyone.iter().map(|p| p[i]).sum())
+            .collect();
+        let (want_residual, want_normed) = host_add_rms_norm(&sum, &residual, &weight, EPS);
+        on_ranks(n, |group| {
+            let r = group.rank();
+            let what = format!("rank {r} of {n}");
+            for dtype in [DType::F32, DType::BF16] {
+                let tensor = |v: &[f32], shape: &[usize]| {
+                    Tensor::from_slice(v, shape, &Device::Cpu)
+                        .and_then(|t| t.to_dtype(dtype))
+                        .unwrap()
+                };
+                let partial = tensor(&everyone[r], &[1, 3, HIDDEN]);
+                let residual = tensor(&residual, &[1, 3, HIDDEN]);
+                let weight = tensor(&weight, &[HIDDEN]);
+                let (got_residual, got_normed) = group
+                    .all_reduce_add_rms_norm(&partial, &residual, &weight, EPS)
+                    .unwrap();
+                assert_eq!(got_residual.dims(), &[1, 3, HIDDEN]);
+                assert_eq!(got_normed.dtype(), dtype);
+                // The explicit sequence, bit for bit.
+                let sum = group.all_reduce(&partial, ReduceOp::Sum).unwrap();
+                let explicit = (&sum + &residual).unwrap();
+                let normed = candle_nn::ops::rms_norm(&explicit, &weight, EPS).unwrap();
+                assert_eq!(
+                    values(&got_residual),
+                    values(&explicit),
+                    "{what}, {dtype:?}"
+                );
+                assert_eq!(values(&got_normed), values(&normed), "{what}, {dtype:?}");
+                if dtype == DType::F32 {
+                    let what = format!("{what}: against the host");
+                    close(&got_residual, &want_residual, 1e-5, &what);
+                    close(&got_normed, &want_normed, 1e-5, &what);
+                }
+            }
+            // Skip mode: this rank's partial output stands for the sum.
+            let partial = Tensor::from_slice(&everyone[r], shape, &Device::Cpu).unwrap();
+            let residual = Tensor::from_slice(&residual, shape, &Device::Cpu).unwrap();
+            let weight = Tensor::from_slice(&weight, HIDDEN, &Device::Cpu).unwrap();
+            group.set_skip_collectives(true);
+            let skipped = group.all_reduce_add_rms_norm(&partial, &residual, &weight, EPS);
+            group.set_skip_collectives(false);
+            let (skipped_residual, skipped_normed) = skipped.unwrap();
+            let mine = host_add_rms_norm(&everyone[r], &values(&residual), &values(&weight), EPS);
+            close(
+                &skipped_residual,
+                &mine.0,
+                1e-5,
+                &format!("{what}: skipped"),
+            );
+            close(&skipped_normed, &mine.1, 1e-5, &format!("{what}: skipped"));
+            // Refused before the sum, alike on every rank; the ranks stay in step.
+            let other = Tensor::zeros((3, HIDDEN), DType::F32, &Device::Cpu).unwrap();
+            let long = Tensor::ones(HIDDEN + 1, DType::F32, &Device::Cpu).unwrap();
+            let wide = weight.to_dtype(DType::F64).unwrap();
+            for (residual, weight, shape_error) in [
+                (&other, &weight, true),
+                (&residual, &long, true),
+                (&residual, &wide, false),
+            ] {
+                match group.all_reduce_add_rms_norm(&partial, residual, weight, EPS) {
+                    Err(Error::Shape { .. }) if shape_error => {}
+                    Err(Error::Argument { .. }) if !shape_error => {}
+                    other => panic!("{what}: {other:?}"),
+                }
+            }
+            let one = Tensor::new(&[1u32], &Device::Cpu).unwrap();
+            let count = group.all_reduce(&one, ReduceOp::Sum).unwrap();
+            assert_eq!(count.to_vec1::<u32>().unwrap(), [n as u32]);
+        });
+    }
+}
+
+#[test]
+fn a_row_parallel_layer_adds_and_normalises_after_its_sum() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.safetensors");
+    write_weights(&path);
+    let w = weights();
+    let x = data(60, 2 * OUT);
+    let residual = data(61, 2 * ROW_OUT);
+    let norm = data(62, ROW_OUT);
+    let zeros = vec![0.0; ROW_OUT];
+    for bias in [false, true] {
+        let b = if bias { &w["row.bias"] } else { &zeros };
+        let y = host_linear(&x, &w["row.weight"], b, OUT, ROW_OUT);
+        let (want_residual, want_normed) = host_add_rms_norm(&y, &residual, &norm, EPS);
+        for n in [1, 2, 3] {
+            on_ranks(n, |group| {
+                let r = group.rank();
+                let what = format!("rank {r} of {n}, bias {bias}");
+                let vb = var_builder(&path);
+                let rp =
+                    RowParallelLinear::load(&vb.pp("row"), &group, OUT, ROW_OUT, bias).unwrap();
+                let mine = columns(&x, OUT, r * OUT / n..(r + 1) * OUT / n);
+                let block = Tensor::from_vec(mine, (2, OUT / n), &Device::Cpu).unwrap();
+                let residual = Tensor::from_slice(&residual, (2, ROW_OUT), &Device::Cpu).unwrap();
+                let norm = Tensor::from_slice(&norm, ROW_OUT, &Device::Cpu).unwrap();
+                let (got_residual, got_normed) = rp
+                    .forward_add_rms_norm(&block, &residual, &norm, EPS)
+                    .unwrap();
+                close(&got_residual, &want_residual, 1e-5, &what);
+                close(&got_normed, &want_normed, 1e-5, &what);
+                // The norm's weight must fit the layer's output.
+                let long = Tensor::ones(ROW_OUT + 1, DType::F32, &Device::Cpu).unwrap();
+                let err = rp
+                    .forward_add_rms_norm(&block, &residual, &long, EPS)
+                    .unwrap_err();
+                assert!(matches!(err, Error::Shape { .. }), "{what}: {err}");
+            });
+        }
     }
 }

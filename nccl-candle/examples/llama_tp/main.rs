@@ -9,7 +9,14 @@
 //! cargo run --release --example llama_tp -- --model large --batch 1,8
 //! CUDA_VISIBLE_DEVICES=0,1 cargo run --release --example llama_tp -- --model large
 //! mpirun --allow-run-as-root -np 4 target/release/examples/llama_tp --model large
+//! cargo run --release --example llama_tp -- --model xl --lsa --fused  # one fused kernel a sum
 //! ```
+//!
+//! The row-parallel sums (two a layer) run one of three ways, named in the output's `path`:
+//! `nccl` (`ncclAllReduce`, the default), `lsa` (`--lsa`: the decode steps' bf16 sums through
+//! nccl-rs's shipped all-reduce kernels, `tp::LsaCollectives`), `lsa+fused` (`--lsa --fused`:
+//! each sum, the residual add and the next RMSNorm as one shipped kernel,
+//! `TpGroup::all_reduce_add_rms_norm`; the forward pass arranged for it, see `model.rs`).
 //!
 //! 1. Weights: each rank draws the same weights from `--seed` on the host (see
 //!    `weights.rs`) and writes its own safetensors file in a private temporary directory
@@ -34,7 +41,9 @@
 //! 4. Timing per batch size: a warm-up decode, a greedy decode, and one with the layers'
 //!    collectives skipped (wrong tokens, timing only). Rank 0 prints the slowest rank's
 //!    prefill time, median per-token decode latency after `--warmup` steps, and the share
-//!    of it the collectives take: (latency - latency without them) / latency.
+//!    of it the collectives take: (latency - latency without them) / latency. Without them
+//!    `lsa+fused` still adds and normalises, with candle's kernels, so its share also counts
+//!    what fusing the add and the norm saves.
 
 mod decode;
 mod model;
@@ -59,6 +68,7 @@ type AnyError = Box<dyn std::error::Error + Send + Sync>;
 const USAGE: &str = "\
 usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--new-tokens N]
                 [--batch 1,8] [--seed N] [--warmup N] [--weights FILE] [--no-check] [--lsa]
+                [--fused]
 
   --model       small: vocab 8192, hidden 512, 4 layers, 16 heads (8 key/value), MLP 1408,
                 ~20M parameters (default); large: vocab 32000, hidden 4096, 8 layers,
@@ -78,6 +88,9 @@ usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--
                 batch's rows) with the all-reduce kernels nccl-rs ships
                 (nccl::device::LsaAllReduce; NCCL 2.29.2+, every rank in one LSA team)
                 instead of ncclAllReduce; the prompt's pass still uses NCCL
+  --fused       with --lsa: run each of those sums, the residual add and the RMSNorm after it
+                as one kernel nccl-rs ships (the fused tensor-parallel epilogue,
+                TpGroup::all_reduce_add_rms_norm); the prompt's pass runs them unfused
 
 Each rank writes its weights (3.8 GB for large, 14.8 GB for xl) under $TMPDIR (default
 /tmp), removed at the end. One rank per visible GPU; NCCL_RS_LOCAL_RANKS=N forces N ranks.";
@@ -94,6 +107,7 @@ struct Options {
     weights: Option<PathBuf>,
     check: bool,
     lsa: bool,
+    fused: bool,
 }
 
 impl Options {
@@ -102,6 +116,22 @@ impl Options {
             "large" => Config::large(),
             "xl" => Config::xl(),
             _ => Config::small(),
+        }
+    }
+
+    /// Which way the row-parallel sums run: the name the output gives it, and what it is.
+    fn path(&self) -> (&'static str, &'static str) {
+        match (self.lsa, self.fused) {
+            (false, _) => ("nccl", "row-parallel sums through ncclAllReduce"),
+            (true, false) => (
+                "lsa",
+                "decode sums through nccl-rs's shipped all-reduce kernels (--lsa)",
+            ),
+            (true, true) => (
+                "lsa+fused",
+                "decode sums, residual adds and RMSNorms as nccl-rs's fused epilogue kernel \
+                 (--lsa --fused)",
+            ),
         }
     }
 }
@@ -119,6 +149,7 @@ fn parse_options() -> Result<Option<Options>, String> {
         weights: None,
         check: true,
         lsa: false,
+        fused: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -155,6 +186,7 @@ fn parse_options() -> Result<Option<Options>, String> {
             "--weights" => options.weights = Some(PathBuf::from(value(&arg)?)),
             "--no-check" => options.check = false,
             "--lsa" => options.lsa = true,
+            "--fused" => options.fused = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(None);
@@ -167,6 +199,14 @@ fn parse_options() -> Result<Option<Options>, String> {
     }
     if options.batches.is_empty() || options.batches.contains(&0) {
         return Err("--batch needs sizes of at least 1".into());
+    }
+    if options.fused && !options.lsa {
+        return Err(concat!(
+            "--fused needs --lsa: the fused all-reduce + residual add + RMSNorm is a kernel ",
+            "nccl-rs ships, run through tp::LsaCollectives (NCCL's own path has no fused ",
+            "epilogue)"
+        )
+        .into());
     }
     Ok(Some(options))
 }
@@ -419,17 +459,14 @@ fn run(options: &Options) -> Result<(), AnyError> {
     if rank == 0 {
         println!(
             "llama_tp: {} model ({:.2}G parameters) in {dtype}, {world} ranks ({launcher}), \
-             prompt {} tokens, {} new tokens, NCCL {}{}",
+             prompt {} tokens, {} new tokens, NCCL {}; path {}: {}",
             options.model,
             cfg.parameters() as f64 / 1e9,
             options.prompt_len,
             options.new_tokens,
             nccl::version()?,
-            if options.lsa {
-                "; decode sums through nccl-rs's shipped kernels (--lsa)"
-            } else {
-                ""
-            }
+            options.path().0,
+            options.path().1,
         );
     }
 
@@ -457,7 +494,10 @@ fn run(options: &Options) -> Result<(), AnyError> {
         options.new_tokens,
         &options.batches,
     );
-    let flags = (options.seed, options.warmup, options.check, file);
+    let flags = (
+        (options.seed, options.warmup, options.check, file),
+        (options.lsa, options.fused),
+    );
     group.agree(
         "configuration, flags and weights",
         fingerprint(&(settings, flags)),
@@ -471,6 +511,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
     let loaded = var_builder(&path, options.dtype, &device)
         .and_then(|vb| Ok(Llama::load(&vb, &group, &cfg, max_seq)?));
     let mut model = agreed(&group, &device, "loading the model", loaded)?;
+    model.set_fused(options.fused);
     let load_time = start.elapsed();
 
     // 3. The check; the other ranks wait in `agreed` while rank 0 runs the reference.
@@ -502,7 +543,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
     }
     if rank == 0 {
         println!(
-            "world | batch | prefill ms | decode ms/token | tokens/s | no-collectives ms/token | collective share"
+            "world | batch | path      | prefill ms | decode ms/token | tokens/s | no-collectives ms/token | collective share"
         );
         for (batch, [prefill, decode, without]) in rows {
             // One rank runs no collective: its two columns differ by noise alone.
@@ -511,15 +552,21 @@ fn run(options: &Options) -> Result<(), AnyError> {
                 _ => format!("{:.1}%", 100.0 * (decode - without) / decode),
             };
             println!(
-                "{world:>5} | {batch:>5} | {prefill:>10.2} | {decode:>15.3} | {:>8.0} | {without:>23.3} | {share:>16}",
+                "{world:>5} | {batch:>5} | {:<9} | {prefill:>10.2} | {decode:>15.3} | {:>8.0} | {without:>23.3} | {share:>16}",
+                options.path().0,
                 batch as f64 * 1e3 / decode,
             );
         }
         println!(
             "(slowest rank; medians over {TIMING_ROUNDS} decodes with and {TIMING_ROUNDS} without the \
              collectives, in turn, each after {} warm-up steps; the runs without compute wrong \
-             tokens and only time the rest)",
-            options.warmup
+             tokens and only time the rest{})",
+            options.warmup,
+            if options.fused {
+                "; without the collectives, lsa+fused adds and normalises with candle's kernels"
+            } else {
+                ""
+            }
         );
     }
     drop(model);

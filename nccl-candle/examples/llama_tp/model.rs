@@ -6,6 +6,13 @@
 //! row-parallel): two all-reduces per layer, one for the embedding, one all-gather for the
 //! logits. With a one-rank group it is the plain model.
 //!
+//! Fused ([`Llama::set_fused`]), the forward pass is arranged so that each row-parallel
+//! output goes through the group's epilogue op, `TpGroup::all_reduce_add_rms_norm` (sum,
+//! residual add, RMSNorm: one kernel with `LsaCollectives`): o_proj's with the layer's
+//! `post_attention_layernorm`, down_proj's with the next layer's `input_layernorm` (the final
+//! norm after the last layer). The first layer's input norm stays a plain RMSNorm. The same
+//! model, the same roundings; only the norms' sums of squares may go in another order.
+//!
 //! Tensor names follow Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`, ...).
 
 use candle_core::{DType, Device, Tensor, D};
@@ -196,6 +203,18 @@ impl Attention {
         sin: &Tensor,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
+        let heads = self.heads_out(x, cos, sin, mask)?;
+        self.o.forward(&heads)
+    }
+
+    /// This rank's heads' output, `[b, seq, heads / N * head_dim]`: o_proj's input.
+    fn heads_out(
+        &mut self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (b, seq, _) = x.dims3()?;
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((b, seq, n, self.head_dim))?
@@ -217,12 +236,10 @@ impl Attention {
             scores = scores.broadcast_add(mask)?;
         }
         let weights = candle_nn::ops::softmax_last_dim(&scores)?;
-        let y =
-            weights
-                .matmul(&v)?
-                .transpose(1, 2)?
-                .reshape((b, seq, self.heads * self.head_dim))?;
-        self.o.forward(&y)
+        Ok(weights
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, seq, self.heads * self.head_dim))?)
     }
 }
 
@@ -245,8 +262,12 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gated = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
-        self.down.forward(&gated)
+        self.down.forward(&self.gated(x)?)
+    }
+
+    /// This rank's `silu(gate(x)) * up(x)`: down_proj's input.
+    fn gated(&self, x: &Tensor) -> Result<Tensor> {
+        Ok((candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?)
     }
 }
 
@@ -270,6 +291,8 @@ pub struct Llama {
     sin: Tensor,
     max_seq: usize,
     dtype: DType,
+    /// Whether the row-parallel outputs go through the group's epilogue op.
+    fused: bool,
 }
 
 impl Llama {
@@ -314,7 +337,15 @@ impl Llama {
             sin,
             max_seq,
             dtype: vb.dtype(),
+            fused: false,
         })
+    }
+
+    /// Runs the forward pass fused (`true`: each row-parallel output through
+    /// `TpGroup::all_reduce_add_rms_norm`, see the module's description) or as the plain
+    /// model (`false`, the default). Every rank must choose alike.
+    pub fn set_fused(&mut self, fused: bool) {
+        self.fused = fused;
     }
 
     /// The logits of the last position, `[b, vocab]`, the same on every rank, for `ids`
@@ -338,19 +369,74 @@ impl Llama {
             1 => None,
             _ => Some(causal_mask(seq, offset, self.dtype, ids.device())?),
         };
-        let mut x = self.embed.forward(ids)?;
+        let x = self.embed.forward(ids)?;
+        let last = match self.fused {
+            true => self
+                .forward_fused(x, &cos, &sin, mask.as_ref())?
+                .narrow(1, seq - 1, 1)?,
+            false => {
+                let x = self.forward_blocks(x, &cos, &sin, mask.as_ref())?;
+                self.norm.forward(&x.narrow(1, seq - 1, 1)?)?
+            }
+        };
+        Ok(self.lm_head.forward_gathered(&last)?.squeeze(1)?)
+    }
+
+    /// The decoder layers on the embeddings `x`: the residual stream after the last one.
+    fn forward_blocks(
+        &mut self,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         for block in &mut self.blocks {
-            let attended = block.attention.forward(
-                &block.attention_norm.forward(&x)?,
-                &cos,
-                &sin,
-                mask.as_ref(),
-            )?;
+            let attended =
+                block
+                    .attention
+                    .forward(&block.attention_norm.forward(&x)?, cos, sin, mask)?;
             x = (x + attended)?;
             x = (&x + block.mlp.forward(&block.mlp_norm.forward(&x)?)?)?;
         }
-        let last = self.norm.forward(&x.narrow(1, seq - 1, 1)?)?;
-        Ok(self.lm_head.forward_gathered(&last)?.squeeze(1)?)
+        Ok(x)
+    }
+
+    /// The decoder layers and the final norm on the embeddings `x`, each row-parallel output
+    /// summed, added to the residual stream and normalised for the next sublayer in one op:
+    /// the final norm of every position.
+    fn forward_fused(
+        &mut self,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        // `x` is the residual stream, `h` its norm for the next sublayer.
+        let first = self
+            .blocks
+            .first()
+            .map_or(&self.norm, |b| &b.attention_norm);
+        let mut h = first.forward(&x)?;
+        for i in 0..self.blocks.len() {
+            let next = match self.blocks.get(i + 1) {
+                Some(block) => block.attention_norm.weight.clone(),
+                None => self.norm.weight.clone(),
+            };
+            let block = &mut self.blocks[i];
+            let heads = block.attention.heads_out(&h, cos, sin, mask)?;
+            (x, h) = block.attention.o.forward_add_rms_norm(
+                &heads,
+                &x,
+                &block.mlp_norm.weight,
+                RMS_EPS,
+            )?;
+            let gated = block.mlp.gated(&h)?;
+            (x, h) = block
+                .mlp
+                .down
+                .forward_add_rms_norm(&gated, &x, &next, RMS_EPS)?;
+        }
+        Ok(h)
     }
 
     /// Forgets every position (empties the KV caches).

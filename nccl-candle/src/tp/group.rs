@@ -6,6 +6,7 @@ use std::rc::Rc;
 use candle_core::{Device, Tensor};
 use nccl::{Comm, ReduceOp};
 
+use super::epilogue;
 use crate::agree::{judge, Verdict};
 use crate::gather::gather_along;
 use crate::{Error, Result};
@@ -26,6 +27,29 @@ pub trait Collectives {
     /// Every rank's `tensor` (contiguous), concatenated along the first dimension in rank
     /// order.
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor>;
+
+    /// The epilogue of a row-parallel layer: `partial` (this rank's partial output,
+    /// `[.., hidden]`) summed over the ranks and added to `residual` (its shape, the same on
+    /// every rank), then RMSNorm of that with `weight` (`[hidden]`) and `eps`. Returns
+    /// `(new residual, normed)`, both of `partial`'s shape; `partial` and `residual` are left
+    /// as they were.
+    ///
+    /// Provided as the unfused sequence: [`all_reduce`](Self::all_reduce) (sum), candle's
+    /// add and `candle_nn::ops::rms_norm` (`x · rsqrt(mean(x²) + eps) · weight`).
+    /// [`LsaCollectives`](super::LsaCollectives) overrides it with one fused kernel where the
+    /// tensors fit. Refused before any collective, with [`Error::Shape`] or
+    /// [`Error::Argument`], when `partial` and `residual` differ in shape, `weight` is not
+    /// `[hidden]`, or the three differ in element type.
+    fn all_reduce_add_rms_norm(
+        &self,
+        partial: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        epilogue::check("all_reduce_add_rms_norm", partial, residual, weight)?;
+        epilogue::unfused(self, partial, residual, weight, eps)
+    }
 }
 
 impl Collectives for Comm {
@@ -122,9 +146,10 @@ impl TpGroup {
     /// embedding rows, its block of an all-gather repeated in place of the others'); it
     /// exists to time a model with and without its collectives, e.g. the share of decode
     /// latency they take as `(with - without) / with`. Shapes stay as with the
-    /// collectives. The group's own [`TpGroup::all_reduce`], [`TpGroup::all_gather_dim`] and
-    /// [`TpGroup::agree`] always run. Every rank should switch together, or the ranks that
-    /// still run collectives wait for the others.
+    /// collectives. [`TpGroup::all_reduce_add_rms_norm`] is a layer's: skipped, it adds and
+    /// normalises this rank's partial output. The group's own [`TpGroup::all_reduce`],
+    /// [`TpGroup::all_gather_dim`] and [`TpGroup::agree`] always run. Every rank should
+    /// switch together, or the ranks that still run collectives wait for the others.
     pub fn set_skip_collectives(&self, skip: bool) {
         self.shared.skip.set(skip);
     }
@@ -161,6 +186,38 @@ impl TpGroup {
                 // The same refusal as with several ranks, so a bad `dim` fails alike.
                 gather_along(tensor, dim, 1, |t| Ok(t.clone()))
             }
+        }
+    }
+
+    /// The epilogue of a row-parallel layer (see
+    /// [`Collectives::all_reduce_add_rms_norm`]): `partial` summed over the ranks, added to
+    /// `residual`, then RMSNorm with `weight` and `eps`; returns `(new residual, normed)`.
+    /// Runs the group's collectives' version of it (one fused kernel for
+    /// [`LsaCollectives`](super::LsaCollectives) where the tensors fit, the unfused sequence
+    /// otherwise).
+    ///
+    /// A layer's collective, unlike [`TpGroup::all_reduce`]: in skip mode
+    /// ([`TpGroup::set_skip_collectives`]) the sum is left out (`partial` stands for it: the
+    /// add and the norm only), and on one rank there is no sum to make. The shape refusals of
+    /// [`Collectives::all_reduce_add_rms_norm`] hold in every case.
+    pub fn all_reduce_add_rms_norm(
+        &self,
+        partial: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        epilogue::check(
+            "TpGroup::all_reduce_add_rms_norm",
+            partial,
+            residual,
+            weight,
+        )?;
+        match self.ranks() {
+            Some(ranks) if !self.skips_collectives() => {
+                ranks.all_reduce_add_rms_norm(partial, residual, weight, eps)
+            }
+            _ => epilogue::add_rms_norm(partial, residual, weight, eps),
         }
     }
 

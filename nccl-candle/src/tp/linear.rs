@@ -5,6 +5,7 @@ use candle_core::Tensor;
 use candle_nn::var_builder::ShardedVarBuilder;
 use candle_nn::{Linear, Module};
 
+use super::epilogue;
 use super::shard::load_block;
 use super::TpGroup;
 use crate::{Error, Result};
@@ -147,6 +148,36 @@ impl RowParallelLinear {
             // After the reduction, so that the bias counts once, not once per rank.
             Some(bias) => Ok(sum.broadcast_add(bias)?),
             None => Ok(sum),
+        }
+    }
+
+    /// The layer followed by the residual add and RMSNorm, as a transformer block uses it:
+    /// `h = residual + forward(x)`, returned with its norm, `(h, rms_norm(h) · norm_weight)`
+    /// (`norm_weight`: `[out_features]`). Without a bias the sum, the add and the norm are
+    /// one [`TpGroup::all_reduce_add_rms_norm`] (one fused kernel with
+    /// [`LsaCollectives`](super::LsaCollectives) where the tensors fit); with one, the bias
+    /// must come after the sum and before the add, so this runs as [`forward`](Self::forward)
+    /// then the add and the norm. Skip mode leaves the sum out, as in `forward`.
+    pub fn forward_add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        norm_weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "RowParallelLinear::forward_add_rms_norm";
+        check_input(OP, x, self.local_in_features())?;
+        let partial = self.linear.forward(x)?;
+        match &self.bias {
+            None => self
+                .group
+                .all_reduce_add_rms_norm(&partial, residual, norm_weight, eps),
+            Some(bias) => {
+                // Refused before the sum, as the fused path would be.
+                epilogue::check(OP, &partial, residual, norm_weight)?;
+                let sum = self.group.layer_sum(partial)?.broadcast_add(bias)?;
+                epilogue::add_rms_norm(&sum, residual, norm_weight, eps)
+            }
         }
     }
 

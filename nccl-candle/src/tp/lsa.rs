@@ -1,15 +1,21 @@
 //! [`LsaCollectives`]: tensor-parallel collectives whose bf16 sums run the all-reduce kernels
-//! nccl-rs ships ([`nccl::device::LsaAllReduce`], one-shot, no NCCL launch), the rest through
+//! nccl-rs ships ([`nccl::device::LsaAllReduce`], one-shot, no NCCL launch), and whose
+//! row-parallel epilogue (sum, residual add, RMSNorm) runs its fused kernel, the rest through
 //! NCCL, for ranks in one LSA team (one host's NVLink).
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use candle_core::op::BackpropOp;
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, DType, InplaceOp3, Layout, Shape, Storage, Tensor,
+};
 use half::bf16;
-use nccl::device::{LsaAlgorithm, LsaAllReduce};
+use nccl::cudarc::driver::CudaStream;
+use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaEpilogue};
 use nccl::{Comm, ReduceOp};
 
-use super::Collectives;
+use super::{epilogue, Collectives};
 use crate::{check, extent, Error, Failure, Result};
 
 type Kernels<'a> = LsaAllReduce<'a, bf16>;
@@ -26,7 +32,9 @@ self_cell::self_cell!(
 
 /// [`Collectives`] on a [`Comm`] whose ranks share one LSA team: sums of bf16 tensors of up to
 /// `max_elements` run nccl-rs's shipped kernels (`LsaAlgorithm::Auto`: the one-shot flags
-/// kernel for small messages, NCCL for larger ones), everything else NCCL. The tensors must be
+/// kernel for small messages, NCCL for larger ones), and so does the row-parallel epilogue
+/// ([`Collectives::all_reduce_add_rms_norm`]: sum, residual add and RMSNorm as one fused
+/// kernel where [`LsaCollectives::fuses`] says so); everything else NCCL. The tensors must be
 /// on the communicator's stream (candle's device stream the communicator was made on).
 pub struct LsaCollectives {
     owned: RefCell<Owned>,
@@ -46,6 +54,66 @@ impl LsaCollectives {
             rank,
             size,
         })
+    }
+}
+
+/// bf16 elements in the fused kernel's 16-byte vector: a row's length is a multiple of it.
+const VECTOR_ELEMS: usize = 8;
+/// The longest row the fused kernel normalises, in bf16 elements (2 048 vectors; see
+/// `LsaAllReduce::all_reduce_add_rms_norm`).
+const MAX_HIDDEN: usize = 16_384;
+
+/// Whether rows of `hidden` elements, `len` in all, fit the fused kernel of an
+/// [`LsaAllReduce`] made for `max_count` elements (an empty tensor has nothing to fuse).
+fn fused_shape_fits(len: usize, hidden: usize, max_count: usize) -> bool {
+    len > 0
+        && hidden > 0
+        && hidden.is_multiple_of(VECTOR_ELEMS)
+        && hidden <= MAX_HIDDEN
+        && len <= max_count
+}
+
+/// Whether two tensors share one storage (candle refuses to write one while reading it).
+fn same_storage(a: &Tensor, b: &Tensor) -> bool {
+    // One read lock at a time: the storages' addresses inside their shared locks.
+    let address = |t: &Tensor| std::ptr::from_ref::<Storage>(&t.storage_and_layout().0).addr();
+    address(a) == address(b)
+}
+
+/// Refuses a tensor whose device stream is not the communicator's: the kernels run on the
+/// communicator's stream and candle's work is ordered on its device's, so they must be one.
+fn same_stream(comm: &Comm, stream: &Arc<CudaStream>) -> Result<()> {
+    if Arc::ptr_eq(comm.stream(), stream) {
+        return Ok(());
+    }
+    Err(Error::Nccl(nccl::Error::InvalidArgument(
+        "LsaCollectives: the tensor's device stream is not the communicator's".into(),
+    )))
+}
+
+impl LsaCollectives {
+    /// Whether [`all_reduce_add_rms_norm`](Collectives::all_reduce_add_rms_norm) runs these
+    /// tensors through the fused kernel (otherwise the unfused sequence): all three bf16 on
+    /// a CUDA device and contiguous, of the shapes the op takes, `partial` in storage of its
+    /// own, rows of a multiple of 8 elements and at most 16 384, at most `max_elements` (of
+    /// [`new`](Self::new)) in all, and `eps` finite and non-negative. Depends only on the
+    /// tensors' shapes, types, layouts and devices, so ranks that make the same call choose
+    /// alike.
+    pub fn fuses(&self, partial: &Tensor, residual: &Tensor, weight: &Tensor, eps: f32) -> bool {
+        let tensors = [partial, residual, weight];
+        let max_count = self
+            .owned
+            .borrow()
+            .with_dependent(|_, kernels| kernels.max_count());
+        epilogue::check(FUSED, partial, residual, weight).is_ok()
+            && tensors
+                .iter()
+                .all(|t| t.dtype() == DType::BF16 && t.device().is_cuda() && t.is_contiguous())
+            && fused_shape_fits(partial.elem_count(), weight.elem_count(), max_count)
+            && eps.is_finite()
+            && eps >= 0.0
+            && !same_storage(partial, residual)
+            && !same_storage(partial, weight)
     }
 }
 
@@ -79,6 +147,140 @@ impl Collectives for LsaCollectives {
         self.owned
             .borrow()
             .with_dependent(|comm, _| crate::all_gather(comm, tensor))
+    }
+
+    /// One fused kernel (the all-reduce, the add and the norm;
+    /// `LsaAllReduce::all_reduce_add_rms_norm_to` with [`LsaEpilogue::Fused`]) where
+    /// [`fuses`](LsaCollectives::fuses) says so, the unfused sequence otherwise. The fused
+    /// kernel rounds where the unfused sequence rounds; its sum of squares goes in another
+    /// order than candle's `rms_norm`, so the normed output may differ from it in the last
+    /// bit.
+    fn all_reduce_add_rms_norm(
+        &self,
+        partial: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        epilogue::check(FUSED, partial, residual, weight)?;
+        if !self.fuses(partial, residual, weight, eps) {
+            return epilogue::unfused(self, partial, residual, weight, eps);
+        }
+        let call = FusedEpilogue {
+            owned: &self.owned,
+            eps,
+            outputs: RefCell::new(None),
+            failure: Failure::default(),
+        };
+        // In place on `partial` only for the mutable access the kernel's signature asks of
+        // it: the fused kernel leaves it as it was.
+        partial
+            .inplace_op3(residual, weight, &call)
+            .map_err(|err| call.failure.take(err))?;
+        let (residual_out, out) = call.outputs.take().ok_or_else(|| {
+            Error::Candle(candle_core::Error::Msg(format!(
+                "{FUSED}: candle returned without running the op"
+            )))
+        })?;
+        let tensor = |storage| {
+            Tensor::from_storage(
+                Storage::Cuda(storage),
+                partial.shape().clone(),
+                BackpropOp::none(),
+                false,
+            )
+        };
+        Ok((tensor(residual_out), tensor(out)))
+    }
+}
+
+/// The name of the fused epilogue in errors.
+const FUSED: &str = "all_reduce_add_rms_norm";
+
+/// The fused epilogue as candle's in-place op on the partial output (read, never written),
+/// the residual and the norm's weight; its two results are new storages, left in `outputs`.
+struct FusedEpilogue<'a> {
+    owned: &'a RefCell<Owned>,
+    eps: f32,
+    /// The new residual and the normed output, once the kernel is enqueued.
+    outputs: RefCell<Option<(CudaStorage, CudaStorage)>>,
+    failure: Failure,
+}
+
+impl InplaceOp3 for FusedEpilogue<'_> {
+    fn name(&self) -> &'static str {
+        FUSED
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(self.failure.record(Error::NotCuda {
+            op: FUSED,
+            device: "the CPU".into(),
+        }))
+    }
+
+    fn cuda_fwd(
+        &self,
+        partial: &mut CudaStorage,
+        partial_layout: &Layout,
+        residual: &CudaStorage,
+        residual_layout: &Layout,
+        weight: &CudaStorage,
+        weight_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (start, end) = extent(FUSED, partial_layout, &self.failure)?;
+        let residual_range = extent(FUSED, residual_layout, &self.failure)?;
+        let weight_range = extent(FUSED, weight_layout, &self.failure)?;
+        let not_contiguous = || self.failure.record(Error::NotContiguous { op: FUSED });
+        let device = partial.device.clone();
+        let stream = device.cuda_stream();
+        let residual = residual
+            .as_cuda_slice::<bf16>()?
+            .try_slice(residual_range.0..residual_range.1)
+            .ok_or_else(not_contiguous)?;
+        let weight = weight
+            .as_cuda_slice::<bf16>()?
+            .try_slice(weight_range.0..weight_range.1)
+            .ok_or_else(not_contiguous)?;
+        let mut partial = partial
+            .as_cuda_slice_mut::<bf16>()?
+            .try_slice_mut(start..end)
+            .ok_or_else(not_contiguous)?;
+        // SAFETY: the kernel writes every element of both (rows × hidden of each) before
+        // anything can read them; on failure they are dropped unread.
+        let mut residual_out = unsafe { device.alloc::<bf16>(end - start) }?;
+        // SAFETY: as above.
+        let mut out = unsafe { device.alloc::<bf16>(end - start) }?;
+        self.owned
+            .borrow_mut()
+            .with_dependent_mut(|comm, kernels| {
+                same_stream(comm, &stream)?;
+                kernels
+                    .all_reduce_add_rms_norm_to(
+                        &mut partial,
+                        &residual,
+                        &weight,
+                        self.eps,
+                        &mut residual_out,
+                        &mut out,
+                        LsaEpilogue::Fused,
+                    )
+                    .map_err(Error::Nccl)
+            })
+            .map_err(|err| self.failure.record(err))?;
+        *self.outputs.borrow_mut() = Some((
+            CudaStorage::wrap_cuda_slice(residual_out, device.clone()),
+            CudaStorage::wrap_cuda_slice(out, device),
+        ));
+        Ok(())
     }
 }
 
@@ -121,14 +323,7 @@ impl CustomOp1 for ShippedSum<'_> {
         let mut owned = self.owned.borrow_mut();
         owned
             .with_dependent_mut(|comm, kernels| {
-                // The kernels run on the communicator's stream; candle's work is ordered on
-                // its device's stream: they must be one.
-                if !std::sync::Arc::ptr_eq(comm.stream(), &stream) {
-                    return Err(Error::Nccl(nccl::Error::InvalidArgument(
-                        "LsaCollectives: the tensor's device stream is not the communicator's"
-                            .into(),
-                    )));
-                }
+                same_stream(comm, &stream)?;
                 kernels
                     .all_reduce(&send, &mut recv, LsaAlgorithm::Auto)
                     .map_err(Error::Nccl)
@@ -138,5 +333,35 @@ impl CustomOp1 for ShippedSum<'_> {
             CudaStorage::wrap_cuda_slice(recv, device),
             layout.shape().clone(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_shapes_follow_the_kernel_rules() {
+        // Decode rows of the example's models, within the elements the kernels were made for.
+        assert!(fused_shape_fits(8 * 4096, 4096, 8 * 4096));
+        assert!(fused_shape_fits(8192, 8192, 8 * 8192));
+        assert!(fused_shape_fits(3 * 520, 520, 4096));
+        assert!(fused_shape_fits(MAX_HIDDEN, MAX_HIDDEN, MAX_HIDDEN));
+        // Past the elements (a prompt's pass), rows not of whole vectors or too long, empty.
+        assert!(!fused_shape_fits(32 * 4096, 4096, 8 * 4096));
+        assert!(!fused_shape_fits(4 * 36, 36, 4096));
+        assert!(!fused_shape_fits(MAX_HIDDEN + 8, MAX_HIDDEN + 8, 1 << 20));
+        assert!(!fused_shape_fits(0, 4096, 4096));
+        assert!(!fused_shape_fits(0, 0, 4096));
+    }
+
+    #[test]
+    fn views_of_one_storage_are_told_apart_from_copies() {
+        let device = candle_core::Device::Cpu;
+        let t = Tensor::zeros((2, 8), DType::F32, &device).unwrap();
+        let row = t.get(1).unwrap();
+        assert!(same_storage(&t, &row));
+        assert!(same_storage(&t, &t.clone()));
+        assert!(!same_storage(&t, &t.copy().unwrap()));
     }
 }

@@ -14,6 +14,16 @@
 //! A column-parallel layer followed by a row-parallel one (attention's q/k/v then o, an
 //! MLP's gate/up then down) costs one all-reduce.
 //!
+//! # The row-parallel epilogue
+//!
+//! In a transformer a row-parallel layer's sum is added to the residual stream, which is
+//! then normalised for the next sublayer. [`TpGroup::all_reduce_add_rms_norm`] (and
+//! [`RowParallelLinear::forward_add_rms_norm`], from the layer's input) does the three as
+//! one op of the group's [`Collectives`]: by default the all-reduce, candle's add and
+//! `candle_nn::ops::rms_norm`; with [`LsaCollectives`] one fused kernel that nccl-rs ships
+//! (`nccl::device::LsaAllReduce::all_reduce_add_rms_norm_to`) for contiguous bf16 CUDA
+//! tensors that fit it ([`LsaCollectives::fuses`]), the unfused sequence otherwise.
+//!
 //! **Inference only**: the collectives are candle ops without a backward pass, so gradients
 //! do not flow through these layers.
 //!
@@ -40,6 +50,7 @@
 //! which reads only this rank's block of each tensor from the safetensors files.
 
 mod embedding;
+mod epilogue;
 mod group;
 mod linear;
 mod lsa;

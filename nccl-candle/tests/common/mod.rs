@@ -53,3 +53,30 @@ pub fn close(got: &Tensor, want: &[f32], tolerance: f32, what: &str) {
         );
     }
 }
+
+/// The row-parallel epilogue on the host, in f64: `h = sum + residual` and its RMSNorm,
+/// `h · weight / sqrt(mean(h²) + eps)`, per row of `weight.len()`.
+pub fn host_add_rms_norm(
+    sum: &[f32],
+    residual: &[f32],
+    weight: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let hidden = weight.len();
+    let h: Vec<f64> = sum
+        .iter()
+        .zip(residual)
+        .map(|(&s, &r)| f64::from(s) + f64::from(r))
+        .collect();
+    let normed = h
+        .chunks(hidden)
+        .flat_map(|row| {
+            let mean = row.iter().map(|v| v * v).sum::<f64>() / hidden as f64;
+            let scale = 1.0 / (mean + f64::from(eps)).sqrt();
+            row.iter()
+                .zip(weight)
+                .map(move |(v, &w)| (v * scale * f64::from(w)) as f32)
+        })
+        .collect();
+    (h.iter().map(|&v| v as f32).collect(), normed)
+}
