@@ -294,6 +294,38 @@ fn sums_are_exact_for_every_scheme_type_and_size() {
     }
 }
 
+/// One rank alone (a one-rank communicator on GPU 0): every scheme, size and type gives the
+/// rank's own input back exactly, as the sum over one rank.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn one_rank_alone_gets_its_own_input_back() {
+    const TEST: &str = "one_rank_alone_gets_its_own_input_back";
+    if skip_before_device_api(TEST) {
+        return;
+    }
+    if nccl::library::cuda_device_count().unwrap_or(0) == 0 {
+        skip(TEST, "no CUDA GPU");
+        return;
+    }
+    let _deadline = Deadline::new(TEST, LIMIT);
+    common::shape::setup();
+    common::shape::ran(TEST, "1 rank on GPU 0");
+    for name in ["f32", "bf16", "f16"] {
+        let stream = cudarc::driver::CudaContext::new(0)
+            .and_then(|ctx| ctx.new_stream())
+            .expect("GPU 0");
+        let comm = Comm::init_all(&[stream])
+            .expect("a one-rank communicator")
+            .pop()
+            .expect("one");
+        match name {
+            "f32" => exact_for::<f32>(comm),
+            "bf16" => exact_for::<half::bf16>(comm),
+            _ => exact_for::<half::f16>(comm),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn graph_replays_advance_the_device_counters() {
