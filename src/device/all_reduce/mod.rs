@@ -196,8 +196,8 @@ pub enum LsaAlgorithm {
 /// read-backs wait for the stream before copying.
 ///
 /// Created collectively by every rank ([`LsaAllReduce::new`]); each owns a scratch window of
-/// `(3 × ranks + 2)` slots of `max_count` elements and 16 bytes, a device communicator and a
-/// few words of state.
+/// `(3 × ranks + 2)` slots of `max_count` elements and 16 bytes, a device communicator and
+/// 7 KiB of state (each CTA's call counts, the fused kernel's partial sums).
 /// Calls take `&mut self`: one at a time, in the same order on every rank.
 pub struct LsaAllReduce<'c, T: LsaElem> {
     // Dropped first: no abort touches the state once it is taken back.
