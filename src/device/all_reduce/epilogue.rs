@@ -143,7 +143,7 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         )?;
         let stream = self.comm.stream();
         let (residual, _residual) = residual.device_ptr_mut(stream);
-        self.run_norm(plan, x, [residual, residual], weight, eps, out)
+        self.run_epilogue(plan, x, [residual, residual], weight, eps, out)
     }
 
     /// [`all_reduce_add_rms_norm`](Self::all_reduce_add_rms_norm) with the new residual
@@ -173,20 +173,20 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         let stream = self.comm.stream();
         let (residual, _residual) = residual.device_ptr(stream);
         let (residual_out, _residual_out) = residual_out.device_ptr_mut(stream);
-        self.run_norm(plan, x, [residual, residual_out], weight, eps, out)
+        self.run_epilogue(plan, x, [residual, residual_out], weight, eps, out)
     }
 
-    /// Checks an epilogue call (every refusal this rank could make alone comes first), picks
-    /// what runs, and runs its all-reduce where that comes first.
+    /// Checks an epilogue call (every refusal this rank could make alone comes first) and picks
+    /// what runs.
     #[allow(clippy::too_many_arguments)]
     fn epilogue_plan(
         &mut self,
-        x: &mut impl DevicePtrMut<T>,
+        x: &impl DevicePtrMut<T>,
         residual_lens: [usize; 2],
         residual_contexts: [&std::sync::Arc<cudarc::driver::CudaContext>; 2],
         weight: &impl DevicePtr<T>,
         eps: f32,
-        out: &mut impl DevicePtrMut<T>,
+        out: &impl DevicePtrMut<T>,
         how: LsaEpilogue,
     ) -> Result<Plan> {
         let (len, hidden) = (x.len(), weight.len());
@@ -213,14 +213,12 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
                 fused_grid::<T>(rows, hidden, SPLIT_TARGET).map_or(Plan::IntoOut, Plan::Fused)
             }
         };
-        if let Plan::Separate(algorithm) = plan {
-            self.all_reduce_in_place(x, algorithm)?;
-        }
         Ok(plan)
     }
 
-    /// The norm kernel of `plan`, after [`epilogue_plan`](Self::epilogue_plan).
-    fn run_norm(
+    /// Runs `plan` (from [`epilogue_plan`](Self::epilogue_plan)): its all-reduce where it has
+    /// one of its own, then its norm kernel.
+    fn run_epilogue(
         &mut self,
         plan: Plan,
         x: &mut impl DevicePtrMut<T>,
@@ -230,21 +228,19 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         let (len, hidden) = (x.len(), weight.len());
+        if let Plan::Separate(algorithm) = plan {
+            self.all_reduce_in_place(x, algorithm)?;
+        }
         let stream = self.comm.stream();
         let (x, _x) = x.device_ptr_mut(stream);
         let (weight, _weight) = weight.device_ptr(stream);
         let (out, _out) = out.device_ptr_mut(stream);
         // The sums the norm kernel reads: the all-reduce's, in place on x, or into out.
         let sums = if let Plan::IntoOut = plan {
-            // A shipped kernel (len <= max_count), so the sums keep the shipped kernels' rank
-            // order: the one Auto takes where that is the one-shot.
-            let algorithm = match self.choose(len) {
-                // Not the two-shot, whose 64 CTAs must all be resident: the one-shot needs
-                // no more than the fused kernel would have.
-                LsaAlgorithm::Nccl | LsaAlgorithm::TwoShotFlags => LsaAlgorithm::OneShotFlags,
-                chosen => chosen,
-            };
-            self.launch(Kernel::AllReduce(algorithm), x, out, len)?;
+            // The one-shot (len <= max_count): the shipped kernels' rank order, and no more
+            // CTAs that must be resident at once than the fused kernel would have had (the
+            // two-shot's 64 would).
+            self.launch(Kernel::AllReduce(LsaAlgorithm::OneShotFlags), x, out, len)?;
             out
         } else {
             x
