@@ -699,66 +699,37 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
                 results[0], results[1],
                 "rank {rank} {rows}x{hidden}: fused vs separate"
             );
-            // The new residual into a buffer of its own: the old one stays as it was.
-            staging.upload(&xs[rank], &mut x.slice_mut(0..len));
-            staging.upload(&res0, &mut residual.slice_mut(0..len));
-            ar.all_reduce_add_rms_norm_to(
-                &mut x.slice_mut(0..len),
-                &residual.slice(0..len),
-                &weight.slice(0..hidden),
-                1e-5,
-                &mut residual_out.slice_mut(0..len),
-                &mut out.slice_mut(0..len),
+            // The new residual into a buffer of its own: the old one stays as it was (and x
+            // too, fused; separate, the all-reduce runs in place on it).
+            for how in [
                 LsaEpilogue::Fused,
-            )
-            .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} to: {e}"));
-            assert_eq!(
-                staging.download(&residual_out.slice(0..len)),
-                want_res,
-                "rank {rank} {rows}x{hidden} to: residual out"
-            );
-            assert_eq!(
-                staging.download(&residual.slice(0..len)),
-                res0,
-                "rank {rank} {rows}x{hidden} to: residual kept"
-            );
-            assert_eq!(
-                staging.download(&x.slice(0..len)),
-                xs[rank],
-                "rank {rank} {rows}x{hidden} to: x kept"
-            );
-            assert_eq!(
-                staging.download(&out.slice(0..len)),
-                results[0],
-                "rank {rank} {rows}x{hidden} to: out"
-            );
-            // And separate: the all-reduce in place on x, then the norm into the new buffers.
-            staging.upload(&res0, &mut residual_out.slice_mut(0..len));
-            ar.all_reduce_add_rms_norm_to(
-                &mut x.slice_mut(0..len),
-                &residual.slice(0..len),
-                &weight.slice(0..hidden),
-                1e-5,
-                &mut residual_out.slice_mut(0..len),
-                &mut out.slice_mut(0..len),
                 LsaEpilogue::Separate(LsaAlgorithm::OneShotFlags),
-            )
-            .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} to, separate: {e}"));
-            assert_eq!(
-                staging.download(&residual_out.slice(0..len)),
-                want_res,
-                "rank {rank} {rows}x{hidden} to, separate: residual out"
-            );
-            assert_eq!(
-                staging.download(&residual.slice(0..len)),
-                res0,
-                "rank {rank} {rows}x{hidden} to, separate: residual kept"
-            );
-            assert_eq!(
-                staging.download(&out.slice(0..len)),
-                results[0],
-                "rank {rank} {rows}x{hidden} to, separate: out"
-            );
+            ] {
+                staging.upload(&xs[rank], &mut x.slice_mut(0..len));
+                staging.upload(&res0, &mut residual.slice_mut(0..len));
+                staging.upload(&res0, &mut residual_out.slice_mut(0..len));
+                ar.all_reduce_add_rms_norm_to(
+                    &mut x.slice_mut(0..len),
+                    &residual.slice(0..len),
+                    &weight.slice(0..hidden),
+                    1e-5,
+                    &mut residual_out.slice_mut(0..len),
+                    &mut out.slice_mut(0..len),
+                    how,
+                )
+                .unwrap_or_else(|e| panic!("rank {rank} {rows}x{hidden} to, {how:?}: {e}"));
+                let what = |part: &str| format!("rank {rank} {rows}x{hidden} to, {how:?}: {part}");
+                let got = staging.download(&residual_out.slice(0..len));
+                assert_eq!(got, want_res, "{}", what("residual out"));
+                let got = staging.download(&residual.slice(0..len));
+                assert_eq!(got, res0, "{}", what("residual kept"));
+                if how == LsaEpilogue::Fused {
+                    let got = staging.download(&x.slice(0..len));
+                    assert_eq!(got, xs[rank], "{}", what("x kept"));
+                }
+                let got = staging.download(&out.slice(0..len));
+                assert_eq!(got, results[0], "{}", what("out"));
+            }
             ar.check().expect("in step");
         }
         // No rows: nothing runs, on every rank alike.
