@@ -218,7 +218,7 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     /// Set when a call was refused on this rank alone after its peers may have gone ahead
     /// (another context, a group open, an unusable communicator): the instance is out of
     /// step, and every later call is refused.
-    out_of_step: Option<&'static str>,
+    out_of_step: Option<String>,
     /// Bytes of one rank's slot of one buffer: `max_count` elements rounded up to 16, and one
     /// 16-byte vector more (a two-shot call's two chunks).
     slot_bytes: usize,
@@ -405,7 +405,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
     /// Whether the kernels gave up waiting or the instance is out of step (a call refused
     /// on this rank alone), without waiting for the GPU: what every call checks first.
     pub fn status(&self) -> Result<()> {
-        if let Some(why) = self.out_of_step {
+        if let Some(why) = &self.out_of_step {
             return Err(Error::usage(format!(
                 "LsaAllReduce on rank {}: out of step with its peers since a call was refused \
                  here alone ({why}); drop it on every rank and make a new one",
@@ -436,6 +436,19 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         self.status()
     }
 
+    /// Puts the instance out of step with its peers for good, saying `why`: for a caller that
+    /// refused a call on this rank alone after deciding to run a shipped kernel (its own
+    /// checks, an allocation, a framework's op checks), while the peers may have launched
+    /// theirs. Every later call of this instance on this rank is then refused
+    /// ([`Error::InvalidUsage`]), and the peers' kernels of the missing call give up after
+    /// [`timeout`](Self::timeout), so their later calls are refused too ([`Error::Timeout`]):
+    /// no rank's call pairs with another call's data. The first reason is kept.
+    pub fn put_out_of_step(&mut self, why: impl Into<String>) {
+        if self.out_of_step.is_none() {
+            self.out_of_step = Some(why.into());
+        }
+    }
+
     /// What a shipped kernel needs on this rank before it is launched: the instance in step,
     /// no group open on this thread, the buffers in the communicator's context. A refusal
     /// here may be this rank's alone while its peers launch, so it puts the instance out of
@@ -451,7 +464,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 })
             });
         if let Err(err) = alone {
-            self.out_of_step = Some("a group open, or a buffer in another CUDA context");
+            self.put_out_of_step("a group open, or a buffer in another CUDA context");
             return Err(err);
         }
         Ok(())
@@ -476,7 +489,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         match self.comm.usable(&calls::ncclAllReduce) {
             Ok(guard) => Ok(guard),
             Err(err) => {
-                self.out_of_step = Some("the communicator could no longer run work");
+                self.put_out_of_step("the communicator could no longer run work");
                 Err(err)
             }
         }
