@@ -2,6 +2,9 @@
 //! diverge, and which rank is to blame
 //! (the rules are in the [flight module docs](super#comparing-ranks)).
 //!
+//! The rules compare numbered operations of any one sequence ([`compare_sequence`]): NCCL's
+//! collectives here, each shipped instance's calls in `compare_shipped.rs`.
+//!
 //! Past 600 lines on purpose: half of it is the tests on synthetic records (skips, stalls,
 //! extras, mismatches, partial rings, bad input), which belong next to the rules they pin.
 
@@ -9,6 +12,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
+use super::compare_shipped::{compare_shipped, ShippedComparison};
+use super::finding::Finding;
 use super::record::{FlightEntry, FlightRecord, OpState};
 use crate::error::{Error, Result};
 
@@ -16,107 +21,6 @@ use crate::error::{Error, Result};
 const MAX_SHIFT: u64 = 8;
 /// How many collectives after the divergence must follow a shift for it to count.
 const CONFIRM: u64 = 8;
-
-/// What the analyser found about one rank (or, for [`Finding::NotCompleted`], a set of ranks).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Finding {
-    /// `rank` skipped `count` collectives starting at collective `seq`: its collective `seq`
-    /// is the others' `seq + count`. `skipped` is the first one it skipped.
-    Skipped {
-        /// The rank that skipped.
-        rank: usize,
-        /// The first collective it skipped.
-        seq: u64,
-        /// How many it skipped.
-        count: u64,
-        /// The others' collective `seq`.
-        skipped: FlightEntry,
-    },
-    /// `rank` issued `count` collectives the others did not, starting at collective `seq`.
-    Extra {
-        /// The rank that issued them.
-        rank: usize,
-        /// Its first extra collective.
-        seq: u64,
-        /// How many.
-        count: u64,
-        /// Its collective `seq`.
-        extra: FlightEntry,
-    },
-    /// `rank`'s collective `seq` differs from the others' with no shift explaining it.
-    Mismatch {
-        /// The rank out of step.
-        rank: usize,
-        /// The collective number.
-        seq: u64,
-        /// The others' collective `seq`.
-        expected: FlightEntry,
-        /// This rank's.
-        found: FlightEntry,
-    },
-    /// `rank` never issued collective `seq`, which `ahead` did: it stopped issuing (a host-side
-    /// stall when `last_completed == last_enqueued`, else stuck in its last collective).
-    Stalled {
-        /// The rank behind.
-        rank: usize,
-        /// The first collective it never issued.
-        seq: u64,
-        /// Its last collective issued (0: none).
-        last_enqueued: u64,
-        /// Its last collective seen complete (0: none).
-        last_completed: u64,
-        /// The ranks that issued collective `seq`.
-        ahead: Vec<usize>,
-    },
-    /// `rank` issued collectives from `seq` on (`count` of them) that most of the compared
-    /// ranks, `behind`, never issued, though everything they issued completed: by majority,
-    /// this rank issued extra collectives at the end, which the records cannot tell apart from
-    /// the others stalling outside NCCL (the finding says so).
-    Ahead {
-        /// The rank ahead.
-        rank: usize,
-        /// The first collective only the ranks ahead issued.
-        seq: u64,
-        /// How many collectives it issued from `seq` on.
-        count: u64,
-        /// Its collective `seq`.
-        first: FlightEntry,
-        /// The ranks that never issued collective `seq`.
-        behind: Vec<usize>,
-        /// Whether everything the ranks behind issued was seen complete (always, today: where
-        /// it was not, the first collective not seen complete is reported instead).
-        behind_idle: bool,
-    },
-    /// Every rank issued the same collectives, but collective `seq` was not seen complete on
-    /// `ranks` (it may have completed unseen where no watchdog or synchronize looked).
-    NotCompleted {
-        /// The first collective not seen complete everywhere.
-        seq: u64,
-        /// The ranks where it was not.
-        ranks: Vec<usize>,
-    },
-    /// No record of `rank` was given.
-    NoRecord {
-        /// The rank.
-        rank: usize,
-    },
-}
-
-impl Finding {
-    /// The rank the finding blames, if it blames one.
-    pub fn rank(&self) -> Option<usize> {
-        match self {
-            Finding::Skipped { rank, .. }
-            | Finding::Extra { rank, .. }
-            | Finding::Mismatch { rank, .. }
-            | Finding::Stalled { rank, .. }
-            | Finding::Ahead { rank, .. }
-            | Finding::NoRecord { rank } => Some(*rank),
-            Finding::NotCompleted { .. } => None,
-        }
-    }
-}
 
 /// What [`compare`] found; `Display` writes it for people.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,36 +35,70 @@ pub struct FlightComparison {
     pub agreed_through: u64,
     /// The first collective on which they do not, if any.
     pub diverged_at: Option<u64>,
-    /// What was found, per rank.
+    /// What was found, per rank, about NCCL's collectives.
     pub findings: Vec<Finding>,
+    /// The shipped kernels' calls, compared per instance (see the
+    /// [module docs](super#shipped-kernels)), by ascending instance number.
+    pub shipped: Vec<ShippedComparison>,
 }
 
 impl FlightComparison {
-    /// The ranks the findings blame, ascending, each once.
+    /// The ranks the findings blame (about NCCL's collectives and the shipped calls),
+    /// ascending, each once.
     pub fn culprits(&self) -> Vec<usize> {
-        let mut ranks: Vec<usize> = self.findings.iter().filter_map(Finding::rank).collect();
+        let shipped = self.shipped.iter().flat_map(|s| &s.findings);
+        let mut ranks: Vec<usize> = self
+            .findings
+            .iter()
+            .chain(shipped)
+            .filter_map(Finding::rank)
+            .collect();
         ranks.sort_unstable();
         ranks.dedup();
         ranks
     }
 
-    /// Whether nothing is amiss: the ranks agree and every collective was seen complete.
+    /// Whether nothing is amiss: the ranks agree, every collective and shipped call was seen
+    /// complete, and no shipped kernel gave up.
     pub fn is_consistent(&self) -> bool {
-        self.findings.is_empty()
+        self.findings.is_empty() && self.shipped.iter().all(|s| s.findings.is_empty())
     }
 }
 
-/// One rank's collectives, by collective number.
-struct RankOps<'r> {
-    rank: usize,
+/// One rank's operations of one sequence (collectives, or one instance's calls), by number.
+pub(super) struct RankOps<'r> {
+    pub(super) rank: usize,
     ops: BTreeMap<u64, &'r FlightEntry>,
-    /// Its last collective issued.
-    last: u64,
-    record: &'r FlightRecord,
+    /// Its last operation issued (0: none).
+    pub(super) last: u64,
+    /// Its last operation seen complete (0: none).
+    last_completed: u64,
 }
 
-impl RankOps<'_> {
-    fn at(&self, seq: u64) -> Option<&FlightEntry> {
+impl<'r> RankOps<'r> {
+    /// Rank `rank`'s operations `ops`, numbered, of which it issued `last` (more than the
+    /// ring may still hold).
+    pub(super) fn new(
+        rank: usize,
+        ops: impl IntoIterator<Item = (u64, &'r FlightEntry)>,
+        last: u64,
+    ) -> Self {
+        let ops: BTreeMap<u64, &FlightEntry> = ops.into_iter().collect();
+        let last_completed = ops
+            .iter()
+            .filter(|(_, e)| e.state == OpState::Completed)
+            .map(|(seq, _)| *seq)
+            .max()
+            .unwrap_or(0);
+        RankOps {
+            rank,
+            ops,
+            last,
+            last_completed,
+        }
+    }
+
+    fn at(&self, seq: u64) -> Option<&'r FlightEntry> {
         self.ops.get(&seq).copied()
     }
 
@@ -181,7 +119,7 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
         .first()
         .map(|r| r.size)
         .ok_or_else(|| Error::FlightRecordFormat("no flight record to compare".into()))?;
-    let mut ranks: Vec<RankOps<'_>> = Vec::with_capacity(records.len());
+    let mut sorted: Vec<&FlightRecord> = Vec::with_capacity(records.len());
     for record in records {
         if record.size != size {
             return Err(Error::FlightRecordFormat(format!(
@@ -196,9 +134,8 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
                 record.rank
             )));
         }
-        if let Some(other) = ranks.iter().find_map(|r| {
-            r.record
-                .name
+        if let Some(other) = sorted.iter().find_map(|r| {
+            r.name
                 .as_ref()
                 .zip(record.name.as_ref())
                 .filter(|(a, b)| a != b)
@@ -209,28 +146,52 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
                 other.0, other.1
             )));
         }
-        if ranks.iter().any(|r| r.rank == record.rank) {
+        if sorted.iter().any(|r| r.rank == record.rank) {
             return Err(Error::FlightRecordFormat(format!(
                 "two records of rank {}",
                 record.rank
             )));
         }
-        let ops = record
-            .collectives()
-            .filter_map(|e| e.collective_seq.map(|seq| (seq, e)))
-            .collect();
-        ranks.push(RankOps {
-            rank: record.rank,
-            ops,
-            last: record.collectives,
-            record,
-        });
+        sorted.push(record);
     }
-    ranks.sort_by_key(|r| r.rank);
+    sorted.sort_by_key(|r| r.rank);
+    let ranks: Vec<RankOps<'_>> = sorted
+        .iter()
+        .map(|record| {
+            let ops = record
+                .collectives()
+                .filter_map(|e| e.collective_seq.map(|seq| (seq, e)));
+            RankOps::new(record.rank, ops, record.collectives)
+        })
+        .collect();
     let mut findings: Vec<Finding> = (0..size)
-        .filter(|rank| !ranks.iter().any(|r| r.rank == *rank))
+        .filter(|rank| !sorted.iter().any(|r| r.rank == *rank))
         .map(|rank| Finding::NoRecord { rank })
         .collect();
+    let verdict = compare_sequence(&ranks);
+    findings.extend(verdict.findings);
+    Ok(FlightComparison {
+        size,
+        ranks: sorted.iter().map(|r| r.rank).collect(),
+        compared_from: verdict.compared_from,
+        agreed_through: verdict.agreed_through,
+        diverged_at: verdict.diverged_at,
+        findings,
+        shipped: compare_shipped(&sorted),
+    })
+}
+
+/// What comparing one sequence found (see [`FlightComparison`]'s fields of the same names).
+pub(super) struct Verdict {
+    pub(super) compared_from: u64,
+    pub(super) agreed_through: u64,
+    pub(super) diverged_at: Option<u64>,
+    pub(super) findings: Vec<Finding>,
+}
+
+/// Compares the ranks' operations of one sequence (collectives, or one instance's calls) by
+/// the rules of the [module docs](super#comparing-ranks); `ranks` ascending.
+pub(super) fn compare_sequence(ranks: &[RankOps<'_>]) -> Verdict {
     let compared_from = ranks.iter().map(RankOps::first_kept).max().unwrap_or(1);
     let max_last = ranks.iter().map(|r| r.last).max().unwrap_or(0);
     let min_last = ranks.iter().map(|r| r.last).min().unwrap_or(0);
@@ -243,26 +204,23 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
             .filter(|r| r.last >= seq)
             .map(|r| r.rank)
             .collect();
-        findings.extend(
-            ranks
-                .iter()
-                .filter(|r| r.last == min_last)
-                .map(|r| Finding::Stalled {
-                    rank: r.rank,
-                    seq,
-                    last_enqueued: r.last,
-                    last_completed: r.record.last_completed_collective(),
-                    ahead: ahead.clone(),
-                }),
-        );
-        return Ok(FlightComparison {
-            size,
-            ranks: ranks.iter().map(|r| r.rank).collect(),
+        let findings = ranks
+            .iter()
+            .filter(|r| r.last == min_last)
+            .map(|r| Finding::Stalled {
+                rank: r.rank,
+                seq,
+                last_enqueued: r.last,
+                last_completed: r.last_completed,
+                ahead: ahead.clone(),
+            })
+            .collect();
+        return Verdict {
             compared_from,
             agreed_through: min_last,
             diverged_at: Some(seq),
             findings,
-        });
+        };
     }
 
     let mut agreed_through = compared_from.saturating_sub(1);
@@ -280,18 +238,18 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
         }
         agreed_through = seq;
     }
-    match diverged_at {
-        Some(seq) => findings.extend(diverging(&ranks, seq)),
-        None => findings.extend(not_completed(&ranks, compared_from, max_last)),
-    }
-    Ok(FlightComparison {
-        size,
-        ranks: ranks.iter().map(|r| r.rank).collect(),
+    let findings = match diverged_at {
+        Some(seq) => diverging(ranks, seq),
+        None => not_completed(ranks, compared_from, max_last)
+            .into_iter()
+            .collect(),
+    };
+    Verdict {
         compared_from,
         agreed_through,
         diverged_at,
         findings,
-    })
+    }
 }
 
 /// Reads flight records from JSON files (as [`FlightRecord::write_to`] writes them).
@@ -391,9 +349,7 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
     // Most ranks never issued `seq` and the few that did agree on it: by majority, those few
     // issued extra collectives at the end (the others' records end where theirs agree).
     if behind.len() > ahead.len() && groups.len() == 1 {
-        let behind_idle = behind
-            .iter()
-            .all(|r| r.record.last_completed_collective() == r.last);
+        let behind_idle = behind.iter().all(|r| r.last_completed == r.last);
         if !behind_idle {
             // Everyone is still inside an earlier collective and a faster host merely queued
             // the next one: blame nobody, name the first collective not seen complete.
@@ -427,7 +383,7 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
                 rank: rank.rank,
                 seq,
                 last_enqueued: rank.last,
-                last_completed: rank.record.last_completed_collective(),
+                last_completed: rank.last_completed,
                 ahead: ahead.clone(),
             });
             continue;
@@ -463,103 +419,6 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
     findings
 }
 
-impl fmt::Display for Finding {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Finding::Skipped {
-                rank,
-                seq,
-                count,
-                skipped,
-            } => {
-                let which = if *count == 1 {
-                    format!("collective #{seq}")
-                } else {
-                    format!("collectives #{seq} to #{}", seq + count - 1)
-                };
-                write!(
-                    f,
-                    "rank {rank} SKIPPED {which} ({}): its collective #{seq} is the others' \
-                     #{}",
-                    skipped.describe(),
-                    seq + count
-                )
-            }
-            Finding::Extra {
-                rank,
-                seq,
-                count,
-                extra,
-            } => write!(
-                f,
-                "rank {rank} issued {count} EXTRA collective(s) from #{seq} ({}): its #{} is \
-                 the others' #{seq}",
-                extra.describe(),
-                seq + count
-            ),
-            Finding::Mismatch {
-                rank,
-                seq,
-                expected,
-                found,
-            } => write!(
-                f,
-                "rank {rank} MISMATCH at collective #{seq}: it issued {}, the others {}",
-                found.describe(),
-                expected.describe()
-            ),
-            Finding::Stalled {
-                rank,
-                seq,
-                last_enqueued,
-                last_completed,
-                ahead,
-            } => {
-                let where_ = if last_enqueued == last_completed {
-                    "everything it issued completed: it is stuck outside NCCL"
-                } else {
-                    "its last collective did not complete"
-                };
-                write!(
-                    f,
-                    "rank {rank} STALLED before collective #{seq}: it issued up to #{last_enqueued} \
-                     (completed through #{last_completed}; {where_}) while ranks {ahead:?} issued \
-                     #{seq}"
-                )
-            }
-            Finding::Ahead {
-                rank,
-                seq,
-                count,
-                first,
-                behind,
-                behind_idle,
-            } => {
-                let why = if *behind_idle {
-                    format!(
-                        "everything they issued completed: rank {rank} issued extra \
-                         collective(s), or ranks {behind:?} stalled outside NCCL"
-                    )
-                } else {
-                    "their last collectives did not complete".to_string()
-                };
-                write!(
-                    f,
-                    "rank {rank} AHEAD: it issued {count} collective(s) from #{seq} ({}) that \
-                     ranks {behind:?}, most of the ranks compared, never issued; {why}",
-                    first.describe()
-                )
-            }
-            Finding::NotCompleted { seq, ranks } => write!(
-                f,
-                "all ranks issued the same collectives; #{seq} was not seen complete on ranks \
-                 {ranks:?}"
-            ),
-            Finding::NoRecord { rank } => write!(f, "rank {rank}: no flight record"),
-        }
-    }
-}
-
 impl fmt::Display for FlightComparison {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
@@ -584,6 +443,9 @@ impl fmt::Display for FlightComparison {
         }
         if self.findings.is_empty() {
             writeln!(f, "  nothing amiss: every collective was seen complete")?;
+        }
+        for instance in &self.shipped {
+            write!(f, "{instance}")?;
         }
         Ok(())
     }

@@ -9,12 +9,22 @@
 //!   "entries": [ { "seq": 1, "collective_seq": 1, "kind": "AllReduce", "dtype": "ncclFloat32",
 //!                  "count": 1024, "root": null, "peer": null, "reduction": "sum",
 //!                  "stream": 94000000, "group": null, "enqueued_at_us": 1767225599000000,
-//!                  "state": "completed" }, ... ] }
+//!                  "state": "completed", "shipped": null }, ... ],
+//!   "shipped": [] }
 //! ```
+//!
+//! A launch of a shipped kernel has `"shipped": { "instance": 1, "seq": 3, "kernel":
+//! "one-shot-flags" }` (`seq` null where the launch failed), and the record's `"shipped"`
+//! lists the instances' counters: `{ "instance": 1, "calls": 3, "ended": "gave up" (or
+//! "stopped", or null), "ended_after": 3 (or null), "dropped": false }`. Both are optional
+//! when read, so records written before shipped kernels were recorded read as before; a
+//! reader from before them refuses a record holding a shipped call (its kind is unknown
+//! there) and reads any other.
 
 use serde_json::{Map, Value};
 
 use super::record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+use super::shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 
@@ -49,6 +59,8 @@ impl FlightRecord {
         map.insert("reason".into(), self.reason.clone().into());
         let entries = self.entries.iter().map(entry_value).collect();
         map.insert("entries".into(), Value::Array(entries));
+        let shipped = self.shipped.iter().map(instance_value).collect();
+        map.insert("shipped".into(), Value::Array(shipped));
         Value::Object(map)
     }
 
@@ -76,6 +88,16 @@ impl FlightRecord {
             .enumerate()
             .map(|(i, value)| entry_from(value, i))
             .collect::<Result<Vec<_>>>()?;
+        let shipped = match at.optional("shipped") {
+            None => Vec::new(),
+            Some(list) => list
+                .as_array()
+                .ok_or_else(|| at.wrong("shipped", "an array"))?
+                .iter()
+                .enumerate()
+                .map(|(i, value)| instance_from(value, i))
+                .collect::<Result<Vec<_>>>()?,
+        };
         let record = FlightRecord {
             rank: at.usize("rank")?,
             size: at.usize("size")?,
@@ -87,6 +109,7 @@ impl FlightRecord {
             recorded: at.u64("recorded")?,
             collectives: at.u64("collectives")?,
             completed_through: at.u64("completed_through")?,
+            shipped,
             taken_at_us: at.u64("taken_at_us")?,
             reason: at.string("reason")?.to_owned(),
             entries,
@@ -136,6 +159,36 @@ fn consistent(r: &FlightRecord) -> Result<()> {
                 "an entry numbered past the record's counters: {e:?}"
             ));
         }
+        if e.kind.is_shipped() != e.shipped.is_some()
+            || (e.shipped.is_some() && e.collective_seq.is_some())
+        {
+            return bad(format!(
+                "a shipped kind without its instance, or the reverse: {e:?}"
+            ));
+        }
+        if let Some(call) = e.shipped {
+            let calls = r
+                .shipped_instance(call.instance)
+                .map_or(MOST_OPERATIONS, |i| i.calls);
+            if call.seq.is_some_and(|s| s == 0 || s > calls) || call.kernel.kind() != e.kind {
+                return bad(format!(
+                    "a shipped call numbered past its instance's counters, or of another \
+                     kind's kernel: {e:?}"
+                ));
+            }
+        }
+    }
+    let mut last = 0;
+    for i in &r.shipped {
+        if i.instance <= last
+            || i.calls > MOST_OPERATIONS
+            || i.ended.is_some_and(|end| end.after() > i.calls)
+        {
+            return bad(format!(
+                "shipped instances out of order, or counters out of order or too large: {i:?}"
+            ));
+        }
+        last = i.instance;
     }
     Ok(())
 }
@@ -161,7 +214,70 @@ fn entry_value(entry: &FlightEntry) -> Value {
     map.insert("group".into(), opt(entry.group.map(u64::from)));
     map.insert("enqueued_at_us".into(), entry.enqueued_at_us.into());
     map.insert("state".into(), entry.state.name().into());
+    let shipped = entry.shipped.map_or(Value::Null, |call| {
+        let mut map = Map::new();
+        map.insert("instance".into(), call.instance.into());
+        map.insert("seq".into(), opt(call.seq));
+        map.insert("kernel".into(), call.kernel.name().into());
+        Value::Object(map)
+    });
+    map.insert("shipped".into(), shipped);
     Value::Object(map)
+}
+
+fn instance_value(instance: &ShippedInstance) -> Value {
+    let mut map = Map::new();
+    map.insert("instance".into(), instance.instance.into());
+    map.insert("calls".into(), instance.calls.into());
+    map.insert(
+        "ended".into(),
+        instance.ended.map_or(Value::Null, |e| e.name().into()),
+    );
+    map.insert(
+        "ended_after".into(),
+        instance.ended.map_or(Value::Null, |e| e.after().into()),
+    );
+    map.insert("dropped".into(), instance.dropped.into());
+    Value::Object(map)
+}
+
+fn instance_from(value: &Value, index: usize) -> Result<ShippedInstance> {
+    let what = format!("shipped instance {index}");
+    let at = Fields { value, what: &what };
+    let ended = match at.optional_string("ended")? {
+        None => None,
+        Some(name) => {
+            let after = at.u64("ended_after")?;
+            Some(
+                ShippedEnd::from_name(&name, after)
+                    .ok_or_else(|| at.wrong("ended", "\"gave up\", \"stopped\" or null"))?,
+            )
+        }
+    };
+    Ok(ShippedInstance {
+        instance: at.u32("instance")?,
+        calls: at.u64("calls")?,
+        ended,
+        dropped: at
+            .get("dropped")?
+            .as_bool()
+            .ok_or_else(|| at.wrong("dropped", "a boolean"))?,
+    })
+}
+
+fn shipped_from(at: &Fields<'_>) -> Result<Option<ShippedCall>> {
+    let Some(value) = at.optional("shipped") else {
+        return Ok(None);
+    };
+    let what = format!("{}'s shipped call", at.what);
+    let call = Fields { value, what: &what };
+    let kernel = ShippedKernel::from_name(call.string("kernel")?)
+        .ok_or_else(|| call.wrong("kernel", "a shipped kernel's name"))?;
+    Ok(Some(ShippedCall {
+        instance: call.u32("instance")?,
+        seq: call.optional_u64("seq")?,
+        kernel,
+    }))
 }
 
 fn entry_from(value: &Value, index: usize) -> Result<FlightEntry> {
@@ -194,6 +310,7 @@ fn entry_from(value: &Value, index: usize) -> Result<FlightEntry> {
     Ok(FlightEntry {
         seq: at.u64("seq")?,
         collective_seq: at.optional_u64("collective_seq")?,
+        shipped: shipped_from(&at)?,
         kind,
         dtype,
         count: at.u64("count")?,
@@ -228,6 +345,10 @@ impl<'v> Fields<'v> {
         self.get(key)?
             .as_u64()
             .ok_or_else(|| self.wrong(key, "a non-negative integer"))
+    }
+
+    fn u32(&self, key: &str) -> Result<u32> {
+        u32::try_from(self.u64(key)?).map_err(|_| self.wrong(key, "an instance number"))
     }
 
     fn usize(&self, key: &str) -> Result<usize> {
@@ -276,8 +397,50 @@ impl<'v> Fields<'v> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::synthetic::record;
+    use super::super::synthetic::{record, with_shipped};
     use super::*;
+
+    #[test]
+    fn shipped_calls_survive_json_and_old_records_still_read() {
+        let rec = with_shipped(
+            record(0, 2, &[(1, 8), (2, 16)], 2),
+            3,
+            &[(1, 100), (2, 200)],
+            1,
+            Some(ShippedEnd::GaveUp { after: 2 }),
+        );
+        let text = rec.to_json();
+        assert!(text.contains("\"kernel\": \"one-shot-flags\""), "{text}");
+        assert!(text.contains("\"ended\": \"gave up\""), "{text}");
+        assert_eq!(FlightRecord::from_json(&text).unwrap(), rec);
+
+        // Written before shipped kernels were recorded: no "shipped" anywhere.
+        let old = record(1, 2, &[(1, 8), (2, 16)], 1);
+        let mut value: Value = serde_json::from_str(&old.to_json()).unwrap();
+        value.as_object_mut().unwrap().remove("shipped");
+        for entry in value["entries"].as_array_mut().unwrap() {
+            entry.as_object_mut().unwrap().remove("shipped");
+        }
+        let text_old = value.to_string();
+        assert!(!text_old.contains("shipped"));
+        assert_eq!(FlightRecord::from_json(&text_old).unwrap(), old);
+
+        for (from, to, needle) in [
+            ("\"one-shot-flags\"", "\"six-shot\"", "kernel"),
+            ("\"gave up\"", "\"melted\"", "ended"),
+            ("\"LsaAllReduce\"", "\"AllReduce\"", "shipped kind"),
+            (
+                "\"one-shot-flags\",\n        \"seq\": 2",
+                "\"one-shot-flags\",\n        \"seq\": 9",
+                "past its instance",
+            ),
+        ] {
+            assert!(text.contains(from), "{from} in {text}");
+            let broken = text.replace(from, to);
+            let err = FlightRecord::from_json(&broken).unwrap_err().to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
 
     #[test]
     fn records_survive_json_and_bad_documents_are_typed_errors() {

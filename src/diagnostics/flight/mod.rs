@@ -11,7 +11,8 @@
 //! stream, the communicator's group number when a group is open, the time, and whether NCCL
 //! refused the call. Operations of a simulated group ([`Group::simulate`](crate::Group::simulate))
 //! run nothing and are not recorded; calls refused by this crate's validation never reach
-//! NCCL and are not recorded either.
+//! NCCL and are not recorded either. The kernels this crate ships are recorded too, with
+//! their own numbering (see [Shipped kernels](#shipped-kernels)).
 //!
 //! # Cost
 //!
@@ -92,22 +93,83 @@
 //! kind, type, count, root or reduction): a rank that skips one of several identical
 //! all-reduces looks, in every record, exactly like a rank that stalled before the last of
 //! them, since NCCL pairs its later all-reduces with the others' earlier ones.
+//!
+//! # Shipped kernels
+//!
+//! NCCL's own records (and torch's flight recorder) cannot see inside a kernel that is not
+//! NCCL's. The kernels this crate ships ([`LsaAllReduce`](crate::device::LsaAllReduce)'s
+//! all-reduce, all-gather and residual-add-RMSNorm epilogue) are recorded by the crate
+//! itself, so a rank that skipped or stalled in one is named like one that did in an NCCL
+//! collective.
+//!
+//! * **Instances.** Each `LsaAllReduce` gets a number on its communicator when it is
+//!   created, from 1 in creation order ([`ShippedCall::instance`]). Instances are created
+//!   collectively, in the same order on every rank (creation agrees among the ranks before
+//!   the number is taken, so a creation refused on one rank is refused on all and numbers
+//!   none), so the same number is the same instance on every rank.
+//! * **Calls.** Every kernel launch is one entry, in the same ring and the same
+//!   per-communicator numbering ([`FlightEntry::seq`]) as NCCL's operations, of kind
+//!   [`OpKind::LsaAllReduce`], [`OpKind::LsaAllGather`] or [`OpKind::LsaAddRmsNorm`], with
+//!   the kernel that ran ([`ShippedKernel`]), the element type and the count per rank, and
+//!   its own number among its instance's calls ([`ShippedCall::seq`], from 1), never among
+//!   NCCL's collectives. A launch that failed takes no number (it never ran, so it pairs with
+//!   nothing); a call that launches nothing (no elements) is not recorded; an epilogue is
+//!   its all-reduce's entry (where a shipped all-reduce ran; an NCCL one is an NCCL
+//!   collective) and then its norm's, or one fused entry. Calls that went to NCCL
+//!   ([`LsaAlgorithm::Nccl`](crate::device::LsaAlgorithm::Nccl)) are NCCL collectives.
+//! * **Cost.** As for an NCCL operation: under the communicator's lock that the launch
+//!   holds, one slot written, one counter of the instance found by a binary search among
+//!   the kept instances (a handful) and incremented, one clock read; no allocation, no CUDA
+//!   call, no lock of its own. Creating an instance adds one row to its communicator's table
+//!   of instances; the table keeps every live instance and forgets the oldest dropped ones
+//!   past 64 rows (their entries in the ring remain).
+//! * **Completion.** The kernels run on the communicator's own stream, so the watchdog's
+//!   probes and synchronizes mark them complete as they do NCCL's operations.
+//! * **Ends.** A kernel whose peers do not come gives up after the instance's timeout and
+//!   sets a host-mapped word; the instance then refuses every call. It cannot tell which of
+//!   its calls gave up (the kernel returns either way, so the stream's completion covers it
+//!   too, and an entry seen complete may be the one that gave up). So the record keeps it
+//!   per instance ([`ShippedInstance::ended`]): [`ShippedEnd::GaveUp`] once the instance saw
+//!   the word (at its next call or check), with its calls then ("a kernel of calls #1 to #n
+//!   gave up"), or [`ShippedEnd::Stopped`] once an abort, revoke or shrink of the
+//!   communicator, or the instance's drop, stopped its kernels; the first mark is kept.
+//!   [`FlightRecord::shipped`] holds every instance's counters (calls, end, dropped), which
+//!   outlive what the ring keeps.
+//!
+//! [`compare`] compares each instance's calls across the ranks by their own numbers, by the
+//! same rules as NCCL's collectives (skipped, extra, mismatch by kind, element type, count
+//! and kernel, stalled, ahead, not completed), apart from the collectives and from the
+//! other instances ([`FlightComparison::shipped`], one [`ShippedComparison`] per instance
+//! some rank called). Each instance that ended adds a [`Finding::GaveUp`] for its rank,
+//! which blames no one: it waited for a peer that the other findings name, or that died or
+//! was descheduled past the timeout. A rank whose kernel gave up refuses the instance's later
+//! calls, so it is not also named stalled before them; a stop, being an abort's doing after
+//! a hang, excuses nothing.
 
 mod compare;
+mod compare_shipped;
+mod finding;
 mod json;
 mod record;
 pub(crate) mod ring;
+mod shipped;
 #[cfg(test)]
 pub(crate) mod synthetic;
 
 use std::path::{Path, PathBuf};
 
-pub use compare::{compare, read_flight_records, Finding, FlightComparison};
+pub use compare::{compare, read_flight_records, FlightComparison};
+pub use compare_shipped::ShippedComparison;
+pub use finding::Finding;
 pub use json::FLIGHT_RECORD_FORMAT;
 pub(crate) use record::Who;
 pub use record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
 pub use ring::MAX_FLIGHT_ENTRIES;
 pub(crate) use ring::{FlightRing, RawKind, RawOp, NO_RANK};
+// Until `src/device/all_reduce` records its launches (being wired there): then drop this `allow`.
+#[allow(unused_imports)]
+pub(crate) use ring::RawShipped;
+pub use shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 
 use crate::error::{Error, Result};
 

@@ -5,9 +5,11 @@ use std::fmt;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::ring::{RingSnapshot, Slot, NO_GROUP, NO_RANK};
+use super::shipped::{ShippedCall, ShippedInstance, ShippedKernel};
 use crate::dtype::DataType;
 
-/// The kind of operation an entry records: one NCCL call.
+/// The kind of operation an entry records: one NCCL call, or one launch of a kernel this
+/// crate ships (the `Lsa` kinds, see [Shipped kernels](super#shipped-kernels)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OpKind {
     /// `ncclAllReduce`
@@ -30,11 +32,20 @@ pub enum OpKind {
     Send,
     /// `ncclRecv`
     Recv,
+    /// [`LsaAllReduce::all_reduce`](crate::device::LsaAllReduce::all_reduce) (or in place)
+    /// with a shipped kernel.
+    LsaAllReduce,
+    /// [`LsaAllReduce::all_gather`](crate::device::LsaAllReduce::all_gather).
+    LsaAllGather,
+    /// The norm of
+    /// [`LsaAllReduce::all_reduce_add_rms_norm`](crate::device::LsaAllReduce::all_reduce_add_rms_norm)
+    /// (or `_to`): fused with its all-reduce, or after it.
+    LsaAddRmsNorm,
 }
 
 impl OpKind {
     /// Every kind, in the order of their raw tags.
-    pub const ALL: [OpKind; 10] = [
+    pub const ALL: [OpKind; 13] = [
         OpKind::AllReduce,
         OpKind::Broadcast,
         OpKind::Reduce,
@@ -45,6 +56,9 @@ impl OpKind {
         OpKind::Scatter,
         OpKind::Send,
         OpKind::Recv,
+        OpKind::LsaAllReduce,
+        OpKind::LsaAllGather,
+        OpKind::LsaAddRmsNorm,
     ];
 
     /// The name in records and dumps, e.g. `"AllReduce"`.
@@ -60,6 +74,9 @@ impl OpKind {
             OpKind::Scatter => "Scatter",
             OpKind::Send => "Send",
             OpKind::Recv => "Recv",
+            OpKind::LsaAllReduce => "LsaAllReduce",
+            OpKind::LsaAllGather => "LsaAllGather",
+            OpKind::LsaAddRmsNorm => "LsaAddRmsNorm",
         }
     }
 
@@ -71,6 +88,15 @@ impl OpKind {
     /// Whether every rank takes part (a collective), rather than one peer (send, receive).
     pub fn is_collective(self) -> bool {
         !matches!(self, OpKind::Send | OpKind::Recv)
+    }
+
+    /// Whether it is a launch of a kernel this crate ships (numbered among its instance's
+    /// calls, [`FlightEntry::shipped`], not among NCCL's collectives).
+    pub fn is_shipped(self) -> bool {
+        matches!(
+            self,
+            OpKind::LsaAllReduce | OpKind::LsaAllGather | OpKind::LsaAddRmsNorm
+        )
     }
 
     /// Whether the operation has a root.
@@ -174,10 +200,14 @@ impl OpState {
 pub struct FlightEntry {
     /// Sequence number among all of the communicator's recorded operations, from 1.
     pub seq: u64,
-    /// Sequence number among its collectives only, from 1; `None` for send and receive.
-    /// Ranks issue the same collectives in the same order, so this is what ranks are
-    /// compared by (their sends and receives legitimately differ).
+    /// Sequence number among its collectives only, from 1; `None` for send and receive,
+    /// and for a shipped kernel's call (see [`FlightEntry::shipped`]). Ranks issue the same
+    /// collectives in the same order, so this is what ranks are compared by (their sends and
+    /// receives legitimately differ).
     pub collective_seq: Option<u64>,
+    /// For a launch of a shipped kernel (the `Lsa` kinds): its instance, its number among
+    /// the instance's calls (what ranks compare it by) and the kernel.
+    pub shipped: Option<ShippedCall>,
     /// What NCCL was asked to do.
     pub kind: OpKind,
     /// The element type; `None` for a raw type this crate does not know.
@@ -202,17 +232,20 @@ pub struct FlightEntry {
 
 impl FlightEntry {
     /// Whether `other` is the same operation as far as ranks must agree: kind, element
-    /// type, count, root and reduction (not the peer, stream, group or times).
+    /// type, count, root and reduction, and a shipped call's instance and kernel (not the
+    /// peer, stream, group, times or sequence numbers).
     pub fn same_operation(&self, other: &FlightEntry) -> bool {
+        let shipped = |e: &FlightEntry| e.shipped.map(|s| (s.instance, s.kernel));
         self.kind == other.kind
             && self.dtype == other.dtype
             && self.count == other.count
             && self.root == other.root
             && self.reduction == other.reduction
+            && shipped(self) == shipped(other)
     }
 
-    /// The operation in a few words, e.g. `AllReduce ncclFloat32 x 1024 sum` or
-    /// `Broadcast ncclInt8 x 16 root 0`.
+    /// The operation in a few words, e.g. `AllReduce ncclFloat32 x 1024 sum`,
+    /// `Broadcast ncclInt8 x 16 root 0` or `LsaAllReduce ncclBfloat16 x 4096 two-shot-flags`.
     pub fn describe(&self) -> String {
         let dtype = self.dtype.map_or("unknown type", DataType::name);
         let mut text = format!("{} {dtype} x {}", self.kind.name(), self.count);
@@ -230,6 +263,10 @@ impl FlightEntry {
                 "from"
             };
             text.push_str(&format!(" {word} {peer}"));
+        }
+        if let Some(shipped) = self.shipped {
+            text.push(' ');
+            text.push_str(shipped.kernel.name());
         }
         text
     }
@@ -263,6 +300,10 @@ pub struct FlightRecord {
     /// Every operation on the communicator's own stream up to this sequence number was seen
     /// complete (0: none was).
     pub completed_through: u64,
+    /// The counters of the instances of shipped kernels created on the communicator, by
+    /// ascending number: every live one, and the last dropped ones (see the
+    /// [module docs](super#shipped-kernels)). Empty where none was created.
+    pub shipped: Vec<ShippedInstance>,
     /// When the record was taken, in microseconds since the Unix epoch.
     pub taken_at_us: u64,
     /// Why it was taken: `"on demand"`, the watchdog's reason, `"AbortHandle::abort"`...
@@ -280,6 +321,18 @@ impl FlightRecord {
     /// The entry of collective number `seq`, if the ring still holds it.
     pub fn collective(&self, seq: u64) -> Option<&FlightEntry> {
         self.collectives().find(|e| e.collective_seq == Some(seq))
+    }
+
+    /// The entries of instance `instance`'s shipped calls, oldest first.
+    pub fn shipped_calls(&self, instance: u32) -> impl Iterator<Item = &FlightEntry> {
+        self.entries
+            .iter()
+            .filter(move |e| e.shipped.is_some_and(|s| s.instance == instance))
+    }
+
+    /// The counters of instance `instance`, if the record keeps them.
+    pub fn shipped_instance(&self, instance: u32) -> Option<&ShippedInstance> {
+        self.shipped.iter().find(|i| i.instance == instance)
     }
 
     /// The last collective seen complete, by collective sequence number (0 if none).
@@ -325,6 +378,11 @@ impl FlightRecord {
             recorded: snapshot.recorded,
             collectives: snapshot.collectives,
             completed_through: completed_before.saturating_sub(1).min(snapshot.recorded),
+            shipped: snapshot
+                .instances
+                .iter()
+                .map(ShippedInstance::from_row)
+                .collect(),
             taken_at_us: micros_since_epoch(wall_now),
             reason,
             entries,
@@ -358,7 +416,13 @@ fn entry_of(
         .get(usize::from(slot.kind.tag))
         .copied()
         .unwrap_or(OpKind::AllReduce);
-    let rank = (slot.kind.rank != NO_RANK).then_some(slot.kind.rank as usize);
+    let shipped = kind.is_shipped().then(|| ShippedCall {
+        instance: slot.kind.rank,
+        seq: (slot.coll_seq != 0).then_some(slot.coll_seq),
+        kernel: ShippedKernel::from_raw(slot.op).unwrap_or(ShippedKernel::OneShotFlags),
+    });
+    // A shipped call's `rank` is its instance's number.
+    let rank = (slot.kind.rank != NO_RANK && shipped.is_none()).then_some(slot.kind.rank as usize);
     let reduces = matches!(
         kind,
         OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
@@ -372,7 +436,8 @@ fn entry_of(
     };
     FlightEntry {
         seq: slot.seq,
-        collective_seq: (slot.coll_seq != 0).then_some(slot.coll_seq),
+        collective_seq: (slot.coll_seq != 0 && shipped.is_none()).then_some(slot.coll_seq),
+        shipped,
         kind,
         dtype: DataType::ALL.get(usize::from(slot.dtype)).copied(),
         count: slot.count,
@@ -388,9 +453,16 @@ fn entry_of(
 
 impl fmt::Display for FlightEntry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let coll = self
-            .collective_seq
-            .map_or_else(|| "p2p".to_owned(), |c| format!("c{c}"));
+        let coll = match (self.shipped, self.collective_seq) {
+            // Instance 2's call 3: `L2.3`; a launch that failed: `L2.-`.
+            (Some(s), _) => format!(
+                "L{}.{}",
+                s.instance,
+                s.seq.map_or_else(|| "-".to_owned(), |n| n.to_string())
+            ),
+            (None, Some(c)) => format!("c{c}"),
+            (None, None) => "p2p".to_owned(),
+        };
         let group = self
             .group
             .map_or_else(|| "-".to_owned(), |g| format!("g{g}"));
@@ -428,6 +500,9 @@ impl fmt::Display for FlightRecord {
             self.completed_through,
             self.reason
         )?;
+        for instance in &self.shipped {
+            writeln!(f, "  {instance}")?;
+        }
         let start = self.entries.first().map_or(0, |e| e.enqueued_at_us);
         for entry in &self.entries {
             let ms = entry.enqueued_at_us.saturating_sub(start) as f64 / 1000.0;

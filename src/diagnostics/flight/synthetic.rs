@@ -1,6 +1,8 @@
-//! Synthetic flight records for the tests: ranks that issue all-reduces of given sizes.
+//! Synthetic flight records for the tests: ranks that issue all-reduces of given sizes, and
+//! shipped kernels' calls.
 
 use super::record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+use super::shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 use crate::dtype::DataType;
 
 /// Rank `rank` of `size` issued one f32 sum all-reduce per `(collective number, count)` of
@@ -30,6 +32,7 @@ pub(crate) fn record_with(
             let mut entry = FlightEntry {
                 seq,
                 collective_seq: Some(seq),
+                shipped: None,
                 kind: OpKind::AllReduce,
                 dtype: Some(DataType::Float32),
                 count,
@@ -61,8 +64,56 @@ pub(crate) fn record_with(
         recorded: last,
         collectives: last,
         completed_through: completed_through.min(last),
+        shipped: Vec::new(),
         taken_at_us: start_us + 60_000_000,
         reason: "synthetic".into(),
         entries,
     }
+}
+
+/// `rec` with calls of shipped instance `instance` appended: one f32 one-shot all-reduce per
+/// `(call number, count)` of `calls`, those up to call `completed_through` seen complete, and
+/// the instance's counters (its last call the largest number of `calls`), ending as `ended`.
+pub(crate) fn with_shipped(
+    mut rec: FlightRecord,
+    instance: u32,
+    calls: &[(u64, u64)],
+    completed_through: u64,
+    ended: Option<ShippedEnd>,
+) -> FlightRecord {
+    let start_us = 1_767_225_600_000_000 + rec.rank as u64 * 17 + 500;
+    for &(seq, count) in calls {
+        rec.recorded += 1;
+        rec.entries.push(FlightEntry {
+            seq: rec.recorded,
+            collective_seq: None,
+            shipped: Some(ShippedCall {
+                instance,
+                seq: Some(seq),
+                kernel: ShippedKernel::OneShotFlags,
+            }),
+            kind: OpKind::LsaAllReduce,
+            dtype: Some(DataType::Float32),
+            count,
+            root: None,
+            peer: None,
+            reduction: None,
+            stream: 0x5000 + rec.rank as u64,
+            group: None,
+            enqueued_at_us: start_us + rec.recorded * 1000,
+            state: if seq <= completed_through {
+                OpState::Completed
+            } else {
+                OpState::Enqueued
+            },
+        });
+    }
+    rec.shipped.push(ShippedInstance {
+        instance,
+        calls: calls.iter().map(|(seq, _)| *seq).max().unwrap_or(0),
+        ended,
+        dropped: false,
+    });
+    rec.shipped.sort_by_key(|i| i.instance);
+    rec
 }
