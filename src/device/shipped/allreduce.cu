@@ -76,18 +76,21 @@ template <typename T> struct Elem;
 template <> struct Elem<float> {
   static constexpr int kWidth = 4;
   static constexpr uint32_t kSentinelWord = 0x80000000u;
+  static constexpr uint32_t kNanWord = 0x7fc00000u;
   __device__ static float widen(float x) { return x; }
   __device__ static float narrow(float x) { return x; }
 };
 template <> struct Elem<__nv_bfloat16> {
   static constexpr int kWidth = 2;
   static constexpr uint32_t kSentinelWord = 0x80008000u;
+  static constexpr uint32_t kNanWord = 0x7fc07fc0u;
   __device__ static float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
   __device__ static __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
 };
 template <> struct Elem<__half> {
   static constexpr int kWidth = 2;
   static constexpr uint32_t kSentinelWord = 0x80008000u;
+  static constexpr uint32_t kNanWord = 0x7e007e00u;
   __device__ static float widen(__half x) { return __half2float(x); }
   __device__ static __half narrow(float x) { return __float2half_rn(x); }
 };
@@ -291,6 +294,17 @@ __device__ __forceinline__ void store_vec(T* out, size_t v, size_t count, bool a
   }
 }
 
+// A call that fails (it gave up waiting, or an earlier kernel of the instance did) writes
+// quiet NaN over every output element it would have written and has not, so an output is
+// never left holding stale memory: vectors first, first + step, ... of `out` below `vecs`.
+template <typename T>
+__device__ __forceinline__ void poison(T* out, size_t first, size_t step, size_t vecs,
+                                       size_t count, bool aligned) {
+  Vec x;
+  x.v = make_uint4(Elem<T>::kNanWord, Elem<T>::kNanWord, Elem<T>::kNanWord, Elem<T>::kNanWord);
+  for (size_t v = first; v < vecs; v += step) store_vec(out, v, count, aligned, x);
+}
+
 // Scratch layout (bytes, per rank): flags buffers [3][lsaSize][slot], barrier buffers
 // [2][slot], then the barrier inboxes [16 CTAs][lsaSize] of 4 bytes.
 
@@ -368,7 +382,10 @@ __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
   // The first vector's load is issued before the failure check, so their latencies overlap.
   Vec x0 = first < vecs ? load_input(in, first, count, aligned) : Vec{};
   const CallStart& start = begin_call(st, st->flags_calls);
-  if (start.call == kFailed) return;
+  if (start.call == kFailed) {
+    poison(out, first, step, vecs, count, aligned);
+    return;
+  }
   const unsigned long long call = start.call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
@@ -387,7 +404,11 @@ __device__ void oneshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
   Waiter waiter;
   for (size_t v = first; v < vecs; v += step) {
     float acc[n];
-    if (!pull<T>(acc, local, buf, peers, slot, v, waiter, st, timeout_ns)) break;
+    // Once given up, a vector whose data is not all there at once is NaN (see `poison`).
+    if (!pull<T>(acc, local, buf, peers, slot, v, waiter, st, timeout_ns)) {
+#pragma unroll
+      for (int i = 0; i < n; i++) acc[i] = __int_as_float(0x7fc00000);
+    }
     store_output(out, v, count, aligned, acc);
   }
   end_flags_call<T>(local, buf, prev, peers, slot, vecs, 0, st, start);
@@ -409,7 +430,10 @@ __device__ void twoshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
   const size_t step = (size_t)gridDim.x * blockDim.x;
   Vec x0 = first < vecs ? load_input(in, first, count, aligned) : Vec{};
   const CallStart& start = begin_call(st, st->flags_calls);
-  if (start.call == kFailed) return;
+  if (start.call == kFailed) {
+    poison(out, first, step, vecs, count, aligned);
+    return;
+  }
   const unsigned long long call = start.call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
@@ -467,6 +491,11 @@ __device__ void twoshot_flags(const ncclDevComm* comm, ncclWindow_t scratch, siz
     }
     if (ok) store_vec(out, v, count, aligned, x);
   }
+  if (!ok) {
+    // Both sets this thread writes: its vectors of this rank's chunk, and of the message.
+    if (len > 0) poison(out + base * n, first, step, len, count - base * n, aligned);
+    poison(out, first, step, vecs, count, aligned);
+  }
   // One rank pushes no sums: its slot holds the chunk alone.
   end_flags_call<T>(local, buf, prev, peers, slot, peers > 1 ? 2 * chunk : chunk, 0, st, start);
 }
@@ -498,6 +527,19 @@ __device__ __forceinline__ void store_8(unsigned char* dst, size_t at, size_t by
   }
 }
 
+// NaN over this thread's lines of every rank's part of an all-gather's `out` but `skip`'s
+// (the elements of T, whole: 8 bytes hold whole elements), as `poison` for the all-reduces.
+template <typename T>
+__device__ __forceinline__ void poison_lines(unsigned char* out, size_t bytes, size_t first,
+                                             size_t step, size_t lines, int peers, int skip,
+                                             bool aligned) {
+  const uint2 nan = make_uint2(Elem<T>::kNanWord, Elem<T>::kNanWord);
+  for (int p = 0; p < peers; p++) {
+    if (p == skip) continue;
+    for (size_t l = first; l < lines; l += step) store_8(out + (size_t)p * bytes, l * 8, bytes, aligned, nan);
+  }
+}
+
 // All-gather of `bytes` bytes per rank into `out` (rank p's at `out + p × bytes`), in LL
 // lines: line l carries bytes [8l, 8l + 8) of a rank's input with the call's flag twice. `T`
 // only names the sentinel the clearing writes (the flags buffers serve one element type).
@@ -512,7 +554,10 @@ __device__ void all_gather_ll(const ncclDevComm* comm, ncclWindow_t scratch, siz
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t step = (size_t)gridDim.x * blockDim.x;
   const CallStart& start = begin_call(st, st->flags_calls);
-  if (start.call == kFailed) return;
+  if (start.call == kFailed) {
+    poison_lines<T>(out, bytes, first, step, lines, peers, -1, out_aligned);
+    return;
+  }
   const unsigned long long call = start.call;
   // In [1, 2^31): below the sentinels' top bit, so a cleared slot never holds a valid flag.
   const uint32_t flag = (uint32_t)(call % 0x7fffffffull) + 1u;
@@ -552,26 +597,32 @@ __device__ void all_gather_ll(const ncclDevComm* comm, ncclWindow_t scratch, siz
       store_8(out + (size_t)p * bytes, l * 8, bytes, out_aligned, make_uint2(x.w[0], x.w[2]));
     }
   }
+  if (!ok) poison_lines<T>(out, bytes, first, step, lines, peers, me, out_aligned);
   end_flags_call<T>(local, buf, prev, peers, slot, lines, 0, st, start);
 }
 
 // CTA b of every rank meets at barrier b: flags (the call's epoch) stored with release into
-// every peer's inbox, awaited with acquire in this rank's; false if the wait gave up.
+// every peer's inbox, awaited with acquire in this rank's; false if the wait gave up. Thread
+// t serves peers t, t + blockDim, ...: every peer whatever the team's size and the CTA's
+// (first every store, then every wait, so no rank waits before it has signalled them all).
 __device__ __forceinline__ bool meet(ncclWindow_t scratch, size_t inboxes, int peers, int me,
                                      unsigned int epoch, State* st,
                                      unsigned long long timeout_ns) {
   __syncthreads();
-  const int p = threadIdx.x;
-  bool met = true;
-  if (p < peers && p != me) {
+  for (int p = threadIdx.x; p < peers; p += blockDim.x) {
+    if (p == me) continue;
     const size_t to = inboxes + ((size_t)blockIdx.x * peers + me) * 4;
     cuda::atomic_ref<uint32_t, cuda::thread_scope_system> out(
         *(uint32_t*)ncclGetLsaPointer(scratch, to, p));
     out.store(epoch, cuda::memory_order_release);
+  }
+  bool met = true;
+  Waiter waiter;
+  for (int p = threadIdx.x; met && p < peers; p += blockDim.x) {
+    if (p == me) continue;
     const size_t from = inboxes + ((size_t)blockIdx.x * peers + p) * 4;
     cuda::atomic_ref<uint32_t, cuda::thread_scope_system> in(
         *(uint32_t*)ncclGetLocalPointer(scratch, from));
-    Waiter waiter;
     // A peer may already be at a later call's barrier (a larger epoch).
     while ((int)(in.load(cuda::memory_order_acquire) - epoch) < 0) {
       if (!waiter.go_on(st, timeout_ns)) {
@@ -588,15 +639,18 @@ __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, s
                                 const T* in, T* out, size_t count, State* st,
                                 unsigned long long timeout_ns) {
   const unsigned long long call = begin_call(st, st->barrier_calls).call;
-  if (call == kFailed) return;
   constexpr int n = 16 / sizeof(T);
-  const int peers = comm->lsaSize, me = comm->lsaRank;
-  const size_t base = (size_t)3 * peers * slot + (size_t)(call & 1) * slot;
-  const size_t inboxes = (size_t)(3 * peers + 2) * slot;
   const size_t vecs = (count + n - 1) / n;
   const bool aligned = ((uintptr_t)in % 16 == 0) && ((uintptr_t)out % 16 == 0);
   const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const size_t step = (size_t)gridDim.x * blockDim.x;
+  if (call == kFailed) {
+    poison(out, first, step, vecs, count, aligned);
+    return;
+  }
+  const int peers = comm->lsaSize, me = comm->lsaRank;
+  const size_t base = (size_t)3 * peers * slot + (size_t)(call & 1) * slot;
+  const size_t inboxes = (size_t)(3 * peers + 2) * slot;
 
   char* mine = (char*)ncclGetLocalPointer(scratch, base);
   for (size_t v = first; v < vecs; v += step) {
@@ -614,6 +668,8 @@ __device__ void oneshot_barrier(const ncclDevComm* comm, ncclWindow_t scratch, s
       }
       store_output(out, v, count, aligned, acc);
     }
+  } else {
+    poison(out, first, step, vecs, count, aligned);
   }
   end_call(st->barrier_calls, call, kBarrierMaxCtas);
 }
@@ -769,6 +825,20 @@ __device__ __forceinline__ Part row_part(size_t vpr, size_t splits) {
   return Part{base, min(base + each, vpr)};
 }
 
+// NaN over this CTA's part of rows `from`, `from + groups`, ... of both outputs of the fused
+// epilogue (as `poison`: a call that failed leaves no stale memory there).
+template <typename T>
+__device__ __forceinline__ void poison_rows(T* residual_out, T* out, size_t from, size_t rows,
+                                            size_t groups, size_t splits, size_t hidden,
+                                            Part part, size_t len, bool aligned) {
+  if (blockIdx.x >= groups * splits) return;
+  for (size_t row = from; row < rows; row += groups) {
+    poison(residual_out + row * hidden, part.base + threadIdx.x, blockDim.x, part.end, hidden,
+           aligned);
+    poison(out + row * hidden, part.base + threadIdx.x, blockDim.x, part.end, hidden, aligned);
+  }
+}
+
 template <typename T>
 __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_t slot,
                             const T* in, const T* residual_in, T* residual_out, const T* weight,
@@ -787,7 +857,13 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
   // The first vector's load is issued before the call's state is read, to overlap them.
   Vec x0 = first < end ? load_input(in, first, len, aligned) : Vec{};
   const CallStart& start = begin_call(st, st->flags_calls);
-  if (start.call == kFailed) return;
+  const size_t groups = gridDim.x / splits;
+  const Part part = row_part(vpr, splits);
+  if (start.call == kFailed) {
+    poison_rows<T>(residual_out, out, blockIdx.x / splits, rows, groups, splits, hidden, part,
+                   len, aligned);
+    return;
+  }
   const unsigned long long call = start.call;
   const int buf = (int)(call % 3), prev = (int)((call + 2) % 3);
   const size_t mine = ((size_t)buf * peers + me) * slot;
@@ -806,12 +882,11 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
   // CTA b < groups × splits normalises part b % splits of rows b / splits, + groups, ...;
   // split (splits > 1: the host gives at most one row a group, at most kMaxSplitRows rows),
   // the group's CTAs publish their chunk sums in the call's partials.
-  const size_t groups = gridDim.x / splits;
-  const Part part = row_part(vpr, splits);
   const int count = (int)((vpr + 31) / 32);
   Waiter waiter;
-  for (size_t row = blockIdx.x / splits; blockIdx.x < groups * splits && row < rows;
-       row += groups) {
+  size_t row = blockIdx.x / splits;
+  bool failed = false;
+  for (; blockIdx.x < groups * splits && row < rows; row += groups) {
     // The residual and weight before the wait, to overlap their latency.
     Vec r[kFusedMaxPerThread], w[kFusedMaxPerThread];
     load_part<T, kFusedMaxPerThread>(r, residual_in, row, hidden, part, len, aligned);
@@ -830,7 +905,10 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
     }
     // Every thread of the CTA takes part in the exchange, given up or not (the barrier also
     // frees `chunks` from the previous row).
-    if (!__syncthreads_and(complete)) break;
+    if (!__syncthreads_and(complete)) {
+      failed = true;
+      break;
+    }
     float total;
     const int lane = threadIdx.x % 32;
     if (splits == 1) {
@@ -843,10 +921,16 @@ __device__ void fused_flags(const ncclDevComm* comm, ncclWindow_t scratch, size_
       float* published = st->partials[buf] + (blockIdx.x / splits) * kMaxChunks;
       add_residual<T, kFusedMaxPerThread, true>(h, r, part, published);
       const bool ok = published_total(published, count, total, waiter, st, timeout_ns);
-      if (!__syncthreads_and(ok)) break;
+      if (!__syncthreads_and(ok)) {
+        failed = true;
+        break;
+      }
     }
     write_row<T, kFusedMaxPerThread>(h, w, residual_out, out, row, hidden, part, len, aligned,
                  rsqrtf(total / (float)hidden + eps));
+  }
+  if (failed) {
+    poison_rows<T>(residual_out, out, row, rows, groups, splits, hidden, part, len, aligned);
   }
   end_flags_call<T>(local, buf, prev, peers, slot, vecs, splits > 1 ? rows * kMaxChunks : 0,
                     st, start);
