@@ -103,6 +103,7 @@ impl Comm {
         )
             -> std::result::Result<nccl_sys::ncclResult_t, nccl_sys::MissingSymbol>,
     ) -> Result<Option<Comm>> {
+        super::streams::check_own_stream(&stream)?;
         self.stream.context().bind_to_thread()?;
         let slot = JobSlot::new(ptr::null_mut::<nccl_sys::ncclComm>());
         let call = row.name;

@@ -110,6 +110,7 @@ impl Comm {
             Ids::Several(_) => "Comm::init_rank_scalable",
         })?;
         let (my_rank, nranks) = rank_and_size(rank, size)?;
+        super::streams::check_own_stream(&stream)?;
         if let Ids::Several(list) = ids {
             lib.require_call(&calls::ncclCommInitRankScalable)?;
             check_ids(list, size)?;
@@ -216,6 +217,7 @@ impl Comm {
         }
         let mut devices = Vec::with_capacity(streams.len());
         for (i, stream) in streams.iter().enumerate() {
+            super::streams::check_own_stream(stream)?;
             let ctx = stream.context();
             if !ctx.is_primary() {
                 return Err(Error::invalid(format!(

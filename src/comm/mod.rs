@@ -107,8 +107,9 @@ pub(crate) use init::rank_and_size;
 pub(crate) use job_slot::JobSlot;
 pub(crate) use lease::Lease;
 pub(crate) use membership::Membership;
-pub(crate) use state::{KernelStop, Shared, State};
+pub(crate) use state::{KernelStop, Shared, State, KERNEL_STOP_NOTICE};
 pub use status::CommStatus;
+pub(crate) use streams::check_own_stream;
 pub use suspend::MemStats;
 pub(crate) use wait::Backoff;
 
@@ -303,6 +304,25 @@ impl Comm {
             .kernel_stops
             .get_or_insert_with(Default::default)
             .push((id, stop));
+    }
+
+    /// Runs the stop registered under `id` now, under the lock, then waits
+    /// [`KERNEL_STOP_NOTICE`]; takes it out once its word is written. `true` if written (or
+    /// already run and taken out by an abort, revoke or shrink), `false` if not (it stays).
+    pub(crate) fn run_kernel_stop(&self, id: usize) -> bool {
+        let mut state = self.shared.lock();
+        let Some(stops) = state.kernel_stops.as_mut() else {
+            return true;
+        };
+        let Some(at) = stops.iter().position(|(owner, _)| *owner == id) else {
+            return true;
+        };
+        let written = stops[at].1.signal();
+        std::thread::sleep(KERNEL_STOP_NOTICE);
+        if written {
+            stops.remove(at);
+        }
+        written
     }
 
     /// Takes back what [`Comm::register_kernel_stop`] registered under `id`, if an abort did

@@ -89,19 +89,26 @@ pub(crate) struct State {
     /// released, so a failed or aborted communicator's last operations can still be read.
     pub(crate) flight: Option<Box<FlightRing>>,
     /// Kernels of this crate that reach the peers through the communicator's mappings (the
-    /// shipped LSA kernels), by their owner's id: stopped before an abort unmaps them. Boxed
-    /// and made at the first, as `foreign`.
+    /// shipped LSA kernels), by their owner's id: stopped before anything lets go of them
+    /// (see [`State::stop_kernels`]). Boxed and made at the first, as `foreign`.
     pub(crate) kernel_stops: Option<Box<KernelStops>>,
 }
 
 /// The kernel stops registered on a communicator, by their owner's id.
 pub(crate) type KernelStops = Vec<(usize, Arc<dyn KernelStop>)>;
 
+/// How long a stopped kernel that is running is given to see its stop and return (they look
+/// every 1 024 spins of a wait, microseconds apart), after every stop's word is written.
+pub(crate) const KERNEL_STOP_NOTICE: Duration = Duration::from_millis(10);
+
 /// Stops an owner's kernels that use the communicator's mappings (running, queued or replayed
-/// from a graph) so that none touches a peer once the communicator is aborted; best effort
-/// and bounded. Called under the communicator's lock, which its owner takes to unregister.
+/// from a graph) so that none touches a peer or its owner's memory afterwards; bounded.
+/// Called under the communicator's lock, which its owner takes to unregister.
 pub(crate) trait KernelStop: Send + Sync {
-    fn stop(&self);
+    /// Writes the kernels' stop word and waits (bounded) until the GPU wrote it: `true` once
+    /// it is written (every kernel of the owner that starts later returns at once, and a
+    /// running one within [`KERNEL_STOP_NOTICE`]), `false` if that could not be made sure.
+    fn signal(&self) -> bool;
 }
 
 impl State {
@@ -209,19 +216,37 @@ impl State {
         // context.
         let _ = ctx.bind_to_thread();
         // This crate's own kernels first: NCCL's abort stops only NCCL's.
-        for (_, stop) in self
-            .kernel_stops
-            .take()
-            .into_iter()
-            .flat_map(|stops| *stops)
-        {
-            stop.stop();
-        }
+        self.stop_kernels();
         // SAFETY: the handle was taken out of the state under its lock, so no other call can
         // use it. An abort from another thread additionally needs a nonblocking communicator
         // that no group holds, which its callers check (see `crate::fault`).
         let status = unsafe { lib.api().ncclCommAbort(raw) };
         lib.check(calls::ncclCommAbort.name, status)
+    }
+
+    /// Stops every registered kernel of this crate (see [`KernelStop`]), then gives the
+    /// running ones [`KERNEL_STOP_NOTICE`] to return: what every path that lets go of the
+    /// communicator's mappings, or stops NCCL's work on it, runs first (abort, revoke,
+    /// shrink with abort; the owner's own drop runs its stop alone). A stop whose word was
+    /// written is taken out (its kernels return at once whenever they run); one that could
+    /// not be written stays, so that the next path tries again.
+    ///
+    /// The invariant, for every owner of shipped kernels (`LsaAllReduce`): its stop is
+    /// registered here from its creation until it knows none of its kernels can still run,
+    /// and the memory the stop writes and the kernels read lives at least as long as the
+    /// stop is registered (leaked, if need be); only this function (under the lock) and the
+    /// owner's drop (its own stop, under the lock) run it.
+    pub(crate) fn stop_kernels(&mut self) {
+        let Some(stops) = self.kernel_stops.as_mut() else {
+            return;
+        };
+        if stops.is_empty() {
+            return;
+        }
+        let written: Vec<bool> = stops.iter().map(|(_, stop)| stop.signal()).collect();
+        std::thread::sleep(KERNEL_STOP_NOTICE);
+        let mut written = written.into_iter();
+        stops.retain(|_| !written.next().unwrap_or(false));
     }
 
     /// Carries out `action` now (no group holds the communicator), recording `failure`.
@@ -239,6 +264,9 @@ impl State {
             }
             Action::Abort => self.abort(lib, ctx, failure),
             Action::Revoke => {
+                // NCCL's revoke quiesces only its own kernels, and waits for the stream work
+                // queued before its last launch (a shipped kernel waiting for its peers).
+                self.stop_kernels();
                 // SAFETY: live handle under its lock; the flags must be NCCL_REVOKE_DEFAULT.
                 let status = unsafe {
                     lib.api()

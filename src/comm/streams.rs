@@ -53,6 +53,22 @@ const LEGACY: usize = 0x1;
 /// CUDA's per-thread default stream handle (`CU_STREAM_PER_THREAD`).
 const PER_THREAD: usize = 0x2;
 
+/// Refuses the per-thread default stream (`CU_STREAM_PER_THREAD`) as a communicator's own
+/// stream: its handle names another stream on each thread, and a communicator moves between
+/// threads (it is `Send`), so its drop, its waits and its kernels' stops, run on another
+/// thread, would look at a stream its work never ran on. (Per-call streams may be it: their
+/// events are keyed with the thread that enqueued.)
+pub(crate) fn check_own_stream(stream: &CudaStream) -> crate::Result<()> {
+    if stream.cu_stream() as usize == PER_THREAD {
+        return Err(crate::Error::invalid(
+            "a communicator's own stream cannot be the per-thread default stream: it names a \
+             different stream on each thread the communicator may be used or dropped on; make \
+             one with CudaContext::new_stream (or pass it per call)",
+        ));
+    }
+    Ok(())
+}
+
 /// Which stream an event stands for: its handle, and for the per-thread default stream the
 /// thread too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -175,6 +175,13 @@ impl Comm {
         let child_config = self.child_config(config);
         let mut raw_config = RawConfig::inherit_or(config, lib)?;
         let cfg_ptr = raw_config.as_mut_ptr();
+        if mode == ShrinkMode::Abort {
+            // NCCL aborts only its own operations, after waiting for the stream work queued
+            // before its last one: this crate's kernels are stopped first (see
+            // `State::stop_kernels`).
+            let _ = self.context().bind_to_thread();
+            self.shared().lock().stop_kernels();
+        }
         // The exclude list goes with the call: NCCL may read it from its background job.
         let list_ptr = list.as_mut_ptr();
         let child = self.create_child(
@@ -350,6 +357,7 @@ impl Comm {
         lib.require_call(&calls::ncclCommGrow)?;
         thread_group::ensure_outside("Comm::join_grow")?;
         let (rank, nranks) = rank_and_size(rank, new_size)?;
+        crate::comm::check_own_stream(&stream)?;
         let config = config.cloned().unwrap_or_default();
         let mut raw_config = config.to_raw(lib)?;
         let cfg_ptr = raw_config.as_mut_ptr();

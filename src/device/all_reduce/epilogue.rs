@@ -301,7 +301,7 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         }
         let scratch = self.scratch.as_raw() as u64;
         let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
-        let (state, _state) = self.state.device_ptr_mut(stream);
+        let (state, state_written) = self.state.device_ptr_mut(stream);
         // SAFETY: nccl_rs_fused_add_rms_norm_T(const ncclDevComm*, ncclWindow_t, size_t slot,
         // const T* in, const T* residual_in, T* residual_out, const T* weight, T* out,
         // size_t rows, size_t hidden, size_t splits, float eps, State*,
@@ -311,7 +311,7 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         // (splits > 1) at most SPLIT_ROWS with rows × splits <= the grid, parts of at most
         // FUSED_VECTORS_PER_THREAD vectors a thread (`fused_grid`), within the state's
         // partials.
-        unsafe {
+        let launched = unsafe {
             stream
                 .launch_builder(&self.fused_norm)
                 .arg(&self.dev_comm)
@@ -328,7 +328,12 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
                 .arg(&eps)
                 .arg(&state)
                 .arg(&timeout_ns)
-                .launch(cfg)?;
+                .launch(cfg)
+        };
+        drop(state_written);
+        if let Err(err) = launched {
+            self.put_out_of_step("a kernel launch failed here");
+            return Err(err.into());
         }
         Ok(())
     }

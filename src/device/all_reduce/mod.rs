@@ -3,8 +3,9 @@
 //! spend most of their time on synchronisation.
 
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -168,18 +169,29 @@ pub enum LsaAlgorithm {
 /// [`max_count`](Self::max_count), lengths that differ) change nothing. After either, drop
 /// the instance on every rank and make a new one.
 ///
-/// A launch is refused once the communicator was aborted, destroyed, failed or suspended.
-/// An abort from another thread (an [`AbortHandle`](crate::AbortHandle), a
-/// [`Watchdog`](crate::Watchdog)) first stops the instance's kernels, running, queued or
-/// replayed from a graph (a device word they read when they start and watch while they
-/// wait; the abort then gives running ones 10 ms to return, measured ending well within
-/// it, though a kernel descheduled for longer could still touch a peer after NCCL's
-/// unmapping), then lets NCCL unmap the peers' scratch; the instance refuses every later
-/// call. Dropping the
-/// instance waits a bounded time for its kernels and leaks the scratch window if they have
-/// not ended; the kernels' module stays loaded for the life of the process. A CUDA graph
-/// that captured its calls must not be replayed after the instance is dropped. The shipped
-/// PTX needs driver 580 or later (CUDA 13.0's PTX ISA 9.0) on GPUs other than sm_90.
+/// A launch is refused once the communicator was aborted, destroyed, failed, revoked or
+/// suspended. Nothing lets go of the instance's kernels before stopping them (the invariant
+/// is written down in `src/device/all_reduce/stop.rs`): an abort (the owner's, an
+/// [`AbortHandle`](crate::AbortHandle)'s, a [`Watchdog`](crate::Watchdog)'s, a dropped
+/// communicator's), [`Comm::revoke`], [`Comm::shrink`] with
+/// [`ShrinkMode::Abort`](crate::ShrinkMode::Abort) and [`Comm::recover`] first stop them,
+/// running, queued or replayed from a graph (a device word they read when they start and
+/// watch while they wait), give running ones 10 ms to return (measured ending well within
+/// it; a kernel descheduled for longer could still touch a peer after NCCL's unmapping),
+/// then let NCCL act; the instance refuses every later call. A stopped or failed call writes
+/// NaN over its outputs (never stale memory).
+///
+/// Dropping the instance gives its kernels [`Comm::drop_timeout`] to end on their own (a
+/// peer may be late to the last call), then stops them and gives them a second more: a
+/// dropped instance leaves no kernel running that nothing can stop, whatever comes after it.
+/// Kernels that still have not ended (queued behind work that never ends) keep their small
+/// state, leaked; the scratch window and device communicator wait and leak as their own drops
+/// say. The kernels' module stays loaded for the life of the process. A CUDA graph that
+/// captured its calls must not be replayed after the instance is dropped. The shipped PTX
+/// needs driver 580 or later (CUDA 13.0's PTX ISA 9.0) on GPUs other than sm_90.
+///
+/// The barrier kernel meets every peer of a team of any size; the flags kernels' scratch
+/// grows with the team, and nothing else bounds it.
 ///
 /// Two ranks driven by threads of one process on one GPU (the shared-GPU shape) keep their
 /// calls in step: a rank's allocation or free there (creating an instance, dropping a refused
@@ -200,8 +212,9 @@ pub enum LsaAlgorithm {
 /// 7 KiB of state (each CTA's call counts, the fused kernel's partial sums).
 /// Calls take `&mut self`: one at a time, in the same order on every rank.
 pub struct LsaAllReduce<'c, T: LsaElem> {
-    // Dropped first: no abort touches the state once it is taken back.
-    _stop: stop::Registration<'c>,
+    /// Taken back (or, if its kernels may still run and the stop could not be written, left
+    /// registered) by `Drop`, before the memory it writes is freed (see `stop.rs`).
+    stop: ManuallyDrop<stop::Registration<'c>>,
     comm: &'c Comm,
     // Dropped before the window and the state: a device communicator waits for the kernels
     // that took it.
@@ -213,8 +226,12 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     fused_norm: CudaFunction,
     add_norm: CudaFunction,
     scratch: Window<'c, u32>,
-    state: CudaSlice<u64>,
-    gave_up: GaveUp,
+    /// Freed by `Drop` once the kernels ended, else leaked (they read it when they start).
+    state: ManuallyDrop<CudaSlice<u64>>,
+    /// As `state` (a kernel that gives up writes it).
+    gave_up: ManuallyDrop<GaveUp>,
+    /// The threads of a barrier CTA, where a test set them ([`Self::set_barrier_threads`]).
+    barrier_threads: Option<u32>,
     /// Set when a call was refused on this rank alone after its peers may have gone ahead
     /// (another context, a group open, an unusable communicator): the instance is out of
     /// step, and every later call is refused.
@@ -256,8 +273,16 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
     /// sm_80, an allocation that failed) returns its own error and every other rank
     /// [`Error::RankRefused`]; a `max_count` or element type that differs gives
     /// [`Error::RankMismatch`] on every rank.
+    ///
+    /// No [`Group`](crate::Group) may be open on the calling thread, on any rank: the
+    /// agreement is itself an NCCL collective, which an open group would hold back. A rank
+    /// with one open is refused at once ([`Error::InvalidUsage`]) without taking part, so
+    /// its peers wait in the agreement: on a nonblocking communicator until its
+    /// [`ready_timeout`](Comm::ready_timeout) (then it is aborted), on a blocking one
+    /// possibly without bound (NCCL's first collective may wait inside the call for the
+    /// peers' connections). This is the caller's rule, as it is for every NCCL collective.
     pub fn new(comm: &'c Comm, max_count: usize) -> Result<Self> {
-        // Refused alike on every rank that has a group open (the same calls on every rank).
+        // The rule above: nothing here can tell the peers without a collective of its own.
         thread_group::ensure_outside("LsaAllReduce::new")?;
         let prepared = prepare::<T>(comm, max_count);
         let refusal = prepared
@@ -279,7 +304,8 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // or copy there (on a shared GPU that work can wait for the spinning kernel); and a
         // creation that failed on one rank after NCCL's own exchanges fails on all. (One that
         // fails before them, or a registration that fails on one rank, leaves its peers in
-        // NCCL's exchange until the communicator's timeout aborts it.)
+        // NCCL's exchange: until the ready timeout aborts a nonblocking communicator, and
+        // without bound where NCCL's exchange blocks inside the call.)
         let refusal = dev_comm
             .as_ref()
             .err()
@@ -296,7 +322,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // stops calling does.
         let stop = stop::Registration::new(comm, state)?;
         Ok(Self {
-            _stop: stop,
+            stop: ManuallyDrop::new(stop),
             comm,
             dev_comm,
             flags: prepared.flags,
@@ -306,8 +332,9 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             fused_norm: prepared.fused_norm,
             add_norm: prepared.add_norm,
             scratch,
-            state: prepared.state,
-            gave_up: prepared.gave_up,
+            state: ManuallyDrop::new(prepared.state),
+            gave_up: ManuallyDrop::new(prepared.gave_up),
+            barrier_threads: None,
             out_of_step: None,
             slot_bytes: prepared.slot_bytes,
             max_count,
@@ -470,7 +497,10 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         Ok(())
     }
 
+    /// The algorithm a call of `count` elements runs, once the instance is in step (every
+    /// call checks [`status`](Self::status) first, NCCL's path too).
     fn resolve(&self, count: usize, algorithm: LsaAlgorithm) -> Result<LsaAlgorithm> {
+        self.status()?;
         match algorithm {
             LsaAlgorithm::Auto => Ok(self.choose(count)),
             LsaAlgorithm::Nccl => Ok(LsaAlgorithm::Nccl),
@@ -504,7 +534,11 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         }
         let (function, (ctas, threads)) = match kernel {
             Kernel::AllReduce(LsaAlgorithm::OneShotBarrier) => {
-                (&self.barrier, grid::<T>(count, MAX_CTAS))
+                let (ctas, threads) = grid::<T>(count, MAX_CTAS);
+                (
+                    &self.barrier,
+                    (ctas, self.barrier_threads.unwrap_or(threads)),
+                )
             }
             Kernel::AllReduce(LsaAlgorithm::TwoShotFlags) => {
                 (&self.twoshot, flags_grid::<T>(count))
@@ -524,7 +558,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (state, _state) = self.state.device_ptr_mut(stream);
+        let (state, state_written) = self.state.device_ptr_mut(stream);
         // SAFETY: the kernels' parameters are (const ncclDevComm*, ncclWindow_t, size_t slot,
         // const T* in, T* out, size_t count, State*, unsigned long long timeout_ns), pushed
         // in that order. `src` holds `count` elements of T and `dst` `count` (all-reduce) or
@@ -537,7 +571,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // bytes of lines within a slot); a flags grid is at most FLAGS_MAX_CTAS CTAs and a
         // barrier grid MAX_CTAS (each CTA's call count in the state; the flags kernels touch
         // no inbox).
-        unsafe {
+        let launched = unsafe {
             stream
                 .launch_builder(function)
                 .arg(&self.dev_comm)
@@ -548,9 +582,83 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 .arg(&count)
                 .arg(&state)
                 .arg(&timeout_ns)
-                .launch(cfg)?;
+                .launch(cfg)
+        };
+        drop(state_written);
+        if let Err(err) = launched {
+            self.put_out_of_step("a kernel launch failed here");
+            return Err(err.into());
         }
         Ok(())
+    }
+
+    /// Runs barrier CTAs of `threads` threads (1 to 512) from now on, for tests: the barrier
+    /// must meet every peer however few threads a CTA has (fewer than the ranks included).
+    #[doc(hidden)]
+    pub fn set_barrier_threads(&mut self, threads: u32) -> Result<()> {
+        if !(1..=THREADS).contains(&threads) {
+            return Err(Error::invalid(format!(
+                "barrier CTAs take 1 to {THREADS} threads, not {threads}"
+            )));
+        }
+        self.barrier_threads = Some(threads);
+        Ok(())
+    }
+
+    /// Whether everything enqueued on the communicator's stream so far (every kernel of this
+    /// instance among it) ends within `limit`; `false` where that cannot be known.
+    fn kernels_end_within(&self, limit: Duration) -> bool {
+        if self.comm.context().bind_to_thread().is_err() {
+            return false;
+        }
+        let Ok(done) = self.comm.stream().record_event(None) else {
+            return false;
+        };
+        let start = Instant::now();
+        loop {
+            match done.try_is_complete() {
+                Ok(true) => return true,
+                Ok(false) if start.elapsed() < limit => {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                _ => return false,
+            }
+        }
+    }
+}
+
+/// How long a drop waits for its kernels to return once their stop is written (they return
+/// within microseconds once they run; a kernel queued behind work that never ends does not).
+const AFTER_STOP: Duration = Duration::from_secs(1);
+
+/// Lets go of the instance's kernels before their memory (see `stop.rs`): they get
+/// [`Comm::drop_timeout`] to end on their own (a peer may be late to the last call), then
+/// are stopped and get `AFTER_STOP` more. Kernels that still have not ended (queued behind
+/// work that never ends) keep the state and the `gave_up` word, leaked; the device
+/// communicator and the scratch window then wait and leak as their own drops say.
+impl<T: LsaElem> Drop for LsaAllReduce<'_, T> {
+    fn drop(&mut self) {
+        let mut ended = self.kernels_end_within(self.comm.drop_timeout());
+        let mut written = true;
+        if !ended {
+            written = self.stop.stop_now();
+            ended = self.kernels_end_within(AFTER_STOP);
+        }
+        if ended {
+            // SAFETY: no kernel of the instance can run any more (none is enqueued that did
+            // not end), and none of the three is touched again.
+            unsafe {
+                ManuallyDrop::drop(&mut self.stop);
+                ManuallyDrop::drop(&mut self.state);
+                ManuallyDrop::drop(&mut self.gave_up);
+            }
+        } else if written {
+            // The word is written: a kernel still queued returns at once when it runs,
+            // reading the state and nothing else; one still running may write `gave_up`.
+            // SAFETY: not touched again; the other two are leaked.
+            unsafe { ManuallyDrop::drop(&mut self.stop) };
+        }
+        // Otherwise all three are leaked, the stop still registered for the next abort.
     }
 }
 

@@ -1,9 +1,22 @@
-//! Stopping an instance's kernels before its communicator is aborted: NCCL's abort unmaps the
-//! peers' scratch that the kernels store to and read from, and stops only NCCL's own kernels.
-//! The abort (from an [`AbortHandle`](crate::AbortHandle) or a [`Watchdog`](crate::Watchdog),
-//! under the communicator's lock) first sets the instance's `timed_out` word on the device:
-//! a kernel that starts after it returns at once, and a waiting one sees it within 1 024
-//! spins and returns without touching a peer.
+//! Stopping an instance's kernels before anything lets go of what they use: NCCL's abort,
+//! revoke and shrink-abort (which unmap the peers' scratch, or wait for the stream work queued
+//! before NCCL's last kernel, and stop only NCCL's own kernels), and the instance's own drop.
+//!
+//! # The invariant
+//!
+//! An instance's stop is registered on its communicator (`State::kernel_stops`) from its
+//! creation until the instance knows that none of its kernels can still run. Whoever lets go
+//! of the mappings or the memory the kernels use runs the stop first: the communicator's
+//! `State::stop_kernels`, under its lock, on every abort (the owner's, a drop's, an
+//! [`AbortHandle`](crate::AbortHandle)'s, a [`Watchdog`](crate::Watchdog)'s), revoke and
+//! shrink with [`ShrinkMode::Abort`](crate::ShrinkMode::Abort) (so also `recover`); and the
+//! instance's drop, which first gives its kernels [`Comm::drop_timeout`] to end on their own,
+//! then runs its stop under the same lock ([`Registration::stop_now`]). A stop sets the
+//! instance's `timed_out` word on the device: a kernel that starts afterwards returns at once
+//! (writing NaN over its output, touching no peer), and a waiting one sees it within 1 024
+//! spins and returns the same way. The memory the stop writes and the kernels read (the
+//! state, the host-mapped `gave_up` word) outlives the registration: a dropped instance
+//! whose kernels did not end leaks it rather than free it under them.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,13 +29,10 @@ use crate::error::Result;
 
 /// How long a stop waits for its word to be written (its own stream, which nothing else uses).
 const WRITE_WAIT: Duration = Duration::from_secs(1);
-/// How long it then leaves running kernels to see the word and return (they look every 1 024
-/// spins of a wait, microseconds apart).
-const NOTICE: Duration = Duration::from_millis(10);
 /// Byte offset of `timed_out` in the kernels' `State` (see `allreduce.cu`).
 const TIMED_OUT_OFFSET: u64 = 48;
 
-/// What an abort runs for one instance.
+/// What a stop runs for one instance.
 struct Stopper {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -34,45 +44,43 @@ struct Stopper {
 }
 
 impl KernelStop for Stopper {
-    fn stop(&self) {
+    fn signal(&self) -> bool {
         if self.ctx.bind_to_thread().is_err() {
-            return;
+            return false;
         }
-        // SAFETY: `timed_out` is a 4-byte word inside the instance's state, which is freed
-        // only after the instance unregisters this stopper under the communicator's lock,
-        // held by our caller; `stream` belongs to the stopper and to this context.
+        // SAFETY: `timed_out` is a 4-byte word inside the instance's state, which lives as
+        // long as this stopper is registered (the invariant above; our caller holds the
+        // communicator's lock, under which it is unregistered); `stream` belongs to the
+        // stopper and to this context.
         let rc = unsafe { sys::cuMemsetD32Async(self.timed_out, 1, 1, self.stream.cu_stream()) };
         if rc != sys::CUresult::CUDA_SUCCESS {
-            return;
+            return false;
         }
-        // The state is freed on the communicator's stream once the instance is dropped, which
-        // may be before the GPU runs this write (its wait below is bounded): order the free
-        // after it. Without the event the write is waited for in full instead.
+        // The state is freed on the communicator's stream, which may be before the GPU runs
+        // this write (its wait below is bounded): order the free after it. Without the event
+        // the write is waited for in full instead.
         match self.stream.record_event(None) {
             Ok(written) => {
                 let _ = self.comm_stream.wait(&written);
             }
-            Err(_) => {
-                let _ = self.stream.synchronize();
-            }
+            Err(_) => return self.stream.synchronize().is_ok(),
         }
         let start = Instant::now();
         loop {
             // SAFETY: a live stream of this context.
             match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
-                sys::CUresult::CUDA_SUCCESS => break,
+                sys::CUresult::CUDA_SUCCESS => return true,
                 sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < WRITE_WAIT => {
                     std::thread::sleep(Duration::from_micros(50));
                 }
-                _ => return,
+                _ => return false,
             }
         }
-        std::thread::sleep(NOTICE);
     }
 }
 
-/// An instance's stopper, registered on its communicator until dropped (first of the
-/// instance's fields, before the state the stopper writes is freed).
+/// An instance's stopper, registered on its communicator while the instance's kernels may
+/// run (see the invariant above).
 pub(super) struct Registration<'c> {
     comm: &'c Comm,
     id: usize,
@@ -96,6 +104,14 @@ impl<'c> Registration<'c> {
             }),
         );
         Ok(Self { comm, id })
+    }
+
+    /// Runs this instance's stop now, under the communicator's lock, and gives running
+    /// kernels the notice: `true` once its word is written, by this call or by an abort or
+    /// revoke before it (which took the stop out), `false` if it could not be (the stop then
+    /// stays registered, for the next abort to try again).
+    pub(super) fn stop_now(&self) -> bool {
+        self.comm.run_kernel_stop(self.id)
     }
 }
 
