@@ -1,0 +1,340 @@
+//! The shipped kernels' lifecycle on real GPUs: no path lets go of a kernel it has not
+//! stopped, and a call that fails leaves NaN, never stale memory, in its outputs.
+//!
+//! * a dropped `LsaAllReduce` whose kernel still waits for a peer stops it before anything
+//!   else can unmap what it uses: an abort after the drop leaves the context working;
+//! * a revoke, and a shrink with abort, behind a kernel that waits for a peer that never
+//!   comes return at once (they stop the kernel first) instead of after its timeout;
+//! * the barrier kernel meets every peer with fewer threads in a CTA than ranks;
+//! * every kernel that starts after the instance gave up, or gives up itself, writes NaN over
+//!   its outputs;
+//! * a communicator's own stream is never the per-thread default stream.
+//!
+//! Ranks are threads of one process: one GPU each, or two sharing GPU 0 (NCCL 2.30+), with
+//! host copies through page-locked memory (see `gpu_lsa_all_reduce`). Run on a GPU host with
+//! `cargo test --test gpu_kernel_lifecycle -- --include-ignored --test-threads=1` (or
+//! `.gpu/run tests`), with NCCL 2.32.3 and the system's 2.28.3 (where every test but the
+//! stream one skips: the kernels need 2.29.2).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::shape::skip;
+use common::threaded::{init_threaded, per_rank, Deadline, Staging};
+use common::Rng;
+use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaEpilogue, DEV_COMM_SINCE};
+use nccl::{Comm, CommConfig, Error, ReduceOp, ShrinkMode};
+
+const LIMIT: Duration = Duration::from_secs(240);
+/// Far past what each test allows for the path it checks: only a stop ends the kernel in time.
+const KERNEL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Nonblocking communicators (abort handles need them) of a threaded layout where the shipped
+/// kernels can run, with the deadline that bounds the test; `None`, said, elsewhere.
+fn ranks(test: &'static str) -> Option<(Vec<Comm>, Deadline)> {
+    let lib = nccl::library::get().expect("NCCL loads");
+    if lib.version() < DEV_COMM_SINCE {
+        skip(
+            test,
+            &format!(
+                "the shipped kernels need NCCL {DEV_COMM_SINCE}+, loaded {}",
+                lib.version()
+            ),
+        );
+        return None;
+    }
+    common::shape::setup();
+    let layout = common::shape::threaded(test)?;
+    let config = CommConfig::new()
+        .blocking(false)
+        .ready_timeout(Duration::from_secs(60));
+    let comms = init_threaded(layout.streams(), &config);
+    Some((comms, Deadline::new(test, LIMIT)))
+}
+
+fn all_nan(what: &str, rank: usize, got: &[f32]) {
+    if let Some((i, x)) = got.iter().enumerate().find(|(_, x)| !x.is_nan()) {
+        panic!("rank {rank}: {what}: element {i} is {x}, not NaN");
+    }
+}
+
+/// C1 of the review: rank 0 drops an instance whose two-shot kernel waits for rank 1, which
+/// never calls; an abort follows (as a watchdog's would). Before, the drop let go of the
+/// kernel unstopped, and the abort unmapped the peers' scratch under it:
+/// `CUDA_ERROR_ILLEGAL_ADDRESS`, a dead context.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_dropped_instance_stops_its_kernel_before_the_abort() {
+    const TEST: &str = "a_dropped_instance_stops_its_kernel_before_the_abort";
+    let Some((comms, _deadline)) = ranks(TEST) else {
+        return;
+    };
+    const DROP_TIMEOUT: Duration = Duration::from_secs(1);
+    per_rank(comms, |mut comm, barrier| {
+        let rank = comm.rank();
+        comm.set_drop_timeout(DROP_TIMEOUT);
+        let stream = comm.stream().clone();
+        let mut buf = stream.alloc_zeros::<f32>(1024).expect("buf");
+        let mut staging = Staging::new(&stream, 1024);
+        let handle = comm.abort_handle().expect("abort handle");
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
+        ar.set_timeout(KERNEL_TIMEOUT);
+        let mut ar = Some(ar);
+        staging.upload(&[1.0f32; 1024], &mut buf);
+        let _ = staging.download(&buf);
+        barrier.wait();
+        if rank == 0 {
+            let mut ar = ar.take().expect("made above");
+            // Two-shot: after its wait it would store sums into the peers' scratch.
+            ar.all_reduce_in_place(&mut buf, LsaAlgorithm::TwoShotFlags)
+                .expect("launch");
+            std::thread::sleep(Duration::from_millis(300));
+            let t = Instant::now();
+            drop(ar);
+            let dropped = t.elapsed();
+            std::thread::sleep(Duration::from_millis(500));
+            handle.abort().expect("abort");
+            stream
+                .synchronize()
+                .expect("the stream ends without a CUDA error");
+            let ended = t.elapsed();
+            println!("NOTE {TEST}: drop took {dropped:?}; the stream ended {ended:?} after it");
+            assert!(
+                dropped < DROP_TIMEOUT + Duration::from_secs(4),
+                "the drop took {dropped:?}"
+            );
+            assert!(ended < Duration::from_secs(10), "the kernel ran {ended:?}");
+            // The stopped call left NaN, and the context still works.
+            all_nan("the stopped call's output", rank, &staging.download(&buf));
+            staging.upload(&[2.0f32; 1024], &mut buf);
+            assert!(staging.download(&buf).iter().all(|&x| x == 2.0));
+        }
+        barrier.wait();
+        if rank != 0 {
+            drop(ar);
+            handle.abort().expect("abort");
+        }
+        barrier.wait();
+    });
+}
+
+/// M1 of the review: rank 0's one-shot kernel waits for rank 1, which never calls, and an
+/// NCCL all-reduce is queued behind it; NCCL's revoke waits for the stream work queued before
+/// its last launch, so before, the revoke took the kernel's whole timeout. Then the same with
+/// a shrink that aborts (rank 1 excluded, as after a failure), with nothing of NCCL's behind
+/// the kernel: the child inherits the stream, which must not stay blocked by it.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
+    const TEST: &str = "a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once";
+    if nccl::library::get()
+        .map(|lib| lib.version() < nccl::fault::REVOKE_SINCE)
+        .unwrap_or(true)
+    {
+        skip(TEST, "ncclCommRevoke needs NCCL 2.28.7");
+        return;
+    }
+    for shrink in [false, true] {
+        let Some((comms, _deadline)) = ranks(TEST) else {
+            return;
+        };
+        per_rank(comms, |comm, barrier| {
+            let (rank, size) = (comm.rank(), comm.size());
+            let stream = comm.stream().clone();
+            let mut buf = stream.alloc_zeros::<f32>(1024).expect("buf");
+            let mut other = stream.alloc_zeros::<f32>(1024).expect("other");
+            let mut staging = Staging::new(&stream, 1024);
+            let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
+            ar.set_timeout(KERNEL_TIMEOUT);
+            barrier.wait();
+            if rank == 0 {
+                ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                    .expect("launch");
+                if !shrink {
+                    comm.all_reduce_in_place(&mut other, ReduceOp::Sum)
+                        .expect("NCCL behind it");
+                }
+                std::thread::sleep(Duration::from_millis(300));
+                let t = Instant::now();
+                if shrink {
+                    let excluded: Vec<usize> = (1..size).collect();
+                    let child = comm
+                        .shrink(&excluded, ShrinkMode::Abort, None)
+                        .expect("shrink");
+                    let took = t.elapsed();
+                    // The child runs on the inherited stream.
+                    staging.upload(&[3.0f32; 1024], &mut other);
+                    child
+                        .all_reduce_in_place(&mut other, ReduceOp::Sum)
+                        .expect("the child's all-reduce");
+                    let got = staging.download(&other);
+                    let ended = t.elapsed();
+                    println!("NOTE {TEST}: shrink took {took:?}, the child's call ended {ended:?}");
+                    assert!(got.iter().all(|&x| x == 3.0), "the child's sum");
+                    assert!(ended < Duration::from_secs(5), "{ended:?}");
+                    drop(child);
+                } else {
+                    comm.revoke().expect("revoke");
+                    let took = t.elapsed();
+                    stream.synchronize().expect("the stream ends");
+                    println!("NOTE {TEST}: revoke took {took:?}");
+                    assert!(took < Duration::from_secs(1), "the revoke took {took:?}");
+                }
+                all_nan("the stopped call's output", rank, &staging.download(&buf));
+                assert!(ar
+                    .all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                    .is_err());
+            }
+            barrier.wait();
+            drop(ar);
+            drop(comm.abort());
+            barrier.wait();
+        });
+    }
+}
+
+/// C2 of the review: the barrier kernel's CTAs meet every peer. Before, thread p of a CTA met
+/// peer p, so ranks at or past the CTA's thread count were never waited for; here every
+/// barrier CTA has one thread, fewer than the ranks, and the last rank comes late, so a rank
+/// that did not wait for it would read its slot before it was written.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn the_barrier_meets_every_peer_with_fewer_threads_than_ranks() {
+    const TEST: &str = "the_barrier_meets_every_peer_with_fewer_threads_than_ranks";
+    let Some((comms, _deadline)) = ranks(TEST) else {
+        return;
+    };
+    const MAX: usize = 4099;
+    per_rank(comms, |comm, barrier| {
+        let (rank, size) = (comm.rank(), comm.size());
+        let stream = comm.stream().clone();
+        let mut send = stream.alloc_zeros::<f32>(MAX).expect("send");
+        let mut recv = stream.alloc_zeros::<f32>(MAX).expect("recv");
+        let mut staging = Staging::new(&stream, MAX);
+        let mut ar = LsaAllReduce::<f32>::new(&comm, MAX).expect("new");
+        ar.set_timeout(Duration::from_secs(20));
+        ar.set_barrier_threads(1).expect("one thread a CTA");
+        for (call, count) in [1usize, 7, 1000, MAX].into_iter().enumerate() {
+            let input = |r: usize| -> Vec<f32> {
+                let mut rng = Rng::new(0x5eed ^ (((call * 64 + r) as u64 + 1) * 0x9e37_79b9));
+                (0..count).map(|_| rng.range(-64, 64) as f32).collect()
+            };
+            let want: Vec<f32> = (0..count)
+                .map(|i| (0..size).map(|r| input(r)[i]).sum())
+                .collect();
+            staging.upload(&input(rank), &mut send);
+            let _ = staging.download(&recv);
+            barrier.wait();
+            if rank == size - 1 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let mut out = recv.slice_mut(..count);
+            let ran = ar
+                .all_reduce(&send.slice(..count), &mut out, LsaAlgorithm::OneShotBarrier)
+                .expect("all-reduce");
+            assert_eq!(ran, LsaAlgorithm::OneShotBarrier);
+            let got = staging.download(&recv.slice(..count));
+            ar.check().expect("every rank met");
+            if let Some(i) = (0..count).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "rank {rank}, {count} elements: element {i} is {} not {}",
+                    got[i], want[i]
+                );
+            }
+            barrier.wait();
+        }
+    });
+}
+
+/// m4 of the review: a kernel that gives up, and every kernel of the instance queued behind
+/// it (which starts after it gave up), write NaN over their outputs: nothing returned to a
+/// caller holds another buffer's stale data. Rank 1 never calls; rank 0 queues one call of
+/// every kernel, all on outputs that held 7.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn failed_calls_leave_nan_in_every_output() {
+    const TEST: &str = "failed_calls_leave_nan_in_every_output";
+    let Some((comms, _deadline)) = ranks(TEST) else {
+        return;
+    };
+    const N: usize = 4096;
+    const HIDDEN: usize = 512;
+    per_rank(comms, |comm, barrier| {
+        let (rank, size) = (comm.rank(), comm.size());
+        let stream = comm.stream().clone();
+        let mut staging = Staging::new(&stream, N * size);
+        let mut seven = |len: usize| {
+            let mut b = stream.alloc_zeros::<f32>(len).expect("buffer");
+            staging.upload(&vec![7.0f32; len], &mut b);
+            let _ = staging.download(&b);
+            b
+        };
+        let (mut one, two_in, mut two_out, mut barrier_buf) =
+            (seven(N), seven(N), seven(N), seven(N));
+        let (gather_in, mut gather_out) = (seven(N / 2), seven(N / 2 * size));
+        let (mut x, residual, weight) = (seven(N), seven(N), seven(HIDDEN));
+        let (mut residual_out, mut normed) = (seven(N), seven(N));
+        let mut ar = LsaAllReduce::<f32>::new(&comm, N).expect("new");
+        ar.set_timeout(Duration::from_secs(1));
+        barrier.wait();
+        if rank == 0 {
+            ar.all_reduce_in_place(&mut one, LsaAlgorithm::OneShotFlags)
+                .expect("one-shot");
+            ar.all_reduce(&two_in, &mut two_out, LsaAlgorithm::TwoShotFlags)
+                .expect("two-shot");
+            ar.all_reduce_in_place(&mut barrier_buf, LsaAlgorithm::OneShotBarrier)
+                .expect("barrier");
+            ar.all_gather(&gather_in, &mut gather_out)
+                .expect("all-gather");
+            ar.all_reduce_add_rms_norm_to(
+                &mut x,
+                &residual,
+                &weight,
+                1e-6,
+                &mut residual_out,
+                &mut normed,
+                LsaEpilogue::Fused,
+            )
+            .expect("fused epilogue");
+            match ar.check() {
+                Err(Error::Timeout { .. }) => {}
+                other => panic!("rank 0: its peer never came: {other:?}"),
+            }
+            for (what, buf) in [
+                ("one-shot", &one),
+                ("two-shot", &two_out),
+                ("barrier", &barrier_buf),
+                ("all-gather", &gather_out),
+                ("epilogue residual", &residual_out),
+                ("epilogue output", &normed),
+            ] {
+                all_nan(what, rank, &staging.download(buf));
+            }
+        }
+        barrier.wait();
+    });
+}
+
+/// m6 of the review: the per-thread default stream names another stream on each thread, and a
+/// communicator is used, waited for and dropped from any thread: refused as its own stream.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_communicators_own_stream_is_never_the_per_thread_default_stream() {
+    const TEST: &str = "a_communicators_own_stream_is_never_the_per_thread_default_stream";
+    if common::shape::gpus(TEST, 1).is_none() {
+        return;
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).expect("GPU 0");
+    let stream = ctx.per_thread_stream();
+    let refused = |r: nccl::Result<()>, what: &str| match r {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("per-thread"), "{what}: {msg}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    refused(
+        Comm::init_all(std::slice::from_ref(&stream)).map(drop),
+        "init_all",
+    );
+    let id = nccl::UniqueId::new().expect("id");
+    refused(Comm::init_rank(stream, &id, 0, 1).map(drop), "init_rank");
+}
