@@ -5,6 +5,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::op::BackpropOp;
 use candle_core::{
@@ -36,6 +37,31 @@ self_cell::self_cell!(
 /// ([`Collectives::all_reduce_add_rms_norm`]: sum, residual add and RMSNorm as one fused
 /// kernel where [`LsaCollectives::fuses`] says so); everything else NCCL. The tensors must be
 /// on the communicator's stream (candle's device stream the communicator was made on).
+///
+/// # A refusal on one rank puts every rank's kernels out of step
+///
+/// A shipped kernel pairs with its peers' kernels by call count alone: a call that one rank
+/// refuses while its peers launched theirs (a tensor on another stream, not contiguous or
+/// not on the GPU, an allocation that fails, candle's own checks of the op) would otherwise
+/// leave that rank one call behind, and its next call would pair with its peers' previous
+/// one and return `Ok` with a wrong sum. So every refusal of a bf16 sum or a fused epilogue
+/// here, wherever it arises once the kernels' path was chosen, puts this rank's kernels out
+/// of step for good (`LsaAllReduce::put_out_of_step`):
+///
+/// * the refusing call returns its own error (the reason);
+/// * every later bf16 sum or fused epilogue on this rank is refused at once with
+///   [`nccl::Error::InvalidUsage`] ("out of step"), wrapped in [`Error::Nccl`];
+/// * the peers' kernels of the call this rank missed give up after
+///   [`kernel_timeout`](Self::kernel_timeout) (300 s unless [set](Self::set_kernel_timeout));
+///   that call returned `Ok` there (the launch is asynchronous) but its output is wrong, and
+///   their next call, or [`check`](Self::check), fails with [`nccl::Error::Timeout`].
+///
+/// No rank's call then pairs with another call's data. To go on, drop the `LsaCollectives`
+/// (or the [`TpGroup`](super::TpGroup) holding it) on every rank and make new ones on a new
+/// communicator; [`status`](Self::status) says, without waiting, whether this rank's kernels
+/// still serve calls. A sum that NCCL runs (past the kernels' size, or another type or
+/// operation) is an NCCL collective like any other: a peer that refused it leaves this rank
+/// waiting in NCCL (nccl-rs's watchdog or an `AbortHandle` ends that).
 pub struct LsaCollectives {
     owned: RefCell<Owned>,
     rank: usize,
@@ -54,6 +80,63 @@ impl LsaCollectives {
             rank,
             size,
         })
+    }
+
+    /// How long a shipped kernel waits for its peers before giving up (300 s unless set).
+    pub fn kernel_timeout(&self) -> Duration {
+        self.owned
+            .borrow()
+            .with_dependent(|_, kernels| kernels.timeout())
+    }
+
+    /// Sets [`kernel_timeout`](Self::kernel_timeout) for the calls made from now on
+    /// (`LsaAllReduce::set_timeout`): how long the peers of a rank that refused a call alone
+    /// wait before their kernels give up. Every rank alike.
+    pub fn set_kernel_timeout(&self, timeout: Duration) {
+        self.owned
+            .borrow_mut()
+            .with_dependent_mut(|_, kernels| kernels.set_timeout(timeout));
+    }
+
+    /// Whether this rank's kernels still serve calls, without waiting for the GPU
+    /// (`LsaAllReduce::status`): [`nccl::Error::InvalidUsage`] once a call was refused here
+    /// alone (out of step), [`nccl::Error::Timeout`] once a kernel gave up waiting for its
+    /// peers. Either way, drop it on every rank and make a new one.
+    pub fn status(&self) -> Result<()> {
+        self.owned
+            .borrow()
+            .with_dependent(|_, kernels| kernels.status())
+            .map_err(Error::Nccl)
+    }
+
+    /// Waits, for at most [`kernel_timeout`](Self::kernel_timeout) and ten seconds more, for
+    /// the work enqueued so far on the communicator's stream, then reports as
+    /// [`status`](Self::status) does (`LsaAllReduce::check`).
+    pub fn check(&self) -> Result<()> {
+        self.owned
+            .borrow()
+            .with_dependent(|_, kernels| kernels.check())
+            .map_err(Error::Nccl)
+    }
+
+    /// Runs `call`, a call that chose the shipped kernels' path, and puts the kernels out of
+    /// step if it fails: the one path every refusal of that path goes through (see
+    /// [`LsaCollectives`]). Kernels that refuse already (out of step, or given up) keep
+    /// their first reason.
+    fn shipped<R>(&self, op: &'static str, call: impl FnOnce() -> Result<R>) -> Result<R> {
+        let result = call();
+        if let Err(err) = &result {
+            self.put_out_of_step(&format!("{op} refused on this rank alone: {err}"));
+        }
+        result
+    }
+
+    fn put_out_of_step(&self, why: &str) {
+        self.owned.borrow_mut().with_dependent_mut(|_, kernels| {
+            if kernels.status().is_ok() {
+                kernels.put_out_of_step(why);
+            }
+        });
     }
 }
 
@@ -133,14 +216,19 @@ impl Collectives for LsaCollectives {
                 .borrow()
                 .with_dependent(|comm, _| crate::all_reduce(comm, tensor, op));
         }
-        let call = ShippedSum {
-            owned: &self.owned,
-            failure: Failure::default(),
-        };
-        check("all_reduce", tensor)?;
-        tensor
-            .apply_op1_no_bwd(&call)
-            .map_err(|err| call.failure.take(err))
+        self.shipped("all_reduce", || {
+            // Refused at once, without pairing, once the kernels are out of step or gave up
+            // (also where the size would take NCCL's path).
+            self.status()?;
+            let call = ShippedSum {
+                owned: &self.owned,
+                failure: Failure::default(),
+            };
+            check("all_reduce", tensor)?;
+            tensor
+                .apply_op1_no_bwd(&call)
+                .map_err(|err| call.failure.take(err))
+        })
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
@@ -162,10 +250,39 @@ impl Collectives for LsaCollectives {
         weight: &Tensor,
         eps: f32,
     ) -> Result<(Tensor, Tensor)> {
-        epilogue::check(FUSED, partial, residual, weight)?;
-        if !self.fuses(partial, residual, weight, eps) {
+        if partial.dtype() != DType::BF16 {
+            // Neither the fused kernel nor a shipped sum: NCCL's all-reduce, if any.
+            epilogue::check(FUSED, partial, residual, weight)?;
             return epilogue::unfused(self, partial, residual, weight, eps);
         }
+        // bf16: the sum is the shipped kernels' (fused or not), so a refusal before it ends
+        // is this path's. What follows the unfused sum is local: it pairs with nothing.
+        let fused = self.shipped(FUSED, || {
+            self.status()?;
+            epilogue::check(FUSED, partial, residual, weight)?;
+            if self.fuses(partial, residual, weight, eps) {
+                self.fused(partial, residual, weight, eps).map(Ok)
+            } else {
+                let sum = self.all_reduce(&partial.contiguous()?, ReduceOp::Sum)?;
+                Ok(Err(sum))
+            }
+        })?;
+        match fused {
+            Ok(outputs) => Ok(outputs),
+            Err(sum) => epilogue::add_rms_norm(&sum, residual, weight, eps),
+        }
+    }
+}
+
+impl LsaCollectives {
+    /// The fused epilogue, for tensors [`fuses`](Self::fuses) accepts.
+    fn fused(
+        &self,
+        partial: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
         let call = FusedEpilogue {
             owned: &self.owned,
             eps,
