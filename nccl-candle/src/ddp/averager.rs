@@ -4,7 +4,7 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Var};
+use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
 use nccl::{Comm, ReduceOp};
 
@@ -42,7 +42,8 @@ impl AverageTiming {
 /// Averages the gradients of a fixed list of variables over every rank, in a few large
 /// all-reduces: the gradients are packed by element type into buckets of at most
 /// `bucket_bytes` ([`plan_buckets`]), each bucket is reduced in place with
-/// [`ReduceOp::Avg`], and every gradient becomes a view of its bucket.
+/// [`ReduceOp::Avg`], and every gradient becomes a view of its bucket. A variable that got no
+/// gradient on any rank gets none (see [`GradientAverager::average`]).
 ///
 /// The ranks agree on the variables (names, shapes, element types, in name order) and on
 /// `bucket_bytes` when the averager is made, so every rank plans the same buckets. Variables
@@ -143,9 +144,15 @@ impl<'c> GradientAverager<'c> {
     }
 
     /// Replaces the gradient of every variable in `grads` with its mean over the ranks. A
-    /// variable without a gradient on this rank counts as zeros there, and has the mean
-    /// afterwards (every rank then holds the same gradients, so every rank's optimizer makes
-    /// the same step). The gradients become views of the reduced buckets.
+    /// variable without a gradient on this rank but with one on another counts as zeros
+    /// here, and has the mean afterwards (as PyTorch DDP); a variable that no rank has a
+    /// gradient for gets none (an optimizer leaves it as it is, no weight decay or momentum
+    /// applied, as on one GPU). Every rank then holds the same gradients, so every rank's
+    /// optimizer makes the same step. The gradients become views of the reduced buckets.
+    ///
+    /// Which variables have gradients anywhere is one small all-reduce of a flag per variable
+    /// before the buckets', read back on the host: each call waits there for the backward
+    /// pass to end. A bucket without any gradient on any rank is not reduced.
     ///
     /// The gradients are checked before the first collective (each of its variable's shape,
     /// element type and device: what candle's `backward` always gives). A rank that fails
@@ -165,10 +172,15 @@ impl<'c> GradientAverager<'c> {
             device.synchronize()?;
         }
         let start = Instant::now();
+        let used = self.used_anywhere(grads, device)?;
         for bucket in &self.buckets {
+            // Every rank skips the same buckets: `used` is the same on all of them.
+            if bucket.slots.iter().all(|slot| !used[slot.tensor]) {
+                continue;
+            }
             let flat = pack(bucket, &self.vars, grads, device)?;
             all_reduce_in_place(self.comm, &flat, ReduceOp::Avg)?;
-            unpack(bucket, &flat, &self.vars, grads)?;
+            unpack(bucket, &flat, &self.vars, grads, &used)?;
         }
         if let Some(mut timing) = timing {
             device.synchronize()?;
@@ -179,6 +191,22 @@ impl<'c> GradientAverager<'c> {
             self.timing.set(Some(timing));
         }
         Ok(())
+    }
+
+    /// Which of the variables have a gradient on at least one rank: a flag per variable,
+    /// the ranks' maximum by one small all-reduce, read back once the device is done (a
+    /// read behind a collective that waits for a peer could hold the copy engine's staging
+    /// memory that a peer sharing the GPU needs first). The same list on every rank.
+    fn used_anywhere(&self, grads: &GradStore, device: &Device) -> Result<Vec<bool>> {
+        let mine: Vec<u8> = self
+            .vars
+            .iter()
+            .map(|(_, var)| u8::from(grads.get(var.as_tensor()).is_some()))
+            .collect();
+        let flags = Tensor::from_vec(mine, self.vars.len(), device)?;
+        all_reduce_in_place(self.comm, &flags, ReduceOp::Max)?;
+        device.synchronize()?;
+        Ok(flags.to_vec1::<u8>()?.into_iter().map(|u| u != 0).collect())
     }
 
     fn check_grads(&self, grads: &GradStore) -> Result<()> {

@@ -124,15 +124,22 @@ pub(crate) fn pack(
 }
 
 /// Puts the bucket's (reduced) contents back into `grads`: each variable's gradient becomes
-/// a view of `flat` in the variable's shape, also for a variable that had none.
+/// a view of `flat` in the variable's shape, also for a variable that had none here, but
+/// not for one whose `used` flag (indexed like `vars`) is false (no rank had a gradient for
+/// it): that one is left without a gradient.
 pub(crate) fn unpack(
     bucket: &Bucket,
     flat: &Tensor,
     vars: &[(String, Var)],
     grads: &mut GradStore,
+    used: &[bool],
 ) -> candle_core::Result<()> {
     for slot in &bucket.slots {
         let var = var_of(vars, slot)?;
+        if !used.get(slot.tensor).copied().unwrap_or(true) {
+            grads.remove(var.as_tensor());
+            continue;
+        }
         let grad = flat
             .narrow(0, slot.offset, slot.len)?
             .reshape(var.shape())?;
@@ -262,7 +269,7 @@ mod tests {
         );
         // What the all-reduce would do, on the bucket.
         let reduced = (flat * 0.5).unwrap();
-        unpack(&buckets[0], &reduced, &vars, &mut grads).unwrap();
+        unpack(&buckets[0], &reduced, &vars, &mut grads, &[true; 3]).unwrap();
         let grad = |i: usize| grads.get(vars[i].1.as_tensor()).unwrap();
         assert_eq!(grad(0).dims(), &[2, 3]);
         assert_eq!(
@@ -271,6 +278,36 @@ mod tests {
         );
         assert_eq!(grad(1).to_vec1::<f32>().unwrap(), [0.; 4]);
         assert_eq!(grad(2).to_vec2::<f32>().unwrap(), [[1.5, 1.5]]);
+    }
+
+    #[test]
+    fn a_variable_no_rank_used_gets_no_gradient() {
+        let device = Device::Cpu;
+        let vars: Vec<(String, Var)> = ["a", "b", "c"]
+            .iter()
+            .map(|name| {
+                (
+                    name.to_string(),
+                    Var::zeros(2, DType::F32, &device).unwrap(),
+                )
+            })
+            .collect();
+        // A gradient for a only on this rank; c has one on another rank (its flag is set).
+        let mut grads = (vars[0].1.sum_all().unwrap() * 4.0)
+            .unwrap()
+            .backward()
+            .unwrap();
+        let buckets = plan_buckets(&[(DType::F32, 2); 3], 1 << 20);
+        let flat = pack(&buckets[0], &vars, &grads, &device).unwrap();
+        let reduced = (flat * 0.5).unwrap();
+        let used = [true, false, true];
+        unpack(&buckets[0], &reduced, &vars, &mut grads, &used).unwrap();
+        let grad = |i: usize| grads.get(vars[i].1.as_tensor());
+        assert_eq!(grad(0).unwrap().to_vec1::<f32>().unwrap(), [2.; 2]);
+        // b: no rank used it, no gradient (an optimizer leaves it alone).
+        assert!(grad(1).is_none());
+        // c: zeros here, averaged with another rank's gradient.
+        assert_eq!(grad(2).unwrap().to_vec1::<f32>().unwrap(), [0.; 2]);
     }
 
     #[test]
