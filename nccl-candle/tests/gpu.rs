@@ -1,12 +1,18 @@
-//! nccl-candle's collectives on real GPUs: one rank per visible GPU, each on a thread of its
-//! own with a candle device and a communicator on that device's stream, every result checked
-//! against the host's reduction of the same random (integer-valued) data.
+//! nccl-candle's collectives on real GPUs, in the shapes of nccl-rs's GPU suite: one rank
+//! per visible GPU where there are 2+, else two ranks sharing GPU 0 (NCCL 2.30+), each on a
+//! thread of its own with a candle device and a communicator on that device's stream
+//! (`common::on_ranks`), every result checked against the host's reduction of the same
+//! random (integer-valued) data. What ran and what was skipped (and why) is said on stderr
+//! and in the suite's ledger.
 //!
 //! Run on a GPU host: `cargo test --test gpu -- --include-ignored --test-threads=1`.
 
 use candle_core::{DType, Device, Tensor};
-use nccl::{Comm, ReduceOp, UniqueId};
+use nccl::{Comm, ReduceOp};
 use nccl_candle::Error;
+
+mod common;
+use common::host_f32;
 
 /// Integer-valued f32 in [-8, 8) from a seed (xorshift), so sums are exact.
 fn data(seed: u64, len: usize) -> Vec<f32> {
@@ -21,29 +27,12 @@ fn data(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Runs `body(rank, size, comm, device)` on one thread per visible GPU, or says why not.
-fn on_every_gpu(test: &str, body: impl Fn(usize, usize, &Comm, &Device) + Sync) {
-    let gpus = match nccl::library::cuda_device_count() {
-        Ok(n) => n,
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            return;
-        }
-    };
-    let id = UniqueId::new().expect("ncclGetUniqueId");
-    eprintln!("RUNS {test}: {gpus} ranks, one GPU each");
-    std::thread::scope(|scope| {
-        for rank in 0..gpus {
-            let (id, body) = (&id, &body);
-            scope.spawn(move || {
-                let device = Device::new_cuda_with_stream(rank).expect("a candle CUDA device");
-                let stream = device.as_cuda_device().unwrap().cuda_stream();
-                let comm = Comm::init_rank(stream, id, rank, gpus)
-                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
-                body(rank, gpus, &comm, &device);
-                comm.synchronize().expect("synchronize");
-            });
-        }
+/// Runs `body(rank, size, comm, device)` on every rank of this host's layout
+/// (`common::on_ranks`), or says why not.
+fn on_every_gpu(test: &'static str, body: impl Fn(usize, usize, &Comm, &Device) + Sync) {
+    common::on_ranks(test, |comm, device| {
+        body(comm.rank(), comm.size(), &comm, device);
+        comm.synchronize().expect("synchronize");
     });
 }
 
@@ -66,17 +55,13 @@ fn collectives_on_tensors_match_the_host() {
             // In place, f32 and bf16 (integer values stay exact in bf16 at these sizes).
             let t = Tensor::from_vec(mine(1), (len / 64, 64), device).unwrap();
             nccl_candle::all_reduce_in_place(comm, &t, ReduceOp::Sum).unwrap();
-            assert_eq!(
-                t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                sum(1),
-                "rank {rank}"
-            );
+            assert_eq!(host_f32(&t), sum(1), "rank {rank}");
             let t = Tensor::from_vec(mine(2), len, device)
                 .unwrap()
                 .to_dtype(DType::BF16)
                 .unwrap();
             nccl_candle::all_reduce_in_place(comm, &t, ReduceOp::Sum).unwrap();
-            let got = t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+            let got = host_f32(&t);
             assert_eq!(got, sum(2), "rank {rank}: bf16");
             // Out of place, from a view that starts inside its storage.
             let whole =
@@ -89,20 +74,13 @@ fn collectives_on_tensors_match_the_host() {
                 }
                 acc
             });
-            assert_eq!(
-                out.to_vec1::<f32>().unwrap(),
-                want,
-                "rank {rank}: out of place"
-            );
+            assert_eq!(host_f32(&out), want, "rank {rank}: out of place");
             // All-gather along dimension 0, reduce-scatter back to this rank's block.
             let t = Tensor::from_vec(mine(4), (2, len / 2), device).unwrap();
             let gathered = nccl_candle::all_gather(comm, &t).unwrap();
             assert_eq!(gathered.dims(), &[2 * size, len / 2]);
             let want: Vec<f32> = (0..size).flat_map(|r| data(400 + r as u64, len)).collect();
-            assert_eq!(
-                gathered.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                want
-            );
+            assert_eq!(host_f32(&gathered), want);
             let t =
                 Tensor::from_vec(data(500 + rank as u64, size * len), (size, len), device).unwrap();
             let block = nccl_candle::reduce_scatter(comm, &t, ReduceOp::Sum).unwrap();
@@ -114,7 +92,7 @@ fn collectives_on_tensors_match_the_host() {
                 acc
             });
             assert_eq!(
-                block.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                host_f32(&block),
                 &full[rank * len..(rank + 1) * len],
                 "rank {rank}: reduce-scatter"
             );
@@ -122,7 +100,7 @@ fn collectives_on_tensors_match_the_host() {
             let root = size - 1;
             let t = Tensor::from_vec(mine(6), len, device).unwrap();
             nccl_candle::broadcast_in_place(comm, &t, root).unwrap();
-            assert_eq!(t.to_vec1::<f32>().unwrap(), data(600 + root as u64, len));
+            assert_eq!(host_f32(&t), data(600 + root as u64, len));
         },
     );
 }

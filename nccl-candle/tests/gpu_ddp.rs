@@ -1,16 +1,22 @@
-//! nccl-candle's data-parallel pieces on real GPUs: one rank per visible GPU (at least two),
-//! each on a thread of its own with a candle device and a communicator on that device's
-//! stream, results checked against the host's computation on random (integer-valued) data.
+//! nccl-candle's data-parallel pieces on real GPUs, in the shapes of nccl-rs's GPU suite: one
+//! rank per visible GPU where there are 2+, else two ranks sharing GPU 0 (NCCL 2.30+), each
+//! on a thread of its own with a candle device and a communicator on that device's stream
+//! (`common::on_ranks`), results checked against the host's computation on random
+//! (integer-valued) data. What ran and what was skipped (and why) is said on stderr and in
+//! the suite's ledger.
 //!
 //! Run on a GPU host: `cargo test --test gpu_ddp -- --include-ignored --test-threads=1`.
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Optimizer, VarMap, SGD};
-use nccl::{Comm, UniqueId};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarMap, SGD};
+use nccl::Comm;
 use nccl_candle::ddp::{
     broadcast_vars, sorted_vars, DistributedOptimizer, GradientAverager, DEFAULT_BUCKET_BYTES,
 };
 use nccl_candle::Error;
+
+mod common;
+use common::host_f32;
 
 /// Integer-valued f32 in [-8, 8) from a seed (xorshift), so sums are exact.
 fn data(seed: u64, len: usize) -> Vec<f32> {
@@ -25,33 +31,12 @@ fn data(seed: u64, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Runs `body(rank, size, comm, device)` on one thread per visible GPU, or says why not.
-fn on_every_gpu(test: &str, body: impl Fn(usize, usize, &Comm, &Device) + Sync) {
-    let gpus = match nccl::library::cuda_device_count() {
-        Ok(n) if n >= 2 => n,
-        Ok(n) => {
-            eprintln!("SKIPPED {test}: {n} GPU(s), data parallel needs 2");
-            return;
-        }
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            return;
-        }
-    };
-    let id = UniqueId::new().expect("ncclGetUniqueId");
-    eprintln!("RUNS {test}: {gpus} ranks, one GPU each");
-    std::thread::scope(|scope| {
-        for rank in 0..gpus {
-            let (id, body) = (&id, &body);
-            scope.spawn(move || {
-                let device = Device::new_cuda_with_stream(rank).expect("a candle CUDA device");
-                let stream = device.as_cuda_device().unwrap().cuda_stream();
-                let comm = Comm::init_rank(stream, id, rank, gpus)
-                    .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
-                body(rank, gpus, &comm, &device);
-                comm.synchronize().expect("synchronize");
-            });
-        }
+/// Runs `body(rank, size, comm, device)` on every rank of this host's layout
+/// (`common::on_ranks`), or says why not.
+fn on_every_gpu(test: &'static str, body: impl Fn(usize, usize, &Comm, &Device) + Sync) {
+    common::on_ranks(test, |comm, device| {
+        body(comm.rank(), comm.size(), &comm, device);
+        comm.synchronize().expect("synchronize");
     });
 }
 
@@ -79,13 +64,7 @@ fn var_map(vars: Vec<(&str, Var)>) -> VarMap {
 
 /// A variable's values as f32 on the host (bf16 and u32 hold these integers exactly).
 fn values(var: &Var) -> Vec<f32> {
-    var.as_tensor()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
+    host_f32(var.as_tensor())
 }
 
 const LAYOUT: [(&str, &[usize], DType); 5] = [
@@ -208,7 +187,7 @@ fn gradient_averager_averages_into_the_host_mean() {
                     .get(var.as_tensor())
                     .unwrap_or_else(|| panic!("rank {rank}: no gradient for {name}"));
                 assert_eq!(grad.dims(), var.dims());
-                let got: Vec<f32> = grad.flatten_all().unwrap().to_vec1().unwrap();
+                let got = host_f32(grad);
                 let want = host_mean(i, size, var.elem_count());
                 assert!(
                     close(&got, &want),
@@ -221,7 +200,7 @@ fn gradient_averager_averages_into_the_host_mean() {
             let mut grads = local_grads(&map, rank, device);
             averager.average(&mut grads).unwrap();
             let (name, var) = &sorted_vars(&map)[4];
-            let got: Vec<f32> = grads.get(var.as_tensor()).unwrap().to_vec1().unwrap();
+            let got = host_f32(grads.get(var.as_tensor()).unwrap());
             assert!(close(&got, &host_mean(4, size, 100)), "rank {rank}: {name}");
         },
     );
@@ -314,6 +293,88 @@ fn ranks_that_differ_get_an_error_on_every_rank() {
             let map = var_map(vec![("a", var(10 + rank as u64, &[4], DType::F32, device))]);
             broadcast_vars(comm, &map, 0).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
             assert_eq!(values(&sorted_vars(&map)[0].1), data(10, 4), "rank {rank}");
+        },
+    );
+}
+
+/// Issue 41, m5: a variable that no rank has a gradient for gets none after the averaging,
+/// so AdamW leaves it as it is (no weight decay, no momentum), as on one GPU and in PyTorch
+/// DDP; a variable with a gradient on rank 0 only gets the mean, zeros from the others.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_variable_no_rank_used_gets_no_gradient_and_stays_as_it_was() {
+    on_every_gpu(
+        "a_variable_no_rank_used_gets_no_gradient_and_stays_as_it_was",
+        |rank, size, comm, device| {
+            // "all": a gradient on every rank; "one": on rank 0 only; "none": on no rank.
+            let map = || {
+                var_map(vec![
+                    ("all", var(1, &[8], DType::F32, device)),
+                    ("none", var(2, &[6], DType::F32, device)),
+                    ("one", var(3, &[5], DType::F32, device)),
+                ])
+            };
+            let grads = |map: &VarMap| {
+                let vars = sorted_vars(map);
+                let of = |name: &str| &vars.iter().find(|(n, _)| n == name).unwrap().1;
+                let g = |seed: u64, len: usize| Tensor::from_vec(data(seed, len), len, device);
+                let mut loss = of("all")
+                    .as_tensor()
+                    .mul(&g(10 + rank as u64, 8).unwrap())
+                    .and_then(|t| t.sum_all())
+                    .unwrap();
+                if rank == 0 {
+                    let one = of("one").as_tensor().mul(&g(20, 5).unwrap()).unwrap();
+                    loss = (loss + one.sum_all().unwrap()).unwrap();
+                }
+                loss.backward().unwrap()
+            };
+            // The averager alone, one bucket per variable and one for all.
+            for bytes in [0, DEFAULT_BUCKET_BYTES] {
+                let map = map();
+                let vars = sorted_vars(&map);
+                let averager = GradientAverager::new(comm, &map, bytes).unwrap();
+                let mut store = grads(&map);
+                averager.average(&mut store).unwrap();
+                let grad = |i: usize| store.get(vars[i].1.as_tensor());
+                let mean_all: Vec<f32> = (0..8)
+                    .map(|e| (0..size).map(|r| data(10 + r as u64, 8)[e]).sum::<f32>())
+                    .map(|s| s / size as f32)
+                    .collect();
+                let got = host_f32(grad(0).unwrap());
+                assert!(close(&got, &mean_all), "rank {rank}: all: {got:?}");
+                assert!(
+                    grad(1).is_none(),
+                    "rank {rank}, {bytes} B: a gradient for none"
+                );
+                let mean_one: Vec<f32> = data(20, 5).iter().map(|g| g / size as f32).collect();
+                let got = host_f32(grad(2).unwrap());
+                assert!(close(&got, &mean_one), "rank {rank}: one: {got:?}");
+            }
+            // AdamW with weight decay: "none" keeps its values exactly, step after step.
+            let map = map();
+            let params = ParamsAdamW {
+                lr: 0.1,
+                weight_decay: 0.5,
+                ..Default::default()
+            };
+            let adamw = AdamW::new(map.all_vars(), params).unwrap();
+            let mut opt = DistributedOptimizer::new(comm, adamw, &map).unwrap();
+            for _ in 0..3 {
+                opt.step(&mut grads(&map)).unwrap();
+            }
+            let vars = sorted_vars(&map);
+            assert_eq!(values(&vars[1].1), data(2, 6), "rank {rank}: none moved");
+            assert_ne!(
+                values(&vars[0].1),
+                data(1, 8),
+                "rank {rank}: all did not move"
+            );
+            assert_ne!(
+                values(&vars[2].1),
+                data(3, 5),
+                "rank {rank}: one did not move"
+            );
         },
     );
 }

@@ -1,17 +1,21 @@
-//! The tensor-parallel layers on real GPUs: one rank per visible GPU (at least 2), each on a
-//! thread of its own with a candle device and a communicator of `Comm::init_all` on that
-//! device's stream. Each layer's output over the ranks equals the host's computation of the
-//! whole layer (f32, random weights and inputs), weights loaded through `ShardedVarBuilder`
-//! from a safetensors file written here; the typed refusals come out on every rank. With
-//! `LsaCollectives`, the fused row-parallel epilogue (one shipped kernel) gives what the
-//! unfused sequence gives, on random bf16 data.
+//! The tensor-parallel layers on real GPUs, in the shapes of nccl-rs's GPU suite: one rank
+//! per visible GPU where there are 2+, else two ranks sharing GPU 0 as one LSA team (NCCL
+//! 2.30+), each rank on a thread of its own with a candle device and a communicator of
+//! `Comm::init_all` on that device's stream (`common::on_ranks`). Each layer's output over the
+//! ranks equals the host's computation of the whole layer (f32, random weights and inputs),
+//! weights loaded through `ShardedVarBuilder` from a safetensors file written here; the typed
+//! refusals come out on every rank. With `LsaCollectives`, the fused row-parallel epilogue
+//! (one shipped kernel) gives what the unfused sequence gives, on random bf16 data, and a
+//! call refused on one rank alone leaves every rank refusing instead of pairing with a stale
+//! call. What ran and what was skipped (and why) is said on stderr and in the suite's ledger.
 //!
 //! Run on a GPU host: `cargo test --test gpu_tp -- --include-ignored --test-threads=1`.
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, DeviceLocation, Tensor};
 use candle_nn::var_builder::{ShardedSafeTensors, ShardedVarBuilder};
 use nccl::{Comm, ReduceOp};
 use nccl_candle::tp::{
@@ -21,64 +25,33 @@ use nccl_candle::tp::{
 use nccl_candle::Error;
 
 mod common;
-use common::{close, columns, data, host_linear};
+use common::{close, columns, data, host_f32, host_linear};
 
 /// f32 on the GPU against f64 on the host, sums of at most 64 products of values in [-1, 1).
 const TOLERANCE: f32 = 1e-4;
 
-/// Runs `body(group, device)` on one thread per visible GPU, or says why not.
-fn on_every_gpu(test: &str, body: impl Fn(TpGroup, &Device) + Sync) {
-    on_every_gpu_with(test, None, body)
-}
-
-/// [`on_every_gpu`], the group's bf16 sums through nccl-rs's shipped kernels for up to
-/// `lsa` elements where given ([`LsaCollectives`]).
-fn on_every_gpu_with(test: &str, lsa: Option<usize>, body: impl Fn(TpGroup, &Device) + Sync) {
+/// Runs `body(group, device)` on every rank of this host's layout, or says why not.
+fn on_every_gpu(test: &'static str, body: impl Fn(TpGroup, &Device) + Sync) {
     on_every_gpu_comm(test, |comm, device| {
-        let group = match lsa {
-            Some(max) => TpGroup::new(LsaCollectives::new(comm, max).expect("kernels")),
-            None => TpGroup::new(comm),
-        }
-        .expect("a group");
-        body(group, device)
-    })
+        body(TpGroup::new(comm).expect("a group"), device)
+    });
 }
 
-/// Runs `body(comm, device)` on one thread per visible GPU, the communicator on the candle
-/// device's stream, or says why not.
-fn on_every_gpu_comm(test: &str, body: impl Fn(Comm, &Device) + Sync) {
-    let gpus = match nccl::library::cuda_device_count() {
-        Ok(n) if n >= 2 => n,
-        Ok(n) => {
-            eprintln!("SKIPPED {test}: {n} GPU(s), tensor parallelism needs 2");
-            return;
-        }
-        Err(e) => {
-            eprintln!("SKIPPED {test}: {e}");
-            return;
-        }
-    };
-    eprintln!("RUNS {test}: {gpus} ranks, one GPU each");
-    let devices: Vec<Device> = (0..gpus)
-        .map(|i| Device::new_cuda_with_stream(i).expect("a candle CUDA device"))
-        .collect();
-    let streams: Vec<_> = devices
-        .iter()
-        .map(|d| d.as_cuda_device().unwrap().cuda_stream())
-        .collect();
-    let comms = Comm::init_all(&streams).expect("ncclCommInitAll");
-    std::thread::scope(|scope| {
-        for (comm, device) in comms.into_iter().zip(devices) {
-            let body = &body;
-            scope.spawn(move || {
-                let rank = comm.rank();
-                body(comm, &device);
-                device
-                    .synchronize()
-                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            });
-        }
-    });
+/// Runs `body(comm, device)` on every rank of this host's layout (`common::on_ranks`), the
+/// communicator on the candle device's stream, or says why not.
+fn on_every_gpu_comm(test: &'static str, body: impl Fn(Comm, &Device) + Sync) {
+    common::on_ranks(test, body);
+}
+
+/// The shipped kernels on `comm` for up to `max` elements, or `None` where these ranks
+/// cannot have them (said once, through the suite's ledger: the test is skipped).
+fn lsa(test: &str, comm: Comm, max: usize) -> Option<LsaCollectives> {
+    let rank = comm.rank();
+    match LsaCollectives::new(comm, max) {
+        Ok(lsa) => Some(lsa),
+        Err(e) if common::kernels_unavailable(test, rank, &e) => None,
+        Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
+    }
 }
 
 /// Shapes for `n` ranks: every split dimension a multiple of `n`.
@@ -139,8 +112,11 @@ fn var_builder(path: &Path, device: &Device) -> ShardedVarBuilder<'static> {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn layers_over_gpus_match_the_host() {
-    let gpus = nccl::library::cuda_device_count().unwrap_or(0);
-    let s = shapes(gpus.max(1));
+    const TEST: &str = "layers_over_gpus_match_the_host";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let s = shapes(layout.size());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.safetensors");
     write_weights(&path, &s);
@@ -149,7 +125,8 @@ fn layers_over_gpus_match_the_host() {
     let col = host_linear(&x, &w["col.weight"].0, &w["col.bias"].0, s.inp, s.out);
     let row = host_linear(&col, &w["row.weight"].0, &w["row.bias"].0, s.out, s.row_out);
     let ids: Vec<u32> = (0..s.vocab as u32).rev().step_by(3).collect();
-    on_every_gpu("layers_over_gpus_match_the_host", |group, device| {
+    common::run(TEST, &layout, |comm, device, _| {
+        let group = TpGroup::new(comm).expect("a group");
         let (r, n) = (group.rank(), group.size());
         let what = format!("rank {r} of {n}");
         let vb = var_builder(&path, device);
@@ -226,6 +203,7 @@ fn gathers_along_any_dimension_and_agreement() {
             }
             let one = Tensor::new(&[1u32], device).unwrap();
             let count = group.all_reduce(&one, ReduceOp::Sum).unwrap();
+            device.synchronize().unwrap();
             assert_eq!(count.to_vec1::<u32>().unwrap(), [n as u32]);
         },
     );
@@ -234,69 +212,65 @@ fn gathers_along_any_dimension_and_agreement() {
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_shard_that_does_not_split_is_a_typed_error_on_every_rank() {
-    let gpus = nccl::library::cuda_device_count().unwrap_or(0);
-    let s = shapes(gpus.max(1));
+    const TEST: &str = "a_shard_that_does_not_split_is_a_typed_error_on_every_rank";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let s = shapes(layout.size());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.safetensors");
     write_weights(&path, &s);
-    on_every_gpu(
-        "a_shard_that_does_not_split_is_a_typed_error_on_every_rank",
-        |group, device| {
-            let vb = var_builder(&path, device);
-            let err = ColumnParallelLinear::load(&vb.pp("odd"), &group, s.inp, s.out + 1, false)
-                .unwrap_err();
-            assert!(matches!(err, Error::NotDivisible { dim: 0, .. }), "{err}");
-            let err = ColumnParallelLinear::load(&vb.pp("col"), &group, s.inp + 1, s.out, false)
-                .unwrap_err();
-            assert!(matches!(err, Error::ShardShape { .. }), "{err}");
-            // The ranks are still in step: a collective after the refusals completes.
-            group.agree("after the refusals", 1, device).unwrap();
-        },
-    );
+    common::run(TEST, &layout, |comm, device, _| {
+        let group = TpGroup::new(comm).expect("a group");
+        let vb = var_builder(&path, device);
+        let err =
+            ColumnParallelLinear::load(&vb.pp("odd"), &group, s.inp, s.out + 1, false).unwrap_err();
+        assert!(matches!(err, Error::NotDivisible { dim: 0, .. }), "{err}");
+        let err =
+            ColumnParallelLinear::load(&vb.pp("col"), &group, s.inp + 1, s.out, false).unwrap_err();
+        assert!(matches!(err, Error::ShardShape { .. }), "{err}");
+        // The ranks are still in step: a collective after the refusals completes.
+        group.agree("after the refusals", 1, device).unwrap();
+    });
 }
 
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn shipped_kernels_sum_like_nccl() {
+    const TEST: &str = "shipped_kernels_sum_like_nccl";
     const MAX: usize = 4096;
-    let lib = nccl::library::get().expect("NCCL loads");
-    if lib.version() < nccl::device::DEV_COMM_SINCE {
-        eprintln!(
-            "SKIPPED shipped_kernels_sum_like_nccl: the shipped kernels need NCCL {}+, loaded {}",
-            nccl::device::DEV_COMM_SINCE,
-            lib.version()
-        );
+    if !common::shipped_kernels_or_skip(TEST) {
         return;
     }
-    on_every_gpu_with(
-        "shipped_kernels_sum_like_nccl",
-        Some(MAX),
-        |group, device| {
-            let (r, n) = (group.rank(), group.size());
-            // Small integers: every sum exact in bf16. Within the kernels' size, past it (NCCL),
-            // and f32 (NCCL), all the same sums.
-            for (len, dtype) in [
-                (3 * 1000, DType::BF16),
-                (MAX + 8, DType::BF16),
-                (64, DType::F32),
-            ] {
-                let values = |rank: usize| -> Vec<f32> {
-                    (0..len)
-                        .map(|i| ((i * 7 + rank * 3) % 17) as f32 - 8.0)
-                        .collect()
-                };
-                let want: Vec<f32> = (0..len)
-                    .map(|i| (0..n).map(|rank| values(rank)[i]).sum())
-                    .collect();
-                let t = Tensor::from_vec(values(r), len, device)
-                    .and_then(|t| t.to_dtype(dtype))
-                    .unwrap();
-                let got = group.all_reduce(&t, ReduceOp::Sum).unwrap();
-                let got = got.to_dtype(DType::F32).unwrap();
-                close(&got, &want, 0.0, &format!("rank {r}: {len} x {dtype:?}"));
-            }
-        },
-    );
+    on_every_gpu_comm(TEST, |comm, device| {
+        let Some(lsa) = lsa(TEST, comm, MAX) else {
+            return;
+        };
+        let group = TpGroup::new(lsa).expect("a group");
+        let (r, n) = (group.rank(), group.size());
+        // Small integers: every sum exact in bf16. Within the kernels' size, past it (NCCL),
+        // and f32 (NCCL), all the same sums.
+        for (len, dtype) in [
+            (3 * 1000, DType::BF16),
+            (MAX + 8, DType::BF16),
+            (64, DType::F32),
+        ] {
+            let values = |rank: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|i| ((i * 7 + rank * 3) % 17) as f32 - 8.0)
+                    .collect()
+            };
+            let want: Vec<f32> = (0..len)
+                .map(|i| (0..n).map(|rank| values(rank)[i]).sum())
+                .collect();
+            let t = Tensor::from_vec(values(r), len, device)
+                .and_then(|t| t.to_dtype(dtype))
+                .unwrap();
+            let got = group.all_reduce(&t, ReduceOp::Sum).unwrap();
+            let got = got.to_dtype(DType::F32).unwrap();
+            close(&got, &want, 0.0, &format!("rank {r}: {len} x {dtype:?}"));
+        }
+    });
 }
 
 /// The bf16 unit in the last place at `v`'s magnitude (of the smallest normal for zero).
@@ -309,13 +283,7 @@ fn bf16_ulp(v: f32) -> f32 {
 /// units in the last place of `want`'s elements.
 fn within_ulps(got: &Tensor, want: &Tensor, ulps: f32, what: &str) {
     assert_eq!(got.dims(), want.dims(), "{what}: shapes");
-    let host = |t: &Tensor| -> Vec<f32> {
-        t.flatten_all()
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.to_vec1::<f32>())
-            .unwrap_or_else(|e| panic!("{what}: {e}"))
-    };
-    let (got, want) = (host(got), host(want));
+    let (got, want) = (host_f32(got), host_f32(want));
     let mut worst = 0f32;
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         let off = (g - w).abs() / bf16_ulp(*w);
@@ -331,13 +299,7 @@ fn fused_epilogue_matches_the_unfused_sequence() {
     const TEST: &str = "fused_epilogue_matches_the_unfused_sequence";
     const MAX: usize = 8 * 1024;
     const EPS: f32 = 1e-5;
-    let lib = nccl::library::get().expect("NCCL loads");
-    if lib.version() < nccl::device::DEV_COMM_SINCE {
-        eprintln!(
-            "SKIPPED {TEST}: the shipped kernels need NCCL {}+, loaded {}",
-            nccl::device::DEV_COMM_SINCE,
-            lib.version()
-        );
+    if !common::shipped_kernels_or_skip(TEST) {
         return;
     }
     // (rows, hidden, whether the fused kernel takes it): one row split over CTAs, a decode
@@ -356,7 +318,9 @@ fn fused_epilogue_matches_the_unfused_sequence() {
     let residual_of = |i: usize, len: usize| data(100 * i as u64 + 50, len);
     let weight_of = |i: usize, hidden: usize| data(100 * i as u64 + 60, hidden);
     on_every_gpu_comm(TEST, |comm, device| {
-        let lsa = LsaCollectives::new(comm, MAX).expect("kernels");
+        let Some(lsa) = lsa(TEST, comm, MAX) else {
+            return;
+        };
         let (r, n) = (lsa.rank(), lsa.size());
         let bf16 = |values: Vec<f32>, shape: &[usize]| {
             Tensor::from_vec(values, shape, device)
@@ -388,11 +352,7 @@ fn fused_epilogue_matches_the_unfused_sequence() {
             cases.iter().zip(&inputs).enumerate()
         {
             let what = format!("rank {r} of {n}, {rows} x {hidden}, fused {fits}");
-            let before = partial
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
+            let before = host_f32(partial);
             let (got_residual, got_normed) = group
                 .all_reduce_add_rms_norm(partial, residual, weight, EPS)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -401,11 +361,7 @@ fn fused_epilogue_matches_the_unfused_sequence() {
             let sum = group.all_reduce(partial, ReduceOp::Sum).unwrap();
             let want_residual = (&sum + residual).unwrap();
             let want_normed = candle_nn::ops::rms_norm(&want_residual, weight, EPS).unwrap();
-            let after = partial
-                .to_dtype(DType::F32)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
+            let after = host_f32(partial);
             assert_eq!(before, after, "{what}: the partial output changed");
             if !fits {
                 // The unfused sequence itself, the same kernels in the same order.
@@ -465,5 +421,136 @@ fn fused_epilogue_matches_the_unfused_sequence() {
         group.set_skip_collectives(false);
         let alone = (partial + residual).unwrap();
         within_ulps(&skipped, &alone, 0.0, &format!("rank {r}: skipped"));
+    });
+}
+
+/// Issue 41, M2: a bf16 sum that one rank refuses alone (here a tensor of another stream of
+/// the same GPU) while its peers launched the shipped kernel must leave every rank refusing
+/// from then on, never pairing the refusing rank's next call with its peers' previous one
+/// (which returned `Ok` with a wrong sum before the fix).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_rank_refusing_alone_leaves_every_rank_refusing() {
+    const TEST: &str = "a_rank_refusing_alone_leaves_every_rank_refusing";
+    const LEN: usize = 3 * 1000;
+    const ROWS: usize = 2;
+    const HIDDEN: usize = 1024;
+    if !common::shipped_kernels_or_skip(TEST) {
+        return;
+    }
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    // Rank `rank`'s input of call `call`: random values in [-1, 1).
+    let input = |call: u64, rank: usize| data(1000 * call + rank as u64, LEN);
+    common::run(TEST, &layout, |comm, device, barrier| {
+        let (r, n) = (comm.rank(), comm.size());
+        let Some(lsa) = lsa(TEST, comm, LEN.max(ROWS * HIDDEN)) else {
+            return;
+        };
+        lsa.set_kernel_timeout(Duration::from_secs(3));
+        assert_eq!(lsa.kernel_timeout(), Duration::from_secs(3));
+        let bf16 = |values: Vec<f32>, shape: &[usize], device: &Device| {
+            Tensor::from_vec(values, shape, device)
+                .and_then(|t| t.to_dtype(DType::BF16))
+                .unwrap()
+        };
+        // Every upload before the first launch: nothing waits for a peer while it copies.
+        let first = bf16(input(1, r), &[LEN], device);
+        let second = bf16(input(2, r), &[LEN], device);
+        let third = bf16(input(3, r), &[LEN], device);
+        let epilogue = [
+            bf16(data(40 + r as u64, ROWS * HIDDEN), &[ROWS, HIDDEN], device),
+            bf16(data(50, ROWS * HIDDEN), &[ROWS, HIDDEN], device),
+            bf16(data(60, HIDDEN), &[HIDDEN], device),
+        ];
+        // Rank 1's second input: on another stream of the same GPU (a second candle device).
+        let elsewhere = (r == 1).then(|| {
+            let DeviceLocation::Cuda { gpu_id } = device.location() else {
+                unreachable!("a CUDA device")
+            };
+            let other = Device::new_cuda_with_stream(gpu_id).expect("another stream");
+            let t = bf16(input(2, r), &[LEN], &other);
+            other.synchronize().unwrap();
+            t
+        });
+        device.synchronize().unwrap();
+        barrier.wait();
+
+        // A good call first: the host's sum, in f32 in rank order and rounded once.
+        let got = lsa
+            .all_reduce(&first, ReduceOp::Sum)
+            .expect("the first call");
+        lsa.check().expect("the first call completes on every rank");
+        let want: Vec<f32> = (0..LEN)
+            .map(|i| {
+                let sum = (0..n)
+                    .map(|rank| half::bf16::from_f32(input(1, rank)[i]).to_f32())
+                    .fold(0f32, |acc, v| acc + v);
+                half::bf16::from_f32(sum).to_f32()
+            })
+            .collect();
+        close(
+            &got,
+            &want,
+            0.0,
+            &format!("rank {r} of {n}: the first call"),
+        );
+        barrier.wait();
+
+        // Rank 1 refuses its second call alone; the others launch theirs, which give up.
+        if let Some(elsewhere) = &elsewhere {
+            match lsa.all_reduce(elsewhere, ReduceOp::Sum) {
+                Err(Error::Nccl(nccl::Error::InvalidArgument(msg))) => {
+                    assert!(msg.contains("stream"), "rank {r}: {msg}")
+                }
+                other => panic!("rank {r}: a tensor of another stream: {other:?}"),
+            }
+            match lsa.status() {
+                Err(Error::Nccl(nccl::Error::InvalidUsage(msg))) => {
+                    assert!(msg.contains("out of step"), "rank {r}: {msg}")
+                }
+                other => panic!("rank {r}: status after the refusal: {other:?}"),
+            }
+        } else {
+            let launched = lsa
+                .all_reduce(&second, ReduceOp::Sum)
+                .expect("launched: the refusal is rank 1's alone");
+            // The kernel waits for rank 1 for the 3 s set above, then gives up.
+            device.synchronize().unwrap();
+            match lsa.check() {
+                Err(Error::Nccl(nccl::Error::Timeout { .. })) => {}
+                other => panic!("rank {r}: rank 1 never came: {other:?}"),
+            }
+            drop(launched);
+        }
+        barrier.wait();
+
+        // The next call, on every rank: an error, never a sum (rank 1's used to pair with
+        // its peers' second call and return Ok with a wrong sum).
+        let next = lsa.all_reduce(&third, ReduceOp::Sum);
+        let fused = lsa.all_reduce_add_rms_norm(&epilogue[0], &epilogue[1], &epilogue[2], 1e-5);
+        device.synchronize().unwrap();
+        for (what, result) in [
+            ("the next sum", next.map(|t| vec![t])),
+            ("the next epilogue", fused.map(|(a, b)| vec![a, b])),
+        ] {
+            match (r, result) {
+                (1, Err(Error::Nccl(nccl::Error::InvalidUsage(msg)))) => {
+                    assert!(msg.contains("out of step"), "rank {r}: {what}: {msg}")
+                }
+                (r, Err(Error::Nccl(nccl::Error::Timeout { .. }))) if r != 1 => {}
+                (r, Ok(tensors)) => panic!(
+                    "rank {r}: {what} returned Ok ({:?}...) after rank 1 refused a call alone",
+                    &host_f32(&tensors[0])[..4]
+                ),
+                (r, Err(e)) => panic!("rank {r}: {what}: unexpected error {e}"),
+            }
+        }
+        assert!(lsa.status().is_err(), "rank {r}: status");
+        barrier.wait();
+        // Dropped on every rank: nothing of theirs still runs.
+        drop(lsa);
+        barrier.wait();
     });
 }

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # tests/gpu/candle.sh [NAME args...]: runs nccl-candle binaries carried in .gpu/candle/bin.tar.xz
 # (built on a machine without CUDA against stub libraries) with the host's CUDA 13.0 libraries and
-# .gpu/run's NCCL settings. Without arguments: the GPU tests (`gpu`, `gpu_*`), each in turn.
+# .gpu/run's NCCL settings. Without arguments: the GPU tests (`gpu`, `gpu_*`), each in turn, in
+# the shapes of nccl-rs's GPU suite (one GPU per rank where 2+ are visible, else two ranks
+# sharing GPU 0, NCCL 2.30+; NCCL_RS_GPU_SHAPE=gpus|shared forces one), then the summary of
+# what ran and what was skipped (`zz_gpu_suite_summary`, from the ledger the tests kept).
 set -o pipefail
 bin=/tmp/nccl-candle-bin; mkdir -p $bin
 [[ -f $bin/.unpacked ]] || { tar -C $bin -xJf .gpu/candle/bin.tar.xz && touch $bin/.unpacked; } || exit 1
@@ -17,4 +20,7 @@ fi
 if (( $# )); then n=$1; shift; exec $bin/$n "$@"; fi
 rc=0
 for t in $bin/gpu $bin/gpu_*; do [[ -x $t ]] || continue; echo "=== ${t##*/}"; $t --include-ignored --test-threads=1 || rc=1; done
+# The ledger is named after this shell, the parent of every test binary and of the summary.
+if [[ -x $bin/zz_gpu_suite_summary ]]; then $bin/zz_gpu_suite_summary --test-threads=1 || rc=1
+else echo "no zz_gpu_suite_summary in the bundle: rebuild it with tools/gpu-bundle"; rc=1; fi
 exit $rc

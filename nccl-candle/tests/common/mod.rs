@@ -1,8 +1,152 @@
-//! Host-side helpers of the tensor-parallel tests: random data and the host's computation
-//! of a whole layer.
+//! Helpers of the tests: random data and the host's computation of a whole layer, and for
+//! the GPU tests the ranks ([`on_ranks`]) in the shapes of nccl-rs's own GPU suite, whose
+//! harness (`../tests/common/shape.rs`, `threaded.rs`) is reused as it is: one GPU per rank
+//! where there are 2+, else two ranks sharing GPU 0 as one LSA team (NCCL 2.30+), and a
+//! ledger of what ran and what was skipped, said on stderr past libtest's capture and
+//! printed by `zz_gpu_suite_summary` at the end.
 #![allow(dead_code)] // each test crate uses its own part
 
-use candle_core::Tensor;
+use std::sync::Barrier;
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use nccl::Comm;
+
+#[path = "../../../tests/common/shape.rs"]
+pub mod shape;
+#[path = "../../../tests/common/threaded.rs"]
+pub mod threaded;
+
+/// What `shape` takes from the core harness's `procs` (the re-exec harness, which these
+/// tests do not use).
+pub mod procs {
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    /// A `(name, value)` pair of a child's environment.
+    pub fn var(name: &str, value: impl ToString) -> (String, String) {
+        (name.to_owned(), value.to_string())
+    }
+
+    /// Milliseconds since the Unix epoch.
+    pub fn epoch_ms() -> u128 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0)
+    }
+
+    /// What `CUDA_VISIBLE_DEVICES` must say for a child to see exactly GPU `ordinal`.
+    pub fn visible_gpu(ordinal: usize) -> String {
+        match std::env::var("CUDA_VISIBLE_DEVICES") {
+            Ok(list) if !list.trim().is_empty() => list
+                .split(',')
+                .nth(ordinal)
+                .map(|entry| entry.trim().to_owned())
+                .unwrap_or_else(|| panic!("CUDA_VISIBLE_DEVICES={list:?} has no entry {ordinal}")),
+            _ => ordinal.to_string(),
+        }
+    }
+}
+
+/// How long a multi-rank GPU test may take before its process is aborted, saying which
+/// test hung (a rank that failed while its peers wait in a collective).
+pub const LIMIT: Duration = Duration::from_secs(300);
+
+/// Runs `body(comm, device)` for every rank of this host's threaded layout
+/// ([`shape::threaded`]: one GPU per rank where there are 2+, else two ranks sharing GPU 0,
+/// NCCL 2.30+), each rank on a thread of its own with a candle device of its own stream and
+/// a communicator on that stream (`Comm::init_all`); the device is synchronised after
+/// `body`. Where no layout fits, says why ([`shape::skip`], on stderr and in the ledger) and
+/// runs nothing; otherwise records how it runs ([`shape::ran`]). Returns whether it ran.
+///
+/// Ranks sharing GPU 0 share one CUDA context, whose pageable copies go through one staging
+/// buffer: a rank that reads a tensor back while its stream waits in a collective for the
+/// other rank can hold that buffer while the other rank's upload, and so its launch, waits
+/// for it. Bodies synchronise the device before reading back ([`close`] does).
+pub fn on_ranks(test: &'static str, body: impl Fn(Comm, &Device) + Sync) -> bool {
+    match layout(test) {
+        Some(layout) => {
+            run(test, &layout, |comm, device, _| body(comm, device));
+            true
+        }
+        None => false,
+    }
+}
+
+/// This host's threaded layout for `test` (see [`on_ranks`]), recorded as run; else `None`,
+/// said through [`shape::skip`].
+pub fn layout(test: &'static str) -> Option<shape::Layout> {
+    shape::setup();
+    shape::threaded(test)
+}
+
+/// [`on_ranks`] on a `layout` of [`layout`], `body` also given a barrier of all the ranks.
+pub fn run(
+    test: &'static str,
+    layout: &shape::Layout,
+    body: impl Fn(Comm, &Device, &Barrier) + Sync,
+) {
+    let _deadline = threaded::Deadline::new(test, LIMIT);
+    let barrier = Barrier::new(layout.size());
+    let devices: Vec<Device> = layout
+        .devices
+        .iter()
+        .map(|&d| Device::new_cuda_with_stream(d).expect("a candle CUDA device"))
+        .collect();
+    let streams: Vec<_> = devices
+        .iter()
+        .map(|d| d.as_cuda_device().unwrap().cuda_stream())
+        .collect();
+    let comms = Comm::init_all(&streams).expect("ncclCommInitAll");
+    std::thread::scope(|scope| {
+        for (comm, device) in comms.into_iter().zip(devices) {
+            let (body, barrier) = (&body, &barrier);
+            scope.spawn(move || {
+                let rank = comm.rank();
+                body(comm, &device, barrier);
+                device
+                    .synchronize()
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            });
+        }
+    });
+}
+
+/// Whether the loaded NCCL can run nccl-rs's shipped kernels; else says why not (skipped).
+pub fn shipped_kernels_or_skip(test: &str) -> bool {
+    let lib = match nccl::library::get() {
+        Ok(lib) => lib,
+        Err(e) => {
+            shape::skip(test, &format!("NCCL does not load: {e}"));
+            return false;
+        }
+    };
+    if lib.version() < nccl::device::DEV_COMM_SINCE {
+        shape::skip(
+            test,
+            &format!(
+                "the shipped kernels need NCCL {}+, loaded {}",
+                nccl::device::DEV_COMM_SINCE,
+                lib.version()
+            ),
+        );
+        return false;
+    }
+    true
+}
+
+/// Whether `err`, from making the shipped kernels, says these ranks cannot have them (not
+/// one LSA team, no device API, an older NCCL): the test is then skipped, saying so once.
+pub fn kernels_unavailable(test: &str, rank: usize, err: &nccl_candle::Error) -> bool {
+    let unavailable = matches!(err, nccl_candle::Error::Nccl(e) if e.is_unsupported());
+    if unavailable && rank == 0 {
+        shape::skip(
+            test,
+            &format!("the shipped kernels refused these ranks: {err}"),
+        );
+    }
+    unavailable
+}
 
 /// Values in [-1, 1) from a seed (xorshift).
 pub fn data(seed: u64, len: usize) -> Vec<f32> {
@@ -38,8 +182,22 @@ pub fn columns(x: &[f32], width: usize, range: std::ops::Range<usize>) -> Vec<f3
         .collect()
 }
 
+/// `t`'s elements as f32 on the host, once its device has nothing left to do (see
+/// [`on_ranks`]).
+pub fn host_f32(t: &Tensor) -> Vec<f32> {
+    t.device().synchronize().expect("synchronize");
+    t.flatten_all()
+        .and_then(|t| t.to_dtype(candle_core::DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("a read-back")
+}
+
 /// Asserts that `got` holds `want` within `tolerance` per element.
 pub fn close(got: &Tensor, want: &[f32], tolerance: f32, what: &str) {
+    // Nothing left that waits for a peer when the copy starts (see `on_ranks`).
+    got.device()
+        .synchronize()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     let got = got
         .flatten_all()
         .and_then(|t| t.to_dtype(candle_core::DType::F32))
