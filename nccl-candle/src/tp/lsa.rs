@@ -56,7 +56,9 @@ self_cell::self_cell!(
 ///   that call returned `Ok` there (the launch is asynchronous) but its output is wrong, and
 ///   their next call, or [`check`](Self::check), fails with [`nccl::Error::Timeout`].
 ///
-/// No rank's call then pairs with another call's data. To go on, drop the `LsaCollectives`
+/// A refusal that every rank makes alike (the epilogue's shapes, a tensor on the CPU on every
+/// rank) goes the same way: a rank cannot know that its peers refused too. No rank's call
+/// then pairs with another call's data. To go on, drop the `LsaCollectives`
 /// (or the [`TpGroup`](super::TpGroup) holding it) on every rank and make new ones on a new
 /// communicator; [`status`](Self::status) says, without waiting, whether this rank's kernels
 /// still serve calls. A sum that NCCL runs (past the kernels' size, or another type or
@@ -91,7 +93,8 @@ impl LsaCollectives {
 
     /// Sets [`kernel_timeout`](Self::kernel_timeout) for the calls made from now on
     /// (`LsaAllReduce::set_timeout`): how long the peers of a rank that refused a call alone
-    /// wait before their kernels give up. Every rank alike.
+    /// wait before their kernels give up. Every rank alike, before the `LsaCollectives` goes
+    /// into a [`TpGroup`](super::TpGroup).
     pub fn set_kernel_timeout(&self, timeout: Duration) {
         self.owned
             .borrow_mut()
