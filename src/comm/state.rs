@@ -109,6 +109,13 @@ pub(crate) trait KernelStop: Send + Sync {
     /// it is written (every kernel of the owner that starts later returns at once, and a
     /// running one within [`KERNEL_STOP_NOTICE`]), `false` if that could not be made sure.
     fn signal(&self) -> bool;
+
+    /// The owner's number in the communicator's flight recorder
+    /// (`FlightRing::new_shipped_instance`), if it has one: a stop that was written marks it
+    /// stopped there.
+    fn flight_instance(&self) -> Option<u32> {
+        None
+    }
 }
 
 impl State {
@@ -244,6 +251,13 @@ impl State {
             return;
         }
         let written: Vec<bool> = stops.iter().map(|(_, stop)| stop.signal()).collect();
+        if let Some(ring) = self.flight.as_deref_mut() {
+            for ((_, stop), _) in stops.iter().zip(&written).filter(|(_, w)| **w) {
+                if let Some(instance) = stop.flight_instance() {
+                    ring.shipped_stopped(instance);
+                }
+            }
+        }
         std::thread::sleep(KERNEL_STOP_NOTICE);
         let mut written = written.into_iter();
         stops.retain(|_| !written.next().unwrap_or(false));

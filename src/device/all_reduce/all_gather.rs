@@ -31,6 +31,16 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         send: &impl DevicePtr<T>,
         recv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
+        let result = self.all_gather_checked(send, recv);
+        self.refused_here(result)
+    }
+
+    // The body of the call above: its refusals go through `refused_here`.
+    fn all_gather_checked(
+        &mut self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
         let count = send.len();
         let ranks = self.comm.size();
         if count > self.max_gather_count() {

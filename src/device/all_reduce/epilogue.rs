@@ -4,7 +4,10 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::{Kernel, LsaAlgorithm, LsaAllReduce, LsaElem, MAX_CTAS, THREADS, VECTOR};
+use super::{
+    record_launch, Kernel, LsaAlgorithm, LsaAllReduce, LsaElem, MAX_CTAS, THREADS, VECTOR,
+};
+use crate::diagnostics::flight::ShippedKernel;
 use crate::error::{Error, Result};
 
 /// How [`LsaAllReduce::all_reduce_add_rms_norm`] runs.
@@ -132,6 +135,21 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         out: &mut impl DevicePtrMut<T>,
         how: LsaEpilogue,
     ) -> Result<()> {
+        let result = self.all_reduce_add_rms_norm_checked(x, residual, weight, eps, out, how);
+        self.refused_here(result)
+    }
+
+    // The body of the call above: its refusals go through `refused_here`.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_add_rms_norm_checked(
+        &mut self,
+        x: &mut impl DevicePtrMut<T>,
+        residual: &mut impl DevicePtrMut<T>,
+        weight: &impl DevicePtr<T>,
+        eps: f32,
+        out: &mut impl DevicePtrMut<T>,
+        how: LsaEpilogue,
+    ) -> Result<()> {
         let plan = self.epilogue_plan(
             x,
             [residual.len(); 2],
@@ -152,6 +170,30 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
     /// residual)`, `out` its norm. The same rules, `residual_out` as long as `residual`.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_add_rms_norm_to(
+        &mut self,
+        x: &mut impl DevicePtrMut<T>,
+        residual: &impl DevicePtr<T>,
+        weight: &impl DevicePtr<T>,
+        eps: f32,
+        residual_out: &mut impl DevicePtrMut<T>,
+        out: &mut impl DevicePtrMut<T>,
+        how: LsaEpilogue,
+    ) -> Result<()> {
+        let result = self.all_reduce_add_rms_norm_to_checked(
+            x,
+            residual,
+            weight,
+            eps,
+            residual_out,
+            out,
+            how,
+        );
+        self.refused_here(result)
+    }
+
+    // The body of the call above: its refusals go through `refused_here`.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_add_rms_norm_to_checked(
         &mut self,
         x: &mut impl DevicePtrMut<T>,
         residual: &impl DevicePtr<T>,
@@ -262,7 +304,7 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
         hidden: usize,
         eps: f32,
     ) -> Result<()> {
-        let _usable = self.usable()?;
+        let mut usable = self.usable()?;
         if rows == 0 {
             return Ok(());
         }
@@ -284,7 +326,7 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
             // ordered on this stream by the caller's guards; a CTA handles whole rows of at
             // most NORM_VECTORS_PER_THREAD vectors a thread, reading a row before writing it
             // (so the sums may be `out`, and the residuals one buffer).
-            unsafe {
+            let launched = unsafe {
                 stream
                     .launch_builder(&self.add_norm)
                     .arg(&x)
@@ -295,8 +337,17 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
                     .arg(&rows)
                     .arg(&hidden)
                     .arg(&eps)
-                    .launch(cfg)?;
-            }
+                    .launch(cfg)
+            };
+            record_launch::<T>(
+                &mut usable,
+                self.flight_instance,
+                ShippedKernel::AddRmsNorm,
+                rows * hidden,
+                stream.cu_stream() as u64,
+                launched.is_err(),
+            );
+            launched?;
             return Ok(());
         }
         let scratch = self.scratch.as_raw() as u64;
@@ -331,6 +382,14 @@ impl<T: LsaElem> LsaAllReduce<'_, T> {
                 .launch(cfg)
         };
         drop(state_written);
+        record_launch::<T>(
+            &mut usable,
+            self.flight_instance,
+            ShippedKernel::FusedAddRmsNorm,
+            rows * hidden,
+            stream.cu_stream() as u64,
+            launched.is_err(),
+        );
         if let Err(err) = launched {
             self.put_out_of_step("a kernel launch failed here");
             return Err(err.into());

@@ -16,6 +16,7 @@ use super::{shipped, DevComm, DevCommRequirements};
 use crate::calls;
 use crate::comm::state::State;
 use crate::comm::{Comm, ContextId};
+use crate::diagnostics::flight::{FlightRing, RawShipped, ShippedKernel};
 use crate::dtype::NcclType;
 use crate::error::{Error, Refusal, Result};
 use crate::op::ReduceOp;
@@ -162,12 +163,16 @@ pub enum LsaAlgorithm {
 /// spinning forever: its output is then wrong, and from then on the instance refuses every
 /// call ([`Error::Timeout`], read from host-mapped memory without waiting for the GPU; a
 /// kernel replayed from a CUDA graph returns at once, sending nothing, so its peers give up
-/// too rather than take another call's data). A call refused on one rank alone (a
+/// too rather than take another call's data). Any refused call (a
 /// [`Group`](crate::Group) open on the thread, a buffer of another context, a communicator
-/// that failed) leaves the ranks out of step, so it also refuses every later call
-/// ([`Error::InvalidUsage`]). Refusals every rank makes alike (a count past
-/// [`max_count`](Self::max_count), lengths that differ) change nothing. After either, drop
-/// the instance on every rank and make a new one.
+/// that failed, a count past [`max_count`](Self::max_count), lengths that differ, a failed
+/// launch) puts the instance out of step on the rank that refused: no rank can know whether
+/// its peers refused the same call or launched theirs, which would then wait for this
+/// rank's, so it refuses every later call ([`Error::InvalidUsage`]) rather than pair with a
+/// stale one, and the peers' kernels of a call they made alone give up. A caller that
+/// refuses on its own after deciding to call (a framework's checks) says so with
+/// [`put_out_of_step`](Self::put_out_of_step). After either, drop the instance on every
+/// rank and make a new one.
 ///
 /// A launch is refused once the communicator was aborted, destroyed, failed, revoked or
 /// suspended. Nothing lets go of the instance's kernels before stopping them (the invariant
@@ -232,6 +237,8 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     gave_up: ManuallyDrop<GaveUp>,
     /// The threads of a barrier CTA, where a test set them ([`Self::set_barrier_threads`]).
     barrier_threads: Option<u32>,
+    /// Its number in the communicator's flight recorder (`None`: the recorder is off).
+    flight_instance: Option<u32>,
     /// Set when a call was refused on this rank alone after its peers may have gone ahead
     /// (another context, a group open, an unusable communicator): the instance is out of
     /// step, and every later call is refused.
@@ -313,6 +320,14 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let agreed = agree(comm, [refusal, row[1], row[2]]);
         let dev_comm = dev_comm?;
         agreed?;
+        // Numbered after the last agreement, before anything that can fail on one rank alone:
+        // every rank that gets here numbers its instances alike.
+        let flight_instance = comm
+            .shared()
+            .lock()
+            .flight
+            .as_deref_mut()
+            .map(FlightRing::new_shipped_instance);
         let state = {
             let (ptr, _read) = prepared.state.device_ptr(comm.stream());
             ptr
@@ -320,7 +335,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // After the last meeting: a rank that fails here alone (a stream it cannot make)
         // leaves its peers a working instance whose first call times out, as any rank that
         // stops calling does.
-        let stop = stop::Registration::new(comm, state)?;
+        let stop = stop::Registration::new(comm, state, flight_instance)?;
         Ok(Self {
             stop: ManuallyDrop::new(stop),
             comm,
@@ -335,6 +350,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             state: ManuallyDrop::new(prepared.state),
             gave_up: ManuallyDrop::new(prepared.gave_up),
             barrier_threads: None,
+            flight_instance,
             out_of_step: None,
             slot_bytes: prepared.slot_bytes,
             max_count,
@@ -387,6 +403,17 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         recv: &mut impl DevicePtrMut<T>,
         algorithm: LsaAlgorithm,
     ) -> Result<LsaAlgorithm> {
+        let result = self.all_reduce_checked(send, recv, algorithm);
+        self.refused_here(result)
+    }
+
+    // The body of the call above: its refusals go through `refused_here`.
+    fn all_reduce_checked(
+        &mut self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+        algorithm: LsaAlgorithm,
+    ) -> Result<LsaAlgorithm> {
         let count = send.len();
         if recv.len() != count {
             return Err(Error::invalid(format!(
@@ -416,6 +443,16 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         buf: &mut impl DevicePtrMut<T>,
         algorithm: LsaAlgorithm,
     ) -> Result<LsaAlgorithm> {
+        let result = self.all_reduce_in_place_checked(buf, algorithm);
+        self.refused_here(result)
+    }
+
+    // The body of the call above: its refusals go through `refused_here`.
+    fn all_reduce_in_place_checked(
+        &mut self,
+        buf: &mut impl DevicePtrMut<T>,
+        algorithm: LsaAlgorithm,
+    ) -> Result<LsaAlgorithm> {
         let count = buf.len();
         let chosen = self.resolve(count, algorithm)?;
         if chosen == LsaAlgorithm::Nccl {
@@ -440,6 +477,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             )));
         }
         if self.gave_up.is_set() {
+            self.flight_mark(FlightRing::shipped_gave_up);
             return Err(Error::Timeout {
                 what: format!(
                     "LsaAllReduce on rank {}: a kernel's peers to send their data (it gave up \
@@ -461,6 +499,18 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let limit = self.timeout.saturating_add(Duration::from_secs(10));
         self.comm.wait_stream(self.comm.stream(), Some(limit))?;
         self.status()
+    }
+
+    /// `result` of a call, after putting the instance out of step if it is an error: a rank
+    /// cannot know whether its peers refused the same call (their kernels may be waiting for
+    /// this rank's), so no refusal leaves the instance in step.
+    fn refused_here<R>(&mut self, result: Result<R>) -> Result<R> {
+        if let Err(err) = &result {
+            if self.out_of_step.is_none() {
+                self.put_out_of_step(format!("a call was refused here: {err}"));
+            }
+        }
+        result
     }
 
     /// Puts the instance out of step with its peers for good, saying `why`: for a caller that
@@ -528,7 +578,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
     /// Launches `kernel` on `count` elements per rank from `src` into `dst` (`count` elements,
     /// or `count` × ranks for the all-gather).
     fn launch(&mut self, kernel: Kernel, src: u64, dst: u64, count: usize) -> Result<()> {
-        let _usable = self.usable()?;
+        let mut usable = self.usable()?;
         if count == 0 {
             return Ok(());
         }
@@ -585,11 +635,35 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 .launch(cfg)
         };
         drop(state_written);
+        let shipped = match kernel {
+            Kernel::AllReduce(LsaAlgorithm::OneShotBarrier) => ShippedKernel::OneShotBarrier,
+            Kernel::AllReduce(LsaAlgorithm::TwoShotFlags) => ShippedKernel::TwoShotFlags,
+            Kernel::AllReduce(_) => ShippedKernel::OneShotFlags,
+            Kernel::AllGather => ShippedKernel::AllGather,
+        };
+        record_launch::<T>(
+            &mut usable,
+            self.flight_instance,
+            shipped,
+            count,
+            stream.cu_stream() as u64,
+            launched.is_err(),
+        );
         if let Err(err) = launched {
             self.put_out_of_step("a kernel launch failed here");
             return Err(err.into());
         }
         Ok(())
+    }
+
+    /// Runs `mark` on the communicator's flight recorder with this instance's number, where
+    /// the recorder is on. Takes the communicator's lock: never called under it.
+    fn flight_mark(&self, mark: fn(&mut FlightRing, u32)) {
+        if let Some(instance) = self.flight_instance {
+            if let Some(ring) = self.comm.shared().lock().flight.as_deref_mut() {
+                mark(ring, instance);
+            }
+        }
     }
 
     /// Runs barrier CTAs of `threads` threads (1 to 512) from now on, for tests: the barrier
@@ -631,6 +705,30 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
 /// within microseconds once they run; a kernel queued behind work that never ends does not).
 const AFTER_STOP: Duration = Duration::from_secs(1);
 
+/// Records a launch of `kernel` by instance `instance` (on `count` elements per rank, on the
+/// raw stream `stream`) in the communicator's flight recorder, under its lock `state`, which
+/// the launch holds (see `crate::diagnostics::flight`); `refused` where the launch failed.
+#[inline(always)]
+fn record_launch<T: LsaElem>(
+    state: &mut State,
+    instance: Option<u32>,
+    kernel: ShippedKernel,
+    count: usize,
+    stream: u64,
+    refused: bool,
+) {
+    if let (Some(instance), Some(ring)) = (instance, state.flight.as_deref_mut()) {
+        ring.record_shipped(RawShipped::launch(
+            instance,
+            kernel,
+            T::DATA_TYPE,
+            count,
+            stream,
+            refused,
+        ));
+    }
+}
+
 /// Lets go of the instance's kernels before their memory (see `stop.rs`): they get
 /// [`Comm::drop_timeout`] to end on their own (a peer may be late to the last call), then
 /// are stopped and get `AFTER_STOP` more. Kernels that still have not ended (queued behind
@@ -642,8 +740,15 @@ impl<T: LsaElem> Drop for LsaAllReduce<'_, T> {
         let mut written = true;
         if !ended {
             written = self.stop.stop_now();
+            if written {
+                self.flight_mark(FlightRing::shipped_stopped);
+            }
             ended = self.kernels_end_within(AFTER_STOP);
         }
+        if self.gave_up.is_set() {
+            self.flight_mark(FlightRing::shipped_gave_up);
+        }
+        self.flight_mark(FlightRing::shipped_instance_dropped);
         if ended {
             // SAFETY: no kernel of the instance can run any more (none is enqueued that did
             // not end), and none of the three is touched again.

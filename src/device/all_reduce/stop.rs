@@ -41,9 +41,15 @@ struct Stopper {
     comm_stream: Arc<CudaStream>,
     /// Device address of the instance's `State::timed_out`.
     timed_out: u64,
+    /// The instance's number in the communicator's flight recorder.
+    flight_instance: Option<u32>,
 }
 
 impl KernelStop for Stopper {
+    fn flight_instance(&self) -> Option<u32> {
+        self.flight_instance
+    }
+
     fn signal(&self) -> bool {
         if self.ctx.bind_to_thread().is_err() {
             return false;
@@ -88,7 +94,7 @@ pub(super) struct Registration<'c> {
 
 impl<'c> Registration<'c> {
     /// Registers a stopper for the kernels whose state starts at device address `state`.
-    pub(super) fn new(comm: &'c Comm, state: u64) -> Result<Self> {
+    pub(super) fn new(comm: &'c Comm, state: u64, flight_instance: Option<u32>) -> Result<Self> {
         static NEXT: AtomicUsize = AtomicUsize::new(1);
         let ctx = comm.context().clone();
         let stream = ctx.new_stream()?;
@@ -101,6 +107,7 @@ impl<'c> Registration<'c> {
                 stream,
                 comm_stream,
                 timed_out: state + TIMED_OUT_OFFSET,
+                flight_instance,
             }),
         );
         Ok(Self { comm, id })

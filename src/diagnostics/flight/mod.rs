@@ -164,11 +164,9 @@ pub use finding::Finding;
 pub use json::FLIGHT_RECORD_FORMAT;
 pub(crate) use record::Who;
 pub use record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+pub(crate) use ring::RawShipped;
 pub use ring::MAX_FLIGHT_ENTRIES;
 pub(crate) use ring::{FlightRing, RawKind, RawOp, NO_RANK};
-// Until `src/device/all_reduce` records its launches (being wired there): then drop this `allow`.
-#[allow(unused_imports)]
-pub(crate) use ring::RawShipped;
 pub use shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 
 use crate::error::{Error, Result};

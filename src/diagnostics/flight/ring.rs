@@ -267,8 +267,6 @@ impl FlightRing {
 
 /// The shipped kernels' hooks (see the [module docs](super#shipped-kernels)), called by
 /// `LsaAllReduce` under the communicator's lock.
-// Until `src/device/all_reduce` calls them (being wired there): then drop this `allow`.
-#[allow(dead_code)]
 impl FlightRing {
     /// Numbers a new instance of shipped kernels (from 1, in creation order: ranks that
     /// create theirs collectively in the same order number them alike) and keeps its

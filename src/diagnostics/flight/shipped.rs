@@ -202,8 +202,6 @@ impl fmt::Display for ShippedInstance {
     }
 }
 
-// Until `src/device/all_reduce` calls it (being wired there): then drop this `allow`.
-#[allow(dead_code)]
 impl RawShipped {
     /// A launch of `kernel` by instance `instance`, on `count` elements per rank of `dtype`
     /// on the raw stream `stream`; `refused` where the launch failed.
