@@ -53,6 +53,22 @@ fn ranks(test: &'static str) -> Option<(Vec<Comm>, Deadline)> {
     Some((comms, Deadline::new(test, LIMIT)))
 }
 
+/// Waits for everything enqueued on `stream` so far, for at most `limit`: a test that would
+/// hang here fails, saying `what` did not end.
+fn sync_within(stream: &cudarc::driver::CudaStream, limit: Duration, what: &str) {
+    let done = stream.record_event(None).expect("an event");
+    let start = Instant::now();
+    while !done.try_is_complete().expect("the context works") {
+        assert!(start.elapsed() < limit, "{what}: not ended after {limit:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Says where a test is (stderr, outside the harness's capture), so a hang can be located.
+fn step(test: &str, rank: usize, what: &str) {
+    eprintln!("STEP {test} rank {rank}: {what}");
+}
+
 fn all_nan(what: &str, rank: usize, got: &[f32]) {
     if let Some((i, x)) = got.iter().enumerate().find(|(_, x)| !x.is_nan()) {
         panic!("rank {rank}: {what}: element {i} is {x}, not NaN");
@@ -121,9 +137,11 @@ fn a_dropped_instance_stops_its_kernel_before_the_abort() {
 
 /// M1 of the review: rank 0's one-shot kernel waits for rank 1, which never calls, and an
 /// NCCL all-reduce is queued behind it; NCCL's revoke waits for the stream work queued before
-/// its last launch, so before, the revoke took the kernel's whole timeout. Then the same with
-/// a shrink that aborts (rank 1 excluded, as after a failure), with nothing of NCCL's behind
-/// the kernel: the child inherits the stream, which must not stay blocked by it.
+/// its last launch, so before, rank 0's revoke took the kernel's whole timeout (every rank
+/// revokes, as after a failure: NCCL's revoke of a communicator with a device communicator
+/// and windows needs its peers). Then a shrink that aborts, after rank 1 died (aborted its
+/// communicator), with nothing of NCCL's behind the kernel: the child inherits the stream,
+/// which must not stay blocked by it.
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
@@ -141,55 +159,84 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
         };
         per_rank(comms, |comm, barrier| {
             let (rank, size) = (comm.rank(), comm.size());
+            let what = if shrink { "shrink" } else { "revoke" };
             let stream = comm.stream().clone();
             let mut buf = stream.alloc_zeros::<f32>(1024).expect("buf");
             let mut other = stream.alloc_zeros::<f32>(1024).expect("other");
             let mut staging = Staging::new(&stream, 1024);
-            let mut ar = LsaAllReduce::<f32>::new(&comm, 1024).expect("new");
-            ar.set_timeout(KERNEL_TIMEOUT);
+            let handle = comm.abort_handle().expect("abort handle");
+            let mut ar = Some(LsaAllReduce::<f32>::new(&comm, 1024).expect("new"));
+            if let Some(ar) = ar.as_mut() {
+                ar.set_timeout(KERNEL_TIMEOUT);
+            }
             barrier.wait();
             if rank == 0 {
-                ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                let kernels = ar.as_mut().expect("made above");
+                kernels
+                    .all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
                     .expect("launch");
                 if !shrink {
                     comm.all_reduce_in_place(&mut other, ReduceOp::Sum)
                         .expect("NCCL behind it");
                 }
-                std::thread::sleep(Duration::from_millis(300));
-                let t = Instant::now();
-                if shrink {
-                    let excluded: Vec<usize> = (1..size).collect();
-                    let child = comm
-                        .shrink(&excluded, ShrinkMode::Abort, None)
-                        .expect("shrink");
-                    let took = t.elapsed();
-                    // The child runs on the inherited stream.
-                    staging.upload(&[3.0f32; 1024], &mut other);
-                    child
-                        .all_reduce_in_place(&mut other, ReduceOp::Sum)
-                        .expect("the child's all-reduce");
-                    let got = staging.download(&other);
-                    let ended = t.elapsed();
-                    println!("NOTE {TEST}: shrink took {took:?}, the child's call ended {ended:?}");
-                    assert!(got.iter().all(|&x| x == 3.0), "the child's sum");
-                    assert!(ended < Duration::from_secs(5), "{ended:?}");
-                    drop(child);
-                } else {
-                    comm.revoke().expect("revoke");
-                    let took = t.elapsed();
-                    stream.synchronize().expect("the stream ends");
-                    println!("NOTE {TEST}: revoke took {took:?}");
-                    assert!(took < Duration::from_secs(1), "the revoke took {took:?}");
-                }
+                step(TEST, rank, &format!("{what}: launched"));
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            if shrink && rank != 0 {
+                // Rank 1 dies.
+                drop(ar.take());
+                handle.abort().expect("abort");
+                step(TEST, rank, "died");
+                barrier.wait();
+                return;
+            }
+            if shrink {
+                barrier.wait();
+            }
+            let t = Instant::now();
+            if shrink {
+                let excluded: Vec<usize> = (1..size).collect();
+                let child = comm
+                    .shrink(&excluded, ShrinkMode::Abort, None)
+                    .expect("shrink");
+                let took = t.elapsed();
+                step(TEST, rank, &format!("shrunk in {took:?}"));
+                // The child runs on the inherited stream.
+                staging.upload(&[3.0f32; 1024], &mut other);
+                child
+                    .all_reduce_in_place(&mut other, ReduceOp::Sum)
+                    .expect("the child's all-reduce");
+                sync_within(&stream, Duration::from_secs(10), "the child's all-reduce");
+                let ended = t.elapsed();
+                println!("NOTE {TEST}: shrink took {took:?}, the child's call ended {ended:?}");
+                assert!(staging.download(&other).iter().all(|&x| x == 3.0));
+                assert!(ended < Duration::from_secs(5), "{ended:?}");
+                drop(child);
+            } else {
+                comm.revoke().expect("revoke");
+                let took = t.elapsed();
+                step(TEST, rank, &format!("revoked in {took:?}"));
+                sync_within(
+                    &stream,
+                    Duration::from_secs(10),
+                    "the stream after the revoke",
+                );
+                println!("NOTE {TEST}: rank {rank}'s revoke took {took:?}");
+                assert!(took < Duration::from_secs(1), "the revoke took {took:?}");
+            }
+            if rank == 0 {
                 all_nan("the stopped call's output", rank, &staging.download(&buf));
-                assert!(ar
+                let kernels = ar.as_mut().expect("made above");
+                assert!(kernels
                     .all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
                     .is_err());
             }
-            barrier.wait();
-            drop(ar);
-            drop(comm.abort());
-            barrier.wait();
+            if !shrink {
+                barrier.wait();
+            }
+            drop(ar.take());
+            drop(handle.abort());
+            step(TEST, rank, &format!("{what}: done"));
         });
     }
 }
@@ -337,4 +384,90 @@ fn a_communicators_own_stream_is_never_the_per_thread_default_stream() {
     );
     let id = nccl::UniqueId::new().expect("id");
     refused(Comm::init_rank(stream, &id, 0, 1).map(drop), "init_rank");
+}
+
+/// m7 of the review: the flight recorder sees inside the shipped kernels' calls. Rank 1 skips
+/// one all-reduce of an instance (its next call, of another size, pairs with rank 0's next);
+/// the kernels that find no partner give up. The records, compared, name rank 1 as having
+/// skipped that instance's call 4, and show the instance's give-up.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn the_flight_record_names_a_rank_that_skipped_a_shipped_call() {
+    use nccl::diagnostics::flight::{compare, Finding};
+    const TEST: &str = "the_flight_record_names_a_rank_that_skipped_a_shipped_call";
+    let Some((comms, _deadline)) = ranks(TEST) else {
+        return;
+    };
+    if comms.len() != 2 {
+        // The skip below pairs rank 1's next call with rank 0's: two ranks make that exact.
+        skip(
+            TEST,
+            &format!("written for 2 ranks, the layout has {}", comms.len()),
+        );
+        return;
+    }
+    let records = per_rank(comms, |comm, barrier| {
+        let rank = comm.rank();
+        let stream = comm.stream().clone();
+        let mut buf = stream.alloc_zeros::<f32>(256).expect("buf");
+        let mut staging = Staging::new(&stream, 256);
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 256).expect("new");
+        ar.set_timeout(Duration::from_secs(1));
+        for _ in 0..3 {
+            ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+                .expect("in step");
+        }
+        let _ = staging.download(&buf);
+        ar.check().expect("three calls in step");
+        barrier.wait();
+        let mut small = buf.slice_mut(..100);
+        if rank == 0 {
+            ar.all_reduce_in_place(&mut small, LsaAlgorithm::OneShotFlags)
+                .expect("call 4");
+        }
+        ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+            .expect("call 5 (rank 1's 4)");
+        match ar.check() {
+            Err(Error::Timeout { .. }) => {}
+            other => panic!("rank {rank}: a kernel without its partner: {other:?}"),
+        }
+        barrier.wait();
+        let record = comm.flight_record().expect("the recorder is on by default");
+        drop(ar);
+        record
+    });
+    for record in &records {
+        let calls: Vec<u64> = record.shipped_calls(1).map(|e| e.count).collect();
+        println!(
+            "NOTE {TEST}: rank {}: instance 1's counts {calls:?}",
+            record.rank
+        );
+    }
+    let comparison = compare(&records).expect("comparable");
+    println!("NOTE {TEST}: {comparison:?}");
+    let shipped = comparison
+        .shipped
+        .iter()
+        .find(|c| c.instance == 1)
+        .expect("instance 1 compared");
+    assert_eq!(shipped.diverged_at, Some(4), "{shipped:?}");
+    assert!(
+        shipped.findings.iter().any(|f| matches!(
+            f,
+            Finding::Skipped {
+                rank: 1,
+                seq: 4,
+                count: 1,
+                ..
+            }
+        )),
+        "{shipped:?}"
+    );
+    assert!(
+        shipped
+            .findings
+            .iter()
+            .any(|f| matches!(f, Finding::GaveUp { .. })),
+        "{shipped:?}"
+    );
 }

@@ -89,6 +89,14 @@ fn input<T: TestElem>(rank: usize, len: usize, seed: u64) -> Vec<T> {
         .collect()
 }
 
+/// Asserts that `result` says the instance is out of step (every refusal puts it there).
+fn out_of_step(result: nccl::Result<()>) {
+    match result {
+        Err(Error::InvalidUsage(msg)) => assert!(msg.contains("out of step"), "{msg}"),
+        other => panic!("expected the instance out of step: {other:?}"),
+    }
+}
+
 fn skip_before_device_api(test: &str) -> bool {
     let lib = nccl::library::get().expect("NCCL loads");
     if lib.version() < DEV_COMM_SINCE {
@@ -251,7 +259,8 @@ fn exact_for<T: TestElem>(comm: Comm) {
             seed,
         );
     }
-    // Past the scratch: Auto goes to NCCL, a forced kernel is refused (on every rank alike).
+    // Past the scratch: Auto goes to NCCL, a forced kernel is refused (on every rank alike,
+    // but no rank can know that: the instance is out of step afterwards).
     assert_eq!(
         ar.all_reduce_in_place(&mut big, LsaAlgorithm::Auto)
             .expect("auto past max"),
@@ -266,10 +275,10 @@ fn exact_for<T: TestElem>(comm: Comm) {
         &mut recv.slice_mut(0..5),
         LsaAlgorithm::Auto,
     ) {
-        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("holds 5"), "{msg}"),
-        other => panic!("lengths that differ: {other:?}"),
+        Err(Error::InvalidUsage(msg)) => assert!(msg.contains("out of step"), "{msg}"),
+        other => panic!("a call after a refusal: {other:?}"),
     }
-    ar.check().expect("still in step");
+    out_of_step(ar.check());
     stream.synchronize().expect("sync");
 }
 
@@ -742,19 +751,6 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
             LsaEpilogue::Fused,
         )
         .expect("no rows");
-        // Refusals, alike on every rank.
-        let refused = ar.all_reduce_add_rms_norm(
-            &mut x.slice_mut(0..24),
-            &mut residual.slice_mut(0..24),
-            &weight.slice(0..12),
-            1e-5,
-            &mut out.slice_mut(0..24),
-            LsaEpilogue::Fused,
-        );
-        assert!(
-            matches!(refused, Err(Error::InvalidArgument(_))),
-            "hidden 12: {refused:?}"
-        );
         // Unaligned buffers take the element-wise path: the same results.
         let (rows, hidden, len) = (3, 64, 192);
         let xs: Vec<Vec<half::bf16>> = (0..size).map(|r| small(77, r, len)).collect();
@@ -776,6 +772,21 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
         let got = staging.download(&residual.slice(3..3 + len));
         ar.check().expect("in step");
         assert_eq!(got, want_res, "rank {rank}: unaligned {rows}x{hidden}");
+        // A refusal (alike on every rank, which no rank can know) puts the instance out of
+        // step.
+        let refused = ar.all_reduce_add_rms_norm(
+            &mut x.slice_mut(0..24),
+            &mut residual.slice_mut(0..24),
+            &weight.slice(0..12),
+            1e-5,
+            &mut out.slice_mut(0..24),
+            LsaEpilogue::Fused,
+        );
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "hidden 12: {refused:?}"
+        );
+        out_of_step(ar.check());
     });
 }
 
@@ -960,7 +971,8 @@ fn gather_for<T: Bits>(comm: Comm, barrier: &std::sync::Barrier) {
             );
         }
     }
-    // Refused alike on every rank: too long a message, a receive buffer of the wrong size.
+    // Refused (alike on every rank, which no rank can know: out of step afterwards): too long
+    // a message, then any call.
     match ar.all_gather(
         &send.slice(0..most + 1),
         &mut recv.slice_mut(0..(most + 1) * size),
@@ -969,10 +981,10 @@ fn gather_for<T: Bits>(comm: Comm, barrier: &std::sync::Barrier) {
         other => panic!("rank {rank}: past max_gather_count: {other:?}"),
     }
     match ar.all_gather(&send.slice(0..4), &mut recv.slice_mut(0..4 * size + 1)) {
-        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("receive buffer"), "{msg}"),
-        other => panic!("rank {rank}: a receive buffer of the wrong size: {other:?}"),
+        Err(Error::InvalidUsage(msg)) => assert!(msg.contains("out of step"), "{msg}"),
+        other => panic!("rank {rank}: a call after a refusal: {other:?}"),
     }
-    ar.check().expect("still in step");
+    out_of_step(ar.check());
     barrier.wait();
 }
 
