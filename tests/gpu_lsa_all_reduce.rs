@@ -275,8 +275,8 @@ fn exact_for<T: TestElem>(comm: Comm) {
         &mut recv.slice_mut(0..5),
         LsaAlgorithm::Auto,
     ) {
-        Err(Error::InvalidUsage(msg)) => assert!(msg.contains("out of step"), "{msg}"),
-        other => panic!("a call after a refusal: {other:?}"),
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("holds 5"), "{msg}"),
+        other => panic!("lengths that differ: {other:?}"),
     }
     out_of_step(ar.check());
     stream.synchronize().expect("sync");
@@ -972,7 +972,7 @@ fn gather_for<T: Bits>(comm: Comm, barrier: &std::sync::Barrier) {
         }
     }
     // Refused (alike on every rank, which no rank can know: out of step afterwards): too long
-    // a message, then any call.
+    // a message, a receive buffer of the wrong size.
     match ar.all_gather(
         &send.slice(0..most + 1),
         &mut recv.slice_mut(0..(most + 1) * size),
@@ -981,8 +981,8 @@ fn gather_for<T: Bits>(comm: Comm, barrier: &std::sync::Barrier) {
         other => panic!("rank {rank}: past max_gather_count: {other:?}"),
     }
     match ar.all_gather(&send.slice(0..4), &mut recv.slice_mut(0..4 * size + 1)) {
-        Err(Error::InvalidUsage(msg)) => assert!(msg.contains("out of step"), "{msg}"),
-        other => panic!("rank {rank}: a call after a refusal: {other:?}"),
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("receive buffer"), "{msg}"),
+        other => panic!("rank {rank}: a receive buffer of the wrong size: {other:?}"),
     }
     out_of_step(ar.check());
     barrier.wait();
