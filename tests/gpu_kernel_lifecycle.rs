@@ -169,6 +169,9 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
             if let Some(ar) = ar.as_mut() {
                 ar.set_timeout(KERNEL_TIMEOUT);
             }
+            // A second instance, idle when its kernels are stopped: it must refuse its next
+            // call too, though no kernel of it was running to notice the stop.
+            let mut idle = Some(LsaAllReduce::<f32>::new(&comm, 1024).expect("new"));
             barrier.wait();
             if rank == 0 {
                 let kernels = ar.as_mut().expect("made above");
@@ -184,6 +187,7 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
             std::thread::sleep(Duration::from_millis(300));
             if shrink && rank != 0 {
                 // Rank 1 dies.
+                drop(idle.take());
                 drop(ar.take());
                 handle.abort().expect("abort");
                 step(TEST, rank, "died");
@@ -230,10 +234,18 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
                 assert!(kernels
                     .all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
                     .is_err());
+                let idle = idle.as_mut().expect("made above");
+                match idle.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags) {
+                    Err(Error::InvalidUsage(msg)) => {
+                        assert!(msg.contains("stopped"), "{what}: {msg}")
+                    }
+                    other => panic!("{what}: the idle instance's next call: {other:?}"),
+                }
             }
             if !shrink {
                 barrier.wait();
             }
+            drop(idle.take());
             drop(ar.take());
             drop(handle.abort());
             step(TEST, rank, &format!("{what}: done"));
@@ -261,7 +273,8 @@ fn the_barrier_meets_every_peer_with_fewer_threads_than_ranks() {
         let mut staging = Staging::new(&stream, MAX);
         let mut ar = LsaAllReduce::<f32>::new(&comm, MAX).expect("new");
         ar.set_timeout(Duration::from_secs(20));
-        ar.set_barrier_threads(1).expect("one thread a CTA");
+        // SAFETY: every rank sets the same count before its first call.
+        unsafe { ar.set_barrier_threads(1) }.expect("one thread a CTA");
         for (call, count) in [1usize, 7, 1000, MAX].into_iter().enumerate() {
             let input = |r: usize| -> Vec<f32> {
                 let mut rng = Rng::new(0x5eed ^ (((call * 64 + r) as u64 + 1) * 0x9e37_79b9));

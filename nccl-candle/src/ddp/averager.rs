@@ -205,7 +205,9 @@ impl<'c> GradientAverager<'c> {
             .collect();
         let flags = Tensor::from_vec(mine, self.vars.len(), device)?;
         all_reduce_in_place(self.comm, &flags, ReduceOp::Max)?;
-        device.synchronize()?;
+        // The communicator's wait, not candle's: it ends on NCCL's asynchronous error (a peer
+        // that died) instead of waiting for ever.
+        self.comm.synchronize()?;
         Ok(flags.to_vec1::<u8>()?.into_iter().map(|u| u != 0).collect())
     }
 

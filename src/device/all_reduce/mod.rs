@@ -4,6 +4,7 @@
 
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -237,6 +238,9 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     gave_up: ManuallyDrop<GaveUp>,
     /// The threads of a barrier CTA, where a test set them ([`Self::set_barrier_threads`]).
     barrier_threads: Option<u32>,
+    /// Set by the instance's stop (an abort, revoke, shrink with abort, or its drop): every
+    /// later call is refused, even if no kernel was running to notice the stop.
+    stopped: Arc<AtomicBool>,
     /// Its number in the communicator's flight recorder (`None`: the recorder is off).
     flight_instance: Option<u32>,
     /// Set when a call was refused on this rank alone after its peers may have gone ahead
@@ -332,10 +336,15 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             let (ptr, _read) = prepared.state.device_ptr(comm.stream());
             ptr
         };
-        // After the last meeting: a rank that fails here alone (a stream it cannot make)
-        // leaves its peers a working instance whose first call times out, as any rank that
-        // stops calling does.
-        let stop = stop::Registration::new(comm, state, flight_instance)?;
+        // After the last meeting nothing can fail on one rank alone.
+        let stopped = Arc::new(AtomicBool::new(false));
+        let stop = stop::Registration::new(
+            comm,
+            state,
+            prepared.stop_stream,
+            stopped.clone(),
+            flight_instance,
+        );
         Ok(Self {
             stop: ManuallyDrop::new(stop),
             comm,
@@ -350,6 +359,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
             state: ManuallyDrop::new(prepared.state),
             gave_up: ManuallyDrop::new(prepared.gave_up),
             barrier_threads: None,
+            stopped,
             flight_instance,
             out_of_step: None,
             slot_bytes: prepared.slot_bytes,
@@ -466,8 +476,10 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         Ok(chosen)
     }
 
-    /// Whether the kernels gave up waiting or the instance is out of step (a call refused
-    /// on this rank alone), without waiting for the GPU: what every call checks first.
+    /// Whether the kernels gave up waiting ([`Error::Timeout`]), the instance is out of step
+    /// (a call refused on this rank) or its kernels were stopped (an abort, revoke or shrink
+    /// with abort; both [`Error::InvalidUsage`]), without waiting for the GPU: what every
+    /// call checks first.
     pub fn status(&self) -> Result<()> {
         if let Some(why) = &self.out_of_step {
             return Err(Error::usage(format!(
@@ -489,6 +501,14 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 waited: self.timeout,
             });
         }
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(Error::usage(format!(
+                "LsaAllReduce on rank {}: its kernels were stopped (its communicator was \
+                 aborted, revoked or shrunk with ShrinkMode::Abort, or a shrink that aborts \
+                 failed); drop it on every rank and make a new one",
+                self.comm.rank()
+            )));
+        }
         Ok(())
     }
 
@@ -505,8 +525,9 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
     /// cannot know whether its peers refused the same call (their kernels may be waiting for
     /// this rank's), so no refusal leaves the instance in step.
     fn refused_here<R>(&mut self, result: Result<R>) -> Result<R> {
+        // A refusal of `status` itself (given up, stopped, out of step) keeps its own error.
         if let Err(err) = &result {
-            if self.out_of_step.is_none() {
+            if self.status().is_ok() {
                 self.put_out_of_step(format!("a call was refused here: {err}"));
             }
         }
@@ -668,8 +689,14 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
 
     /// Runs barrier CTAs of `threads` threads (1 to 512) from now on, for tests: the barrier
     /// must meet every peer however few threads a CTA has (fewer than the ranks included).
+    ///
+    /// # Safety
+    ///
+    /// Every rank sets the same `threads` before the same call: CTA b of every rank meets at
+    /// barrier b and then reads the vectors its peers' CTA b wrote, so grids that differ
+    /// between ranks read vectors not yet written (wrong sums, no error).
     #[doc(hidden)]
-    pub fn set_barrier_threads(&mut self, threads: u32) -> Result<()> {
+    pub unsafe fn set_barrier_threads(&mut self, threads: u32) -> Result<()> {
         if !(1..=THREADS).contains(&threads) {
             return Err(Error::invalid(format!(
                 "barrier CTAs take 1 to {THREADS} threads, not {threads}"

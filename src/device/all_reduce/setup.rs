@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, DevicePtrMut, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 
 use super::{LsaElem, INBOX_BYTES, SINCE, STATE_PARTIALS_AT, STATE_WORDS, THREADS, VECTOR};
@@ -66,6 +66,11 @@ pub(super) struct Prepared {
     pub(super) state: CudaSlice<u64>,
     pub(super) gave_up: GaveUp,
     pub(super) slot_bytes: usize,
+    /// The stream the instance's stop writes on (see `stop.rs`): made here, before the
+    /// agreement, since making a stream can wait for the whole context (cudarc synchronises
+    /// it when a context gets its second stream), which, on a GPU shared by ranks of one
+    /// process, a peer's first kernel may be spinning on.
+    pub(super) stop_stream: Arc<CudaStream>,
 }
 
 /// Scratch bytes per rank slot for `max_count` elements of `T` (one vector more than the
@@ -123,6 +128,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     let add_norm = module.function(&format!("nccl_rs_add_rms_norm_{}", T::SUFFIX))?;
     let fill = module.function("nccl_rs_fill_u32")?;
     let stream = comm.stream();
+    let stop_stream = ctx.new_stream()?;
     let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;
     let gave_up = GaveUp::new(ctx)?;
     let mut words_of_state = vec![0u64; STATE_WORDS];
@@ -168,6 +174,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
         state,
         gave_up,
         slot_bytes,
+        stop_stream,
     })
 }
 

@@ -18,14 +18,13 @@
 //! state, the host-mapped `gave_up` word) outlives the registration: a dropped instance
 //! whose kernels did not end leaks it rather than free it under them.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::comm::{Comm, KernelStop};
-use crate::error::Result;
 
 /// How long a stop waits for its word to be written (its own stream, which nothing else uses).
 const WRITE_WAIT: Duration = Duration::from_secs(1);
@@ -41,6 +40,10 @@ struct Stopper {
     comm_stream: Arc<CudaStream>,
     /// Device address of the instance's `State::timed_out`.
     timed_out: u64,
+    /// Set, before the word is written, for the instance's host side: a stopped instance
+    /// refuses every later call (its kernels would return at once, doing nothing), whether
+    /// or not a kernel of it was running to notice.
+    stopped: Arc<AtomicBool>,
     /// The instance's number in the communicator's flight recorder.
     flight_instance: Option<u32>,
 }
@@ -51,6 +54,7 @@ impl KernelStop for Stopper {
     }
 
     fn signal(&self) -> bool {
+        self.stopped.store(true, Ordering::Release);
         if self.ctx.bind_to_thread().is_err() {
             return false;
         }
@@ -64,12 +68,10 @@ impl KernelStop for Stopper {
         }
         // The state is freed on the communicator's stream, which may be before the GPU runs
         // this write (its wait below is bounded): order the free after it. Without the event
-        // the write is waited for in full instead.
+        // the stop counts as unwritten (its owner then leaks the state).
         match self.stream.record_event(None) {
-            Ok(written) => {
-                let _ = self.comm_stream.wait(&written);
-            }
-            Err(_) => return self.stream.synchronize().is_ok(),
+            Ok(written) if self.comm_stream.wait(&written).is_ok() => {}
+            _ => return false,
         }
         let start = Instant::now();
         loop {
@@ -93,11 +95,18 @@ pub(super) struct Registration<'c> {
 }
 
 impl<'c> Registration<'c> {
-    /// Registers a stopper for the kernels whose state starts at device address `state`.
-    pub(super) fn new(comm: &'c Comm, state: u64, flight_instance: Option<u32>) -> Result<Self> {
+    /// Registers a stopper for the kernels whose state starts at device address `state`,
+    /// writing on `stream` (made before the ranks' agreement: making a stream can wait for
+    /// the whole context) and setting `stopped` for the instance.
+    pub(super) fn new(
+        comm: &'c Comm,
+        state: u64,
+        stream: Arc<CudaStream>,
+        stopped: Arc<AtomicBool>,
+        flight_instance: Option<u32>,
+    ) -> Self {
         static NEXT: AtomicUsize = AtomicUsize::new(1);
         let ctx = comm.context().clone();
-        let stream = ctx.new_stream()?;
         let comm_stream = comm.stream().clone();
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         comm.register_kernel_stop(
@@ -107,10 +116,11 @@ impl<'c> Registration<'c> {
                 stream,
                 comm_stream,
                 timed_out: state + TIMED_OUT_OFFSET,
+                stopped,
                 flight_instance,
             }),
         );
-        Ok(Self { comm, id })
+        Self { comm, id }
     }
 
     /// Runs this instance's stop now, under the communicator's lock, and gives running
