@@ -114,6 +114,15 @@ impl VocabParallelEmbedding {
     }
 }
 
+/// [`VocabParallelEmbedding::forward`] as a candle module, for candle-nn code (`ids.apply(&emb)`,
+/// a `candle_nn::Sequential`, a `&dyn Module`); this crate's errors come out as candle's (see
+/// [`Error`]'s conversion).
+impl candle_core::Module for VocabParallelEmbedding {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(VocabParallelEmbedding::forward(self, ids)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -97,6 +97,15 @@ impl ColumnParallelLinear {
     }
 }
 
+/// [`ColumnParallelLinear::forward`] (this rank's block of the output, no collective) as a
+/// candle module, for candle-nn code (`x.apply(&layer)`, a `candle_nn::Sequential`, a
+/// `&dyn Module`); this crate's errors come out as candle's (see [`Error`]'s conversion).
+impl Module for ColumnParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(ColumnParallelLinear::forward(self, x)?)
+    }
+}
+
 /// `y = x W^T + b` with `W` (`[out, in]`) split by columns over the group: rank `r` holds
 /// input features `r * in / N ..` the next rank's start and takes that block of `x` (what a
 /// [`ColumnParallelLinear`] left on it); the partial products are summed over the ranks
@@ -199,5 +208,14 @@ impl RowParallelLinear {
     /// This rank's columns of the weight, `[out_features, in_features / N]`.
     pub fn weight(&self) -> &Tensor {
         self.linear.weight()
+    }
+}
+
+/// [`RowParallelLinear::forward`] (the whole output, summed over the group) as a candle
+/// module, for candle-nn code (`x.apply(&layer)`, a `candle_nn::Sequential`, a
+/// `&dyn Module`); this crate's errors come out as candle's (see [`Error`]'s conversion).
+impl Module for RowParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(RowParallelLinear::forward(self, x)?)
     }
 }

@@ -17,7 +17,8 @@ use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaEpilogue};
 use nccl::{Comm, ReduceOp};
 
 use super::{epilogue, Collectives};
-use crate::{check, extent, Error, Failure, Result};
+use crate::op::{check, extent, Failure};
+use crate::{Error, Result};
 
 type Kernels<'a> = LsaAllReduce<'a, bf16>;
 
