@@ -1,5 +1,21 @@
 //! Safe, zero-overhead Rust bindings to NVIDIA NCCL, on top of [`cudarc`].
 //!
+//! ```no_run
+//! use nccl::{Comm, ReduceOp};
+//!
+//! fn main() -> nccl::Result<()> {
+//!     // Rank, size, GPU and unique id from the launcher (`mpirun`, `srun`, torchrun-style);
+//!     // without one, a single rank on GPU 0.
+//!     let (comm, stream) = Comm::from_env()?;
+//!     let mut grads = stream.clone_htod(&vec![1.0f32; 1 << 20])?;
+//!     comm.all_reduce_in_place(&mut grads, ReduceOp::Avg)?; // average over every rank
+//!     comm.synchronize()?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Add it with `cargo add nccl-rs`; the library is imported as `nccl`.
+//!
 //! NCCL is loaded at run time (see [`library`]): building needs neither NCCL nor libclang,
 //! and a program runs against whatever NCCL 2.x the machine has, with APIs newer than the
 //! library returning [`Error::Unsupported`] instead of crashing.
