@@ -99,6 +99,17 @@ pub enum Error {
         /// The shape loaded.
         got: Vec<usize>,
     },
+    /// A Hugging Face checkpoint (its `config.json`, weights, index or `tokenizer.json`)
+    /// cannot be used; `path` names the file, `why` what is wrong (the field, the tensor).
+    #[error("{}: {why}", path.display())]
+    Checkpoint {
+        /// The file at fault (the checkpoint's directory when a file is missing from it).
+        path: std::path::PathBuf,
+        /// What kind of fault.
+        fault: CheckpointFault,
+        /// What is wrong, naming the field or tensor.
+        why: String,
+    },
     /// Ranks simulated on threads ([`tp::ThreadedCollectives`](crate::tp::ThreadedCollectives)) could not exchange tensors:
     /// another rank's thread panicked during an exchange.
     #[error("threaded collectives: {0}")]
@@ -109,6 +120,21 @@ pub enum Error {
     /// candle failed (allocation, storage access).
     #[error(transparent)]
     Candle(candle_core::Error),
+}
+
+/// What is wrong with a Hugging Face checkpoint ([`Error::Checkpoint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CheckpointFault {
+    /// A file the checkpoint needs is not there or cannot be read.
+    Missing,
+    /// A file cannot be parsed, or a required field is missing or of the wrong type.
+    Malformed,
+    /// Valid, but not something these models run (an architecture, an activation, a rope
+    /// scaling or a sliding-window arrangement they do not implement).
+    Unsupported,
+    /// A tensor is missing, or has another shape or element type than the configuration
+    /// implies.
+    Tensor,
 }
 
 /// candle's error as this crate's: [`Error::Candle`], unless it carries one of this crate's

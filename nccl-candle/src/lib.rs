@@ -37,11 +37,12 @@ pub mod ddp;
 mod error;
 mod gather;
 mod op;
+pub mod models;
 pub mod tp;
 
 pub use agree::fingerprint;
 pub use collectives::{
     all_gather, all_reduce, all_reduce_in_place, broadcast_in_place, reduce_scatter,
 };
-pub use error::{Error, Result};
+pub use error::{CheckpointFault, Error, Result};
 pub use gather::all_gather_dim;

@@ -232,14 +232,35 @@ impl TpGroup {
     /// candle's stream synchronisation, which does not watch for NCCL's asynchronous errors:
     /// both are the caller's (pass the device the layers use).
     pub fn agree(&self, what: &'static str, fingerprint: u64, device: &Device) -> Result<()> {
+        self.agree_checked(what, fingerprint, Ok(()), device)
+    }
+
+    /// [`agree`](Self::agree) with this rank's own verdict: every rank exchanges its
+    /// fingerprint and whether `local` failed, then returns its own error if it had one,
+    /// else [`Error::PeerRefused`] when another rank's checks failed, else the comparison's
+    /// verdict. Every rank calls it whatever its checks found, so no rank is left waiting.
+    pub(crate) fn agree_checked(
+        &self,
+        what: &'static str,
+        fingerprint: u64,
+        local: Result<()>,
+        device: &Device,
+    ) -> Result<()> {
         let Some(ranks) = self.ranks() else {
-            return Ok(());
+            return local;
         };
         // The crate's agreement row, [fingerprint, refused], bit for bit as i64: NCCL and
-        // candle both have it, unlike u64. No rank refuses here.
-        let row = [i64::from_ne_bytes(fingerprint.to_ne_bytes()), 0];
-        let table: Vec<u64> = ranks
-            .all_gather(&Tensor::new(&row, device)?)?
+        // candle both have it, unlike u64.
+        let row = [
+            i64::from_ne_bytes(fingerprint.to_ne_bytes()),
+            i64::from(local.is_err()),
+        ];
+        let exchanged = Tensor::new(&row, device)
+            .map_err(Error::from)
+            .and_then(|row| ranks.all_gather(&row));
+        // This rank's own error says more than the exchange's or the peers'.
+        local?;
+        let table: Vec<u64> = exchanged?
             .to_vec1::<i64>()?
             .into_iter()
             .map(|v| u64::from_ne_bytes(v.to_ne_bytes()))

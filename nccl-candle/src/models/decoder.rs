@@ -1,0 +1,752 @@
+//! The decoder of the Llama family, this rank's part of it: rotary attention with a KV
+//! cache (grouped-query, optional q/k/v/o biases, Qwen3's per-head q/k norms, Mistral's
+//! sliding window), a SwiGLU MLP, RMSNorms, a vocab-parallel embedding and head.
+//!
+//! How the weights split over `N` ranks: q, k, v, gate and up by output rows (each rank a
+//! block of whole heads, of MLP features), o and down by input columns
+//! ([`RowParallelLinear`], whose sum is the layer's one all-reduce); the embedding table and
+//! the head by vocabulary rows, `ceil(vocab / N)` a rank with the last block padded with zero
+//! rows, so any vocabulary splits; key/value heads split when `N` divides them and are
+//! replicated when they divide `N` (each rank holds the one key/value head its query heads
+//! read, as vLLM does), anything else is refused.
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::kv_cache::KvCache;
+use candle_nn::var_builder::{Shard, ShardedVarBuilder};
+use candle_nn::{Linear, Module};
+
+use super::checkpoint::Checkpoint;
+use super::config::{Llama3RopeScaling, ModelConfig};
+use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
+use crate::{fingerprint, Error, Result};
+
+/// How the model lies over the group: what each rank holds. Depends only on the
+/// configuration and the world size, so every rank computes the same plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Plan {
+    rank: usize,
+    ranks: usize,
+    /// Query heads on each rank.
+    heads: usize,
+    /// Key/value heads on each rank.
+    kv_heads: usize,
+    /// Which block of the key/value heads this rank holds, of how many blocks.
+    kv_part: (usize, usize),
+    /// MLP features on each rank.
+    intermediate: usize,
+    /// Vocabulary rows on each rank (the last rank's padded with zeros).
+    vocab_rows: usize,
+}
+
+impl Plan {
+    fn new(cfg: &ModelConfig, rank: usize, ranks: usize) -> Result<Self> {
+        let refuse = |name: &str, len: usize| Error::NotDivisible {
+            name: name.to_string(),
+            shape: vec![len],
+            dim: 0,
+            world_size: ranks,
+        };
+        if !cfg.num_attention_heads.is_multiple_of(ranks) {
+            return Err(refuse("num_attention_heads", cfg.num_attention_heads));
+        }
+        if !cfg.intermediate_size.is_multiple_of(ranks) {
+            return Err(refuse("intermediate_size", cfg.intermediate_size));
+        }
+        let kv = cfg.num_key_value_heads;
+        let (kv_heads, kv_part) = if kv.is_multiple_of(ranks) {
+            (kv / ranks, (rank, ranks))
+        } else if ranks.is_multiple_of(kv) {
+            // Replicated: ranks / kv ranks share each key/value head, the one their query
+            // heads read (query head h reads h / (heads / kv); a rank's heads / ranks
+            // query heads divide heads / kv, so they all read the same one).
+            (1, (rank * kv / ranks, kv))
+        } else {
+            return Err(refuse("num_key_value_heads", kv));
+        };
+        Ok(Self {
+            rank,
+            ranks,
+            heads: cfg.num_attention_heads / ranks,
+            kv_heads,
+            kv_part,
+            intermediate: cfg.intermediate_size / ranks,
+            vocab_rows: cfg.vocab_size.div_ceil(ranks),
+        })
+    }
+
+    /// This rank's vocabulary rows that exist (the rest of its block is padding).
+    fn vocab_range(&self, vocab: usize) -> std::ops::Range<usize> {
+        let start = (self.rank * self.vocab_rows).min(vocab);
+        start..((self.rank + 1) * self.vocab_rows).min(vocab)
+    }
+}
+
+/// Every tensor the configuration implies, with its whole shape.
+fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q, kv) = (cfg.q_width(), cfg.kv_width());
+    let mut all = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![cfg.vocab_size, h],
+        ),
+        ("model.norm.weight".to_string(), vec![h]),
+    ];
+    if !cfg.tie_word_embeddings {
+        all.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    for layer in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{layer}");
+        let a = format!("{p}.self_attn");
+        all.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{a}.q_proj.weight"), vec![q, h]),
+            (format!("{a}.k_proj.weight"), vec![kv, h]),
+            (format!("{a}.v_proj.weight"), vec![kv, h]),
+            (format!("{a}.o_proj.weight"), vec![h, q]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+        if cfg.qkv_bias {
+            all.extend([
+                (format!("{a}.q_proj.bias"), vec![q]),
+                (format!("{a}.k_proj.bias"), vec![kv]),
+                (format!("{a}.v_proj.bias"), vec![kv]),
+            ]);
+        }
+        if cfg.o_bias {
+            all.push((format!("{a}.o_proj.bias"), vec![h]));
+        }
+        if cfg.mlp_bias {
+            all.extend([
+                (format!("{p}.mlp.gate_proj.bias"), vec![i]),
+                (format!("{p}.mlp.up_proj.bias"), vec![i]),
+                (format!("{p}.mlp.down_proj.bias"), vec![h]),
+            ]);
+        }
+        if cfg.qk_norm {
+            all.extend([
+                (format!("{a}.q_norm.weight"), vec![hd]),
+                (format!("{a}.k_norm.weight"), vec![hd]),
+            ]);
+        }
+    }
+    all
+}
+
+/// Block `part` of `parts` along dimension 0 of `name` (whole shape `shape`), whose size the
+/// plan and the checkpoint's check guarantee divides.
+fn rows(
+    vb: &ShardedVarBuilder,
+    name: &str,
+    shape: &[usize],
+    part: (usize, usize),
+) -> Result<Tensor> {
+    let (rank, world_size) = part;
+    let hints = Shard {
+        dim: 0,
+        rank,
+        world_size,
+    };
+    Ok(vb.get_with_hints(shape, name, hints)?)
+}
+
+/// A column-parallel projection: this rank's rows of the weight (and bias).
+fn column(
+    vb: &ShardedVarBuilder,
+    out: usize,
+    inp: usize,
+    bias: bool,
+    part: (usize, usize),
+) -> Result<Linear> {
+    let weight = rows(vb, "weight", &[out, inp], part)?;
+    let bias = match bias {
+        true => Some(rows(vb, "bias", &[out], part)?),
+        false => None,
+    };
+    Ok(Linear::new(weight, bias))
+}
+
+fn whole(vb: &ShardedVarBuilder, name: &str, len: usize) -> Result<Tensor> {
+    rows(vb, name, &[len], (0, 1))
+}
+
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    Ok(candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)?)
+}
+
+/// Repeats each key/value head `n` times, for grouped-query attention.
+fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
+    if n == 1 {
+        return Ok(x);
+    }
+    let (b, heads, seq, dim) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, heads, n, seq, dim))?
+        .reshape((b, heads * n, seq, dim))?)
+}
+
+/// This rank's attention heads.
+#[derive(Debug, Clone)]
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: RowParallelLinear,
+    /// Qwen3's per-head norms of queries and keys.
+    qk_norm: Option<(Tensor, Tensor)>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    cache: KvCache,
+}
+
+impl Attention {
+    fn load(
+        vb: &ShardedVarBuilder,
+        group: &TpGroup,
+        cfg: &ModelConfig,
+        plan: &Plan,
+        max_seq: usize,
+    ) -> Result<Self> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let mine = (plan.rank, plan.ranks);
+        let qk_norm = match cfg.qk_norm {
+            true => Some((
+                whole(&vb.pp("q_norm"), "weight", hd)?,
+                whole(&vb.pp("k_norm"), "weight", hd)?,
+            )),
+            false => None,
+        };
+        Ok(Self {
+            q: column(&vb.pp("q_proj"), cfg.q_width(), h, cfg.qkv_bias, mine)?,
+            k: column(
+                &vb.pp("k_proj"),
+                cfg.kv_width(),
+                h,
+                cfg.qkv_bias,
+                plan.kv_part,
+            )?,
+            v: column(
+                &vb.pp("v_proj"),
+                cfg.kv_width(),
+                h,
+                cfg.qkv_bias,
+                plan.kv_part,
+            )?,
+            o: RowParallelLinear::load(&vb.pp("o_proj"), group, cfg.q_width(), h, cfg.o_bias)?,
+            qk_norm,
+            heads: plan.heads,
+            kv_heads: plan.kv_heads,
+            head_dim: hd,
+            cache: KvCache::new(2, max_seq),
+        })
+    }
+
+    /// This rank's heads' output, `[b, seq, heads / N * head_dim]` (o_proj's input), for
+    /// `x` (`[b, seq, hidden]`) at the positions of `rope`'s rows.
+    fn heads_out(
+        &mut self,
+        x: &Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let (b, seq, _) = x.dims3()?;
+        let split =
+            |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape((b, seq, n, self.head_dim))?) };
+        let mut q = split(self.q.forward(x)?, self.heads)?;
+        let mut k = split(self.k.forward(x)?, self.kv_heads)?;
+        let v = split(self.v.forward(x)?, self.kv_heads)?;
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            q = rms_norm(&q, q_norm, eps)?;
+            k = rms_norm(&k, k_norm, eps)?;
+        }
+        let heads_first = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(1, 2)?.contiguous()?) };
+        let q = candle_nn::rotary_emb::rope(&heads_first(q)?, &rope.cos, &rope.sin)?;
+        let k = candle_nn::rotary_emb::rope(&heads_first(k)?, &rope.cos, &rope.sin)?;
+        let v = heads_first(v)?;
+        let (k, v) = self.cache.append(&k.contiguous()?, &v)?;
+        let rep = self.heads / self.kv_heads;
+        let k = repeat_kv(k, rep)?.contiguous()?;
+        let v = repeat_kv(v, rep)?.contiguous()?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        // Scores and softmax in f32 whatever the weights' type, as the reference models do.
+        let mut scores = (q
+            .to_dtype(DType::F32)?
+            .matmul(&k.to_dtype(DType::F32)?.t()?)?
+            * scale)?;
+        if let Some(mask) = mask {
+            scores = scores.broadcast_add(mask)?;
+        }
+        let weights = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        Ok(weights
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, seq, self.heads * self.head_dim))?)
+    }
+}
+
+/// This rank's MLP features: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: RowParallelLinear,
+}
+
+impl Mlp {
+    fn load(
+        vb: &ShardedVarBuilder,
+        group: &TpGroup,
+        cfg: &ModelConfig,
+        plan: &Plan,
+    ) -> Result<Self> {
+        let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        let mine = (plan.rank, plan.ranks);
+        Ok(Self {
+            gate: column(&vb.pp("gate_proj"), i, h, bias, mine)?,
+            up: column(&vb.pp("up_proj"), i, h, bias, mine)?,
+            down: RowParallelLinear::load(&vb.pp("down_proj"), group, i, h, bias)?,
+        })
+    }
+
+    /// This rank's `silu(gate(x)) * up(x)`: down_proj's input.
+    fn gated(&self, x: &Tensor) -> Result<Tensor> {
+        Ok((candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: Tensor,
+    attention: Attention,
+    post_attention_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// Rotary tables of some positions, `[seq, head_dim / 2]`.
+#[derive(Debug, Clone)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// The rotary frequencies, `theta^(-2i/head_dim)`, with Llama 3's scaling when set (long
+/// wavelengths divided by `factor`, short ones kept, a smooth blend between).
+fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
+    let hd = cfg.head_dim;
+    (0..hd / 2)
+        .map(|i| {
+            let freq = cfg.rope_theta.powf(-2.0 * i as f64 / hd as f64);
+            match cfg.rope_scaling {
+                None => freq,
+                Some(Llama3RopeScaling {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                }) => {
+                    let original = original_max_position_embeddings as f64;
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen < original / high_freq_factor {
+                        freq
+                    } else if wavelen > original / low_freq_factor {
+                        freq / factor
+                    } else {
+                        let smooth = (original / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// The model's output on a batch, this rank's part of a tensor-parallel decoder of the
+/// Llama family loaded from a Hugging Face checkpoint.
+///
+/// Every rank of the group loads the same checkpoint with the same arguments, then calls
+/// [`forward`](Self::forward) with the same token ids (each call is collectives on every
+/// rank), as with any tensor-parallel model.
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    config: ModelConfig,
+    group: TpGroup,
+    plan: Plan,
+    /// This rank's rows of the embedding table, padded to `plan.vocab_rows`.
+    embed: Tensor,
+    /// The first token of this rank's rows.
+    vocab_start: usize,
+    /// This rank's rows of the head; `None` when tied to the embedding table.
+    head: Option<Tensor>,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    /// Rotary tables of positions `0..max_seq`.
+    cos: Tensor,
+    sin: Tensor,
+    max_seq: usize,
+    eps: f32,
+    /// Positions the KV caches hold.
+    cached: usize,
+    fused: bool,
+}
+
+impl CausalLm {
+    /// Loads this rank's part of the model in `checkpoint` into `dtype` on `device`, with
+    /// room for `max_seq` positions, over `group` (every rank calls it with the same
+    /// arguments and device kind). Before anything is read, every rank checks what it can
+    /// check alone (the plan: heads and MLP features split over the ranks, key/value heads
+    /// split or replicate; every tensor the configuration implies is there with its shape and
+    /// a float type; `max_seq` within `max_position_embeddings`) and the ranks compare the
+    /// checkpoint's [fingerprint](Checkpoint::fingerprint) and these arguments: a refusal or
+    /// a difference on any rank is an error on every rank ([`Error::PeerRefused`],
+    /// [`Error::Mismatch`]), before any other collective. A rank that fails to read its
+    /// shard tells the others the same way after loading.
+    ///
+    /// The weights files are mapped while loading: another process changing them then is
+    /// outside what this call can guard against (as with every loader that maps them).
+    pub fn load(
+        checkpoint: &Checkpoint,
+        group: &TpGroup,
+        dtype: DType,
+        device: &Device,
+        max_seq: usize,
+    ) -> Result<Self> {
+        let cfg = checkpoint.config();
+        let checked = Self::check(checkpoint, group, dtype, max_seq);
+        let (plan, local) = match checked {
+            Ok(plan) => (Some(plan), Ok(())),
+            Err(err) => (None, Err(err)),
+        };
+        let fp = match checkpoint.fingerprint() {
+            Ok(fp) => fingerprint(&(fp, format!("{dtype:?}"), max_seq)),
+            Err(_) => 0,
+        };
+        group.agree_checked("checkpoints and load arguments", fp, local, device)?;
+        let Some(plan) = plan else {
+            // agree_checked returned this rank's error when it had one.
+            return Err(Error::Argument {
+                op: "CausalLm::load",
+                why: "no plan".into(),
+            });
+        };
+        let loaded = Self::read(checkpoint, group, cfg, plan, dtype, device, max_seq);
+        let local = loaded.as_ref().map(|_| ()).map_err(|err| Error::Argument {
+            op: "CausalLm::load",
+            why: err.to_string(),
+        });
+        group.agree_checked("loaded shards", fp, local, device)?;
+        loaded
+    }
+
+    /// What a rank checks alone before loading.
+    fn check(
+        checkpoint: &Checkpoint,
+        group: &TpGroup,
+        dtype: DType,
+        max_seq: usize,
+    ) -> Result<Plan> {
+        let cfg = checkpoint.config();
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::Argument {
+                op: "CausalLm::load",
+                why: format!("{dtype:?} is not a float type the models run in"),
+            });
+        }
+        if max_seq == 0 || max_seq > cfg.max_position_embeddings {
+            return Err(Error::Argument {
+                op: "CausalLm::load",
+                why: format!(
+                    "max_seq {max_seq} outside 1..={} (max_position_embeddings)",
+                    cfg.max_position_embeddings
+                ),
+            });
+        }
+        let plan = Plan::new(cfg, group.rank(), group.size())?;
+        for (name, shape) in expected_tensors(cfg) {
+            checkpoint.expect(&name, &shape)?;
+        }
+        Ok(plan)
+    }
+
+    fn read(
+        checkpoint: &Checkpoint,
+        group: &TpGroup,
+        cfg: &ModelConfig,
+        plan: Plan,
+        dtype: DType,
+        device: &Device,
+        max_seq: usize,
+    ) -> Result<Self> {
+        let vb = checkpoint.var_builder(dtype, device)?;
+        let model = vb.pp("model");
+        let h = cfg.hidden_size;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let layer = model.pp("layers").pp(i);
+            layers.push(Layer {
+                input_norm: whole(&layer.pp("input_layernorm"), "weight", h)?,
+                attention: Attention::load(&layer.pp("self_attn"), group, cfg, &plan, max_seq)?,
+                post_attention_norm: whole(&layer.pp("post_attention_layernorm"), "weight", h)?,
+                mlp: Mlp::load(&layer.pp("mlp"), group, cfg, &plan)?,
+            });
+        }
+        let norm = whole(&model.pp("norm"), "weight", h)?;
+        let vocab = vocab_rows(
+            checkpoint,
+            "model.embed_tokens.weight",
+            &plan,
+            cfg,
+            dtype,
+            device,
+        )?;
+        let head = match cfg.tie_word_embeddings {
+            true => None,
+            false => Some(vocab_rows(
+                checkpoint,
+                "lm_head.weight",
+                &plan,
+                cfg,
+                dtype,
+                device,
+            )?),
+        };
+        let angles: Vec<f64> = {
+            let inverse = inverse_frequencies(cfg);
+            (0..max_seq)
+                .flat_map(|p| inverse.iter().map(move |f| p as f64 * f))
+                .collect()
+        };
+        let half = cfg.head_dim / 2;
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
+            let values: Vec<f32> = angles.iter().map(|&a| f(a) as f32).collect();
+            Ok(Tensor::from_vec(values, (max_seq, half), device)?.to_dtype(dtype)?)
+        };
+        Ok(Self {
+            config: cfg.clone(),
+            group: group.clone(),
+            plan,
+            embed: vocab,
+            vocab_start: plan.vocab_range(cfg.vocab_size).start,
+            head,
+            layers,
+            norm,
+            cos: table(f64::cos)?,
+            sin: table(f64::sin)?,
+            max_seq,
+            eps: cfg.rms_norm_eps as f32,
+            cached: 0,
+            fused: false,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The positions the model has room for.
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// The positions the KV caches hold (the `offset` the next [`forward`](Self::forward)
+    /// takes).
+    pub fn cached(&self) -> usize {
+        self.cached
+    }
+
+    /// Runs each row-parallel output through the group's fused epilogue
+    /// ([`TpGroup::all_reduce_add_rms_norm`]: one kernel with
+    /// [`LsaCollectives`](crate::tp::LsaCollectives) where the tensors fit) or as the plain
+    /// sequence (`false`, the default). The same model; only the norms' sums may go in
+    /// another order. Every rank must choose alike.
+    pub fn set_fused(&mut self, fused: bool) {
+        self.fused = fused;
+    }
+
+    /// The logits of the last position, `[b, vocab]` in f32, the same on every rank, for
+    /// `ids` (`[b, seq]`, `u32`) at positions `offset..offset + seq`; `offset` must be
+    /// [`cached`](Self::cached) (the earlier positions went through earlier calls). Ids past
+    /// the vocabulary embed to zeros.
+    pub fn forward(&mut self, ids: &Tensor, offset: usize) -> Result<Tensor> {
+        let (_, seq) = ids.dims2()?;
+        if offset != self.cached || seq == 0 || offset + seq > self.max_seq {
+            return Err(Error::Argument {
+                op: "CausalLm::forward",
+                why: format!(
+                    "positions {offset}..{} with {} cached and room for {}",
+                    offset + seq,
+                    self.cached,
+                    self.max_seq
+                ),
+            });
+        }
+        let rope = Rope {
+            cos: self.cos.narrow(0, offset, seq)?,
+            sin: self.sin.narrow(0, offset, seq)?,
+        };
+        let mask = mask(seq, offset, self.config.sliding_window, ids.device())?;
+        let embedded = masked_lookup(&self.embed, ids, self.vocab_start)?;
+        let x = self.group.layer_sum(embedded)?;
+        // From here on the caches hold these positions, whatever happens next: a failed
+        // call leaves the model to be reset.
+        self.cached = offset + seq;
+        let last = self
+            .layers_forward(x, &rope, mask.as_ref())?
+            .narrow(1, seq - 1, 1)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let block = last.squeeze(1)?.matmul(&head.t()?)?;
+        let logits = self.group.layer_gather(&block, 1)?;
+        Ok(logits
+            .narrow(1, 0, self.config.vocab_size)?
+            .to_dtype(DType::F32)?)
+    }
+
+    /// The layers and the final norm: the normed residual stream of every position.
+    fn layers_forward(
+        &mut self,
+        mut x: Tensor,
+        rope: &Rope,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let eps = self.eps;
+        if !self.fused {
+            for layer in &mut self.layers {
+                let h = rms_norm(&x, &layer.input_norm, eps)?;
+                let heads = layer.attention.heads_out(&h, rope, mask, eps)?;
+                x = (x + layer.attention.o.forward(&heads)?)?;
+                let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
+                x = (&x + layer.mlp.down.forward(&layer.mlp.gated(&h)?)?)?;
+            }
+            return rms_norm(&x, &self.norm, eps);
+        }
+        // `x` the residual stream, `h` its norm for the next sublayer: each row-parallel
+        // sum, the residual add and the next norm as one op.
+        let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
+        let mut h = rms_norm(&x, first, eps)?;
+        for i in 0..self.layers.len() {
+            let next = match self.layers.get(i + 1) {
+                Some(layer) => layer.input_norm.clone(),
+                None => self.norm.clone(),
+            };
+            let layer = &mut self.layers[i];
+            let heads = layer.attention.heads_out(&h, rope, mask, eps)?;
+            (x, h) = layer.attention.o.forward_add_rms_norm(
+                &heads,
+                &x,
+                &layer.post_attention_norm,
+                eps,
+            )?;
+            let gated = layer.mlp.gated(&h)?;
+            (x, h) = layer
+                .mlp
+                .down
+                .forward_add_rms_norm(&gated, &x, &next, eps)?;
+        }
+        Ok(h)
+    }
+
+    /// Forgets every position (empties the KV caches).
+    pub fn reset(&mut self) {
+        for layer in &mut self.layers {
+            layer.attention.cache.reset();
+        }
+        self.cached = 0;
+    }
+
+    /// This rank's query heads, key/value heads, MLP features and vocabulary rows.
+    pub fn local_sizes(&self) -> (usize, usize, usize, usize) {
+        let p = &self.plan;
+        (p.heads, p.kv_heads, p.intermediate, p.vocab_rows)
+    }
+}
+
+/// This rank's rows of a `[vocab, hidden]` table, zero-padded to the plan's block.
+fn vocab_rows(
+    checkpoint: &Checkpoint,
+    name: &str,
+    plan: &Plan,
+    cfg: &ModelConfig,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let range = plan.vocab_range(cfg.vocab_size);
+    let h = cfg.hidden_size;
+    let mapped = checkpoint.mapped()?;
+    let view = mapped.get(name)?;
+    let stored: DType = view.dtype().try_into()?;
+    let rows = if range.is_empty() {
+        Tensor::zeros((0, h), dtype, device)?
+    } else {
+        // Rows of a row-major table are one run of bytes.
+        let row_bytes = h * stored.size_in_bytes();
+        let bytes = view
+            .data()
+            .get(range.start * row_bytes..range.end * row_bytes)
+            .ok_or_else(|| Error::Argument {
+                op: "CausalLm::load",
+                why: format!("{name}: rows {range:?} outside its data"),
+            })?;
+        Tensor::from_raw_buffer(bytes, stored, &[range.len(), h], device)?.to_dtype(dtype)?
+    };
+    let pad = plan.vocab_rows - range.len();
+    if pad == 0 {
+        return Ok(rows);
+    }
+    Ok(Tensor::cat(
+        &[rows, Tensor::zeros((pad, h), dtype, device)?],
+        0,
+    )?)
+}
+
+/// The additive mask of `seq` queries at positions `offset..` over keys `0..offset + seq`:
+/// minus infinity where a key is later than the query or (with a window `w`) `w` or more
+/// positions earlier (a query sees itself and the `w - 1` before it, as Hugging Face's and
+/// vLLM's Mistral do). `None` when nothing is masked.
+fn mask(
+    seq: usize,
+    offset: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let keys = offset + seq;
+    let hidden = |i: usize, j: usize| {
+        let query = offset + i;
+        j > query || window.is_some_and(|w| query - j >= w)
+    };
+    let any = (0..seq).any(|i| (0..keys).any(|j| hidden(i, j)));
+    if !any {
+        return Ok(None);
+    }
+    let values: Vec<f32> = (0..seq)
+        .flat_map(|i| (0..keys).map(move |j| if hidden(i, j) { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Some(Tensor::from_vec(values, (seq, keys), device)?))
+}
+
+/// Greedy choice per row of `logits` (`[b, vocab]`).
+pub fn argmax(logits: &Tensor) -> Result<Tensor> {
+    Ok(logits.argmax(D::Minus1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_hide_the_keys_they_should() {
+        let m = mask(3, 2, Some(2), &Device::Cpu).unwrap().unwrap();
+        let rows = m.to_vec2::<f32>().unwrap();
+        let inf = f32::NEG_INFINITY;
+        assert_eq!(rows[0], [inf, 0.0, 0.0, inf, inf]);
+        assert_eq!(rows[2], [inf, inf, inf, 0.0, 0.0]);
+        assert!(mask(1, 5, None, &Device::Cpu).unwrap().is_none());
+        assert!(mask(1, 5, Some(6), &Device::Cpu).unwrap().is_none());
+        assert!(mask(1, 5, Some(5), &Device::Cpu).unwrap().is_some());
+    }
+}

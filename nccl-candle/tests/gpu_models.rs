@@ -1,0 +1,241 @@
+//! `nccl_candle::models` on real GPUs, in the shapes of nccl-rs's GPU suite (one rank per
+//! GPU where there are 2+, else two ranks sharing GPU 0 as one LSA team, NCCL 2.30+; each
+//! rank a thread with its own candle device and communicator, `common::run`), on checkpoints
+//! the `hf_checkpoint` example writes here: every rank loads its shard through the real
+//! loading code, and the ranks' greedy decode (fed the reference's tokens) matches the host
+//! reference — the same checkpoint on one rank on the CPU in f32 — logit for logit within a
+//! tolerance, token for token under the near-tie rule; with `LsaCollectives` and the fused
+//! epilogue too (bf16). A bad shard on one rank is a typed error on every rank.
+//!
+//! Run on a GPU host: `cargo test --test gpu_models -- --include-ignored --test-threads=1`.
+
+#[path = "../examples/hf_checkpoint/writer.rs"]
+mod writer;
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use nccl::Comm;
+use nccl_candle::models::{CausalLm, Checkpoint};
+use nccl_candle::tp::{LsaCollectives, TpGroup};
+use nccl_candle::{CheckpointFault, Error};
+
+/// Greedy steps after the prompt.
+const STEPS: usize = 6;
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog, and then";
+
+/// A run: each step's logits (the prompt's pass first) and the tokens chosen.
+struct Run {
+    logits: Vec<Vec<f32>>,
+    tokens: Vec<u32>,
+}
+
+fn top2(logits: &[f32]) -> (u32, f32) {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    (order[0] as u32, logits[order[0]] - logits[order[1]])
+}
+
+/// Greedy decoding after `prompt` on `device`, fed `feed`'s tokens when given.
+fn decode(model: &mut CausalLm, device: &Device, prompt: &[u32], feed: Option<&[u32]>) -> Run {
+    model.reset();
+    let mut run = Run {
+        logits: Vec::new(),
+        tokens: Vec::new(),
+    };
+    let mut input = prompt.to_vec();
+    let mut at = 0;
+    for step in 0..STEPS {
+        let ids = Tensor::new(input.as_slice(), device)
+            .and_then(|t| t.unsqueeze(0))
+            .unwrap();
+        let logits = model
+            .forward(&ids, at)
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        // Nothing of this rank's left waiting for a peer when the read-back starts (ranks
+        // sharing GPU 0 share the context's staging buffer: see `common::on_ranks`).
+        device.synchronize().unwrap();
+        let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+        let (chosen, _) = top2(&logits);
+        run.logits.push(logits);
+        run.tokens.push(chosen);
+        at += input.len();
+        input = vec![feed.map_or(chosen, |f| f[step])];
+    }
+    run
+}
+
+/// Checks `run` against `reference`: logits within `relative` of the reference's largest
+/// |logit|, tokens equal unless the reference's two best lie within twice that.
+fn compare(what: &str, reference: &Run, run: &Run, relative: f32) -> f32 {
+    let mut worst_seen = 0f32;
+    for (step, (want, got)) in reference.logits.iter().zip(&run.logits).enumerate() {
+        let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let worst = want
+            .iter()
+            .zip(got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= relative * scale,
+            "{what}: step {step}: max |logit difference| {worst} > {}",
+            relative * scale
+        );
+        worst_seen = worst_seen.max(worst / scale);
+        let (want_token, gap) = top2(want);
+        let (got_token, _) = top2(got);
+        assert!(
+            want_token == got_token || gap <= 2.0 * relative * scale,
+            "{what}: step {step}: token {got_token}, reference {want_token} (lead {gap})"
+        );
+    }
+    worst_seen
+}
+
+/// The relative tolerance of a run in `dtype` against the f32 reference: f32's as in
+/// models_cpu (GPU and CPU sum in other orders); bf16's from its 8-bit mantissa (a relative
+/// rounding of 2^-8 at each of the activations' roundings, through 2 layers).
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 1e-4,
+        _ => 6e-2,
+    }
+}
+
+/// The host reference: one rank on the CPU in f32.
+fn reference(checkpoint: &Checkpoint, prompt: &[u32]) -> Run {
+    let max_seq = prompt.len() + STEPS;
+    let mut model = CausalLm::load(
+        checkpoint,
+        &TpGroup::single(),
+        DType::F32,
+        &Device::Cpu,
+        max_seq,
+    )
+    .unwrap();
+    decode(&mut model, &Device::Cpu, prompt, None)
+}
+
+/// The group of `comm`, plain NCCL or the shipped kernels (`None`: these ranks cannot have
+/// them, said once).
+fn group(test: &str, comm: Comm, lsa: bool) -> Option<TpGroup> {
+    if !lsa {
+        return Some(TpGroup::new(comm).unwrap());
+    }
+    let rank = comm.rank();
+    match LsaCollectives::new(comm, 64 * 1024) {
+        Ok(lsa) => Some(TpGroup::new(lsa).unwrap()),
+        Err(e) if common::kernels_unavailable(test, rank, &e) => None,
+        Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn ranks_on_gpus_match_the_host_reference() {
+    const TEST: &str = "ranks_on_gpus_match_the_host_reference";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let n = layout.size();
+    // (preset, dtype on the GPU, through the shipped kernels and fused)
+    let runs = [
+        ("llama3-tied-f32-sharded", DType::F32, false),
+        ("qwen2-oddvocab-f32", DType::F32, false),
+        ("qwen3-headdim-f32", DType::F32, false),
+        ("mistral-window-f32", DType::F32, false),
+        ("llama-gqa-bf16", DType::BF16, false),
+        ("llama-gqa-bf16", DType::BF16, true),
+        ("qwen3-bf16", DType::BF16, true),
+        ("qwen2-bf16-sharded", DType::BF16, true),
+    ];
+    for (name, dtype, lsa) in runs {
+        let spec = writer::preset(name).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        writer::write(&spec, dir.path()).unwrap();
+        let checkpoint = Checkpoint::open(dir.path()).unwrap();
+        let tokenizer = checkpoint.tokenizer().unwrap();
+        let prompt = tokenizer.encode(PROMPT, true).unwrap().get_ids().to_vec();
+        let want = reference(&checkpoint, &prompt);
+        let max_seq = prompt.len() + STEPS;
+        common::run(TEST, &layout, |comm, device, barrier| {
+            let rank = comm.rank();
+            // One rank alone on this GPU first: candle's kernels loaded on every rank before
+            // any collective (a module load can wait for the whole shared GPU), and the GPU
+            // against the host without collectives.
+            let mut alone =
+                CausalLm::load(&checkpoint, &TpGroup::single(), dtype, device, max_seq).unwrap();
+            let run = decode(&mut alone, device, &prompt, Some(&want.tokens));
+            compare(
+                &format!("{name} {dtype:?}, one rank on GPU"),
+                &want,
+                &run,
+                tolerance(dtype),
+            );
+            drop(alone);
+            barrier.wait();
+            let Some(group) = group(TEST, comm, lsa) else {
+                return;
+            };
+            let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            model.set_fused(lsa);
+            let run = decode(&mut model, device, &prompt, Some(&want.tokens));
+            let what = format!("{name} {dtype:?}, rank {rank} of {n}, lsa+fused {lsa}");
+            let worst = compare(&what, &want, &run, tolerance(dtype));
+            if rank == 0 {
+                eprintln!("NOTE {TEST}: {what}: worst |logit difference| {worst:.2e} of the largest |logit|");
+            }
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_bad_shard_on_one_rank_is_an_error_on_every_rank() {
+    const TEST: &str = "a_bad_shard_on_one_rank_is_an_error_on_every_rank";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let spec = writer::preset("llama-gqa-bf16").unwrap();
+    let good = tempfile::tempdir().unwrap();
+    writer::write(&spec, good.path()).unwrap();
+    let bad = tempfile::tempdir().unwrap();
+    writer::write(&spec, bad.path()).unwrap();
+    let file = bad.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    tensors.remove("model.layers.0.mlp.down_proj.weight");
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    common::run(TEST, &layout, |comm, device, _| {
+        let rank = comm.rank();
+        let last = comm.size() - 1;
+        let group = TpGroup::new(comm).unwrap();
+        let dir = if rank == last {
+            bad.path()
+        } else {
+            good.path()
+        };
+        let err = Checkpoint::open(dir)
+            .and_then(|c| CausalLm::load(&c, &group, DType::BF16, device, 32))
+            .err()
+            .unwrap_or_else(|| panic!("rank {rank} loaded"));
+        if rank == last {
+            assert!(
+                matches!(
+                    err,
+                    Error::Checkpoint {
+                        fault: CheckpointFault::Tensor,
+                        ..
+                    }
+                ),
+                "rank {rank}: {err}"
+            );
+            assert!(err.to_string().contains("down_proj"), "{err}");
+        } else {
+            assert!(
+                matches!(err, Error::PeerRefused { ref ranks, .. } if ranks == &[last]),
+                "rank {rank}: {err}"
+            );
+        }
+    });
+}

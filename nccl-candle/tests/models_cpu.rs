@@ -1,0 +1,481 @@
+//! `nccl_candle::models` on the CPU, through the real loading code, on checkpoints the
+//! `hf_checkpoint` example writes (every preset: four families, GQA, an odd vocabulary,
+//! tied and untied heads, bf16 and f32 files, one file and shards):
+//!
+//! * one rank against candle-transformers 0.11.1's own model of the family, in f32: the same
+//!   greedy tokens and every logit within [`F32_TOLERANCE`] of candle's;
+//! * 2, 3 and 4 ranks (threads, `ThreadedCollectives`) against one rank: the same tokens
+//!   under the near-tie rule, logits within the same tolerance; a rank count a shape does not
+//!   split into is refused alike on every rank;
+//! * Mistral's window over a prompt longer than it, step by step against all at once;
+//! * bad checkpoints refused with typed errors on every rank, before any other collective.
+
+#[path = "support/reference.rs"]
+mod reference;
+#[path = "../examples/hf_checkpoint/writer.rs"]
+mod writer;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use nccl_candle::models::{CausalLm, Checkpoint};
+use nccl_candle::tp::{ThreadedCollectives, TpGroup};
+use nccl_candle::{CheckpointFault, Error};
+
+use reference::Reference;
+use writer::{Family, Spec};
+
+/// Largest |logit difference| allowed in f32, relative to the largest |logit| (at least 1).
+/// Both sides compute in f32 from the same f32 (or bf16-exact) weights; they differ in the
+/// rotary tables (f64 on the host here, f32 in candle-transformers: ~1e-7 relative at the
+/// test's positions), the order of the matmuls' and sums' additions, and (several ranks) the
+/// all-reduce's order: each a few ulps of the activations, grown through 2–3 layers. 1e-4 is
+/// about 800 f32 ulps, far below the logits' spread (std ~2–3), far above what was seen.
+const F32_TOLERANCE: f32 = 1e-4;
+/// Greedy steps after the prompt.
+const STEPS: usize = 8;
+const PROMPT: &str = "The quick brown fox jumps over the lazy dog, and then";
+
+fn written(spec: &Spec) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(spec, dir.path()).unwrap_or_else(|e| panic!("{}: {e}", spec.name));
+    dir
+}
+
+fn prompt(checkpoint: &Checkpoint, max: usize) -> Vec<u32> {
+    let tokenizer = checkpoint.tokenizer().unwrap();
+    let mut ids = tokenizer.encode(PROMPT, true).unwrap().get_ids().to_vec();
+    ids.truncate(max);
+    ids
+}
+
+/// The best logit's id and its lead over the second.
+fn top2(logits: &[f32]) -> (u32, f32) {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    (order[0] as u32, logits[order[0]] - logits[order[1]])
+}
+
+fn last_logits(model: &mut CausalLm, ids: &[u32], offset: usize) -> Vec<f32> {
+    let input = Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = model.forward(&input, offset).unwrap();
+    assert_eq!(logits.dims(), [1, model.config().vocab_size]);
+    logits.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// A run: each step's logits (the prompt's pass first) and the tokens chosen.
+struct Run {
+    logits: Vec<Vec<f32>>,
+    tokens: Vec<u32>,
+}
+
+/// Greedy decoding of `steps` tokens after `prompt` by `forward`, fed `feed`'s tokens
+/// when given (so that a near-tie does not derail the comparison of later steps).
+fn decode(
+    mut forward: impl FnMut(&[u32], usize) -> Vec<f32>,
+    prompt: &[u32],
+    steps: usize,
+    feed: Option<&[u32]>,
+) -> Run {
+    let mut run = Run {
+        logits: vec![forward(prompt, 0)],
+        tokens: Vec::new(),
+    };
+    for step in 0..steps {
+        let (chosen, _) = top2(&run.logits[step]);
+        run.tokens.push(chosen);
+        let next = feed.map_or(chosen, |f| f[step]);
+        if step + 1 < steps {
+            run.logits.push(forward(&[next], prompt.len() + step));
+        }
+    }
+    run
+}
+
+/// Checks `run` against `reference`: every logit within the tolerance (relative to the
+/// reference's largest |logit|), every token the same unless the reference's two best
+/// were within twice the tolerance (a near-tie the logit bound then covers).
+fn compare(what: &str, reference: &Run, run: &Run) {
+    for (step, (want, got)) in reference.logits.iter().zip(&run.logits).enumerate() {
+        let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let worst = want
+            .iter()
+            .zip(got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= F32_TOLERANCE * scale,
+            "{what}: step {step}: max |logit difference| {worst} > {} (scale {scale})",
+            F32_TOLERANCE * scale
+        );
+        let (want_token, gap) = top2(want);
+        let (got_token, _) = top2(got);
+        assert!(
+            want_token == got_token || gap <= 2.0 * F32_TOLERANCE * scale,
+            "{what}: step {step}: token {got_token}, reference {want_token} (lead {gap})"
+        );
+    }
+}
+
+fn ours(checkpoint: &Checkpoint, group: &TpGroup, max_seq: usize) -> CausalLm {
+    CausalLm::load(checkpoint, group, DType::F32, &Device::Cpu, max_seq)
+        .unwrap_or_else(|e| panic!("rank {}: {e}", group.rank()))
+}
+
+/// Every rank's result of `body` on a group of `n` ranks simulated on threads.
+fn on_threads<T: Send>(n: usize, body: impl Fn(TpGroup) -> T + Sync) -> Vec<T> {
+    let ranks = ThreadedCollectives::group(n).unwrap();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let body = &body;
+                scope.spawn(move || body(TpGroup::new(rank).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Whether `n` ranks split `spec` (query heads, MLP features; key/value heads split or
+/// replicate).
+fn splits(spec: &Spec, n: usize) -> bool {
+    spec.heads.is_multiple_of(n)
+        && spec.intermediate.is_multiple_of(n)
+        && (spec.kv_heads.is_multiple_of(n) || n.is_multiple_of(spec.kv_heads))
+}
+
+#[test]
+fn one_rank_matches_candle_transformers_and_ranks_match_one_rank() {
+    let mut compared = Vec::new();
+    for spec in writer::presets() {
+        let dir = written(&spec);
+        let checkpoint = Checkpoint::open(dir.path()).unwrap();
+        // candle-transformers' Mistral applies its window only to a prompt, and one key
+        // wider than Hugging Face's; within the window the two are the same model.
+        let (max_prompt, steps) = match spec.sliding_window {
+            Some(w) if spec.family == Family::Mistral => (w - w / 2, w / 2),
+            _ => (usize::MAX, STEPS),
+        };
+        let prompt = prompt(&checkpoint, max_prompt);
+        let max_seq = prompt.len() + steps;
+        let mut single = ours(&checkpoint, &TpGroup::single(), max_seq);
+        let one = decode(
+            |ids, at| last_logits(&mut single, ids, at),
+            &prompt,
+            steps,
+            None,
+        );
+        // candle-transformers' Llama has no attention biases (it would ignore them).
+        if !(spec.family == Family::Llama && spec.attention_bias) {
+            let mut candle = Reference::load(&spec, dir.path());
+            let want = decode(
+                |ids, at| candle.forward(ids, at),
+                &prompt,
+                steps,
+                Some(&one.tokens),
+            );
+            compare(
+                &format!("{} vs candle-transformers", spec.name),
+                &want,
+                &one,
+            );
+            assert_eq!(want.tokens, one.tokens, "{}: greedy tokens", spec.name);
+        }
+        for n in 2..=4 {
+            let results = on_threads(n, |group| {
+                let rank = group.rank();
+                match CausalLm::load(&checkpoint, &group, DType::F32, &Device::Cpu, max_seq) {
+                    Ok(mut model) => Ok(decode(
+                        |ids, at| last_logits(&mut model, ids, at),
+                        &prompt,
+                        steps,
+                        Some(&one.tokens),
+                    )),
+                    Err(e) => Err(format!("rank {rank}: {e}")),
+                }
+            });
+            if splits(&spec, n) {
+                for (rank, run) in results.into_iter().enumerate() {
+                    let run = run.unwrap_or_else(|e| panic!("{}: {e}", spec.name));
+                    compare(&format!("{}, rank {rank} of {n}", spec.name), &one, &run);
+                }
+                compared.push(format!("{} x{n}", spec.name));
+            } else {
+                for result in results {
+                    let err = result
+                        .err()
+                        .unwrap_or_else(|| panic!("{}: {n} ranks loaded", spec.name));
+                    assert!(err.contains("does not split"), "{}: {err}", spec.name);
+                }
+            }
+        }
+    }
+    println!("compared with one rank: {compared:?}");
+    // The presets cover each rank count somewhere.
+    for n in 2..=4 {
+        assert!(
+            compared.iter().any(|c| c.ends_with(&format!("x{n}"))),
+            "{n} ranks never ran"
+        );
+    }
+}
+
+#[test]
+fn a_window_shorter_than_the_prompt_gives_the_same_logits_step_by_step() {
+    let spec = writer::preset("mistral-window-f32").unwrap();
+    let window = spec.sliding_window.unwrap();
+    let dir = written(&spec);
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let ids = prompt(&checkpoint, usize::MAX);
+    assert!(ids.len() > 2 * window, "a prompt of {} tokens", ids.len());
+    let mut all_at_once = ours(&checkpoint, &TpGroup::single(), ids.len());
+    let whole = last_logits(&mut all_at_once, &ids, 0);
+    let mut stepped = ours(&checkpoint, &TpGroup::single(), ids.len());
+    let mut last = Vec::new();
+    for (at, id) in ids.iter().enumerate() {
+        last = last_logits(&mut stepped, &[*id], at);
+    }
+    let worst = whole
+        .iter()
+        .zip(&last)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst < 1e-4,
+        "window: all at once vs step by step differ by {worst}"
+    );
+    // The window matters: the first token is out of the last query's sight, so changing it
+    // changes nothing, while changing a token inside the window does.
+    let mut changed = ids.clone();
+    changed[0] = (changed[0] + 1) % 300;
+    let mut model = ours(&checkpoint, &TpGroup::single(), ids.len());
+    let far = last_logits(&mut model, &changed, 0);
+    // Layers widen the sight: 2 layers see 2 * (window - 1) back.
+    assert_eq!(
+        far, whole,
+        "a token outside every layer's window changed the logits"
+    );
+    let mut near = ids.clone();
+    let at = ids.len() - 2;
+    near[at] = (near[at] + 1) % 300;
+    model.reset();
+    let close = last_logits(&mut model, &near, 0);
+    assert_ne!(close, whole, "a token inside the window changed nothing");
+}
+
+/// Every rank's error of loading `dirs[rank]`'s checkpoint.
+fn load_errors(dirs: &[&Path], max_seq: usize) -> Vec<Error> {
+    on_threads(dirs.len(), |group| {
+        let dir = dirs[group.rank()];
+        let err = Checkpoint::open(dir)
+            .and_then(|c| CausalLm::load(&c, &group, DType::F32, &Device::Cpu, max_seq))
+            .err();
+        err.unwrap_or_else(|| panic!("rank {} loaded", group.rank()))
+    })
+}
+
+fn fault_of(err: &Error) -> Option<CheckpointFault> {
+    match err {
+        Error::Checkpoint { fault, .. } => Some(*fault),
+        _ => None,
+    }
+}
+
+/// Rewrites `file` (a safetensors file) through `edit` of its tensors.
+fn rewrite(file: &Path, edit: impl FnOnce(&mut std::collections::HashMap<String, Tensor>)) {
+    let mut tensors = candle_core::safetensors::load(file, &Device::Cpu).unwrap();
+    edit(&mut tensors);
+    candle_core::safetensors::save(&tensors, file).unwrap();
+}
+
+#[test]
+fn bad_checkpoints_are_typed_errors_on_every_rank() {
+    let spec = writer::preset("llama-gqa-bf16").unwrap();
+    let good = written(&spec);
+    let weights = |dir: &Path| dir.join("model.safetensors");
+    let copy = |edit: &dyn Fn(&Path)| {
+        let dir = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(good.path()).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+        }
+        edit(dir.path());
+        dir
+    };
+    let set_config = |dir: &Path, edit: &dyn Fn(&mut serde_json::Value)| {
+        let path = dir.join("config.json");
+        let mut value: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut value);
+        std::fs::write(path, value.to_string()).unwrap();
+    };
+    // (what, the directory, the fault every rank sees, what the message names)
+    let cases: Vec<(&str, tempfile::TempDir, CheckpointFault, &str)> = vec![
+        (
+            "no config",
+            copy(&|d| std::fs::remove_file(d.join("config.json")).unwrap()),
+            CheckpointFault::Missing,
+            "config.json",
+        ),
+        (
+            "config not JSON",
+            copy(&|d| std::fs::write(d.join("config.json"), "{ hidden_size: 1").unwrap()),
+            CheckpointFault::Malformed,
+            "config.json",
+        ),
+        (
+            "a required field missing",
+            copy(&|d| {
+                set_config(d, &|v| {
+                    v.as_object_mut().unwrap().remove("num_hidden_layers");
+                })
+            }),
+            CheckpointFault::Malformed,
+            "num_hidden_layers",
+        ),
+        (
+            "another architecture",
+            copy(&|d| {
+                set_config(d, &|v| {
+                    v["model_type"] = "gemma".into();
+                    v["architectures"] = serde_json::json!(["GemmaForCausalLM"]);
+                })
+            }),
+            CheckpointFault::Unsupported,
+            "gemma",
+        ),
+        (
+            "no weights",
+            copy(&|d| std::fs::remove_file(weights(d)).unwrap()),
+            CheckpointFault::Missing,
+            "model.safetensors",
+        ),
+        (
+            "weights not safetensors",
+            copy(&|d| std::fs::write(weights(d), b"not a safetensors file at all").unwrap()),
+            CheckpointFault::Malformed,
+            "model.safetensors",
+        ),
+        (
+            "a tensor missing",
+            copy(&|d| {
+                rewrite(&weights(d), |t| {
+                    t.remove("model.layers.1.mlp.up_proj.weight");
+                })
+            }),
+            CheckpointFault::Tensor,
+            "model.layers.1.mlp.up_proj.weight",
+        ),
+        (
+            "a tensor of the wrong shape",
+            copy(&|d| {
+                rewrite(&weights(d), |t| {
+                    let k = t["model.layers.0.self_attn.k_proj.weight"]
+                        .narrow(0, 0, 16)
+                        .unwrap();
+                    t.insert("model.layers.0.self_attn.k_proj.weight".into(), k);
+                })
+            }),
+            CheckpointFault::Tensor,
+            "model.layers.0.self_attn.k_proj.weight",
+        ),
+    ];
+    for (what, dir, fault, named) in &cases {
+        let errors = load_errors(&[dir.path(), dir.path()], 32);
+        for (rank, err) in errors.iter().enumerate() {
+            assert_eq!(fault_of(err), Some(*fault), "{what}: rank {rank}: {err}");
+            assert!(
+                err.to_string().contains(named),
+                "{what}: rank {rank}: {err} does not name {named}"
+            );
+        }
+    }
+    // One rank's checkpoint bad, the other's good: the bad one's own error there, the
+    // other refused by its peer, before any collective of the model.
+    let broken = &cases[6].1;
+    let errors = load_errors(&[good.path(), broken.path()], 32);
+    assert!(
+        matches!(errors[0], Error::PeerRefused { ref ranks, .. } if ranks == &[1]),
+        "{}",
+        errors[0]
+    );
+    assert_eq!(
+        fault_of(&errors[1]),
+        Some(CheckpointFault::Tensor),
+        "{}",
+        errors[1]
+    );
+    // Two good checkpoints that differ (another seed): a mismatch on every rank.
+    let other = written(&Spec {
+        seed: spec.seed + 1,
+        ..spec.clone()
+    });
+    for err in load_errors(&[good.path(), other.path()], 32) {
+        assert!(
+            matches!(err, Error::Mismatch { ref ranks, .. } if ranks == &[1]),
+            "{err}"
+        );
+    }
+    // Arguments that differ: a mismatch too.
+    let errors = on_threads(2, |group| {
+        let checkpoint = Checkpoint::open(good.path()).unwrap();
+        let max_seq = 16 + group.rank();
+        CausalLm::load(&checkpoint, &group, DType::F32, &Device::Cpu, max_seq)
+            .err()
+            .unwrap()
+    });
+    for err in errors {
+        assert!(matches!(err, Error::Mismatch { .. }), "{err}");
+    }
+    // A dimension that does not split (8 query heads over 3 ranks), on every rank alike.
+    for err in load_errors(&[good.path(), good.path(), good.path()], 32) {
+        assert!(
+            matches!(err, Error::NotDivisible { ref name, .. } if name == "num_attention_heads"),
+            "{err}"
+        );
+    }
+    // A tokenizer that cannot be read.
+    let dir = copy(&|d| std::fs::write(d.join("tokenizer.json"), "{\"model\": 3}").unwrap());
+    let err = Checkpoint::open(dir.path())
+        .unwrap()
+        .tokenizer()
+        .unwrap_err();
+    assert_eq!(fault_of(&err), Some(CheckpointFault::Malformed), "{err}");
+    let dir = copy(&|d| std::fs::remove_file(d.join("tokenizer.json")).unwrap());
+    let err = Checkpoint::open(dir.path())
+        .unwrap()
+        .tokenizer()
+        .unwrap_err();
+    assert_eq!(fault_of(&err), Some(CheckpointFault::Missing), "{err}");
+}
+
+#[test]
+fn a_stale_offset_is_refused_and_reset_starts_over() {
+    let spec = writer::preset("qwen3-headdim-f32").unwrap();
+    let dir = written(&spec);
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let ids = prompt(&checkpoint, 6);
+    let mut model = ours(&checkpoint, &TpGroup::single(), 16);
+    let first = last_logits(&mut model, &ids, 0);
+    let input = Tensor::new(&ids[..1], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    assert!(matches!(
+        model.forward(&input, 0),
+        Err(Error::Argument { .. })
+    ));
+    assert_eq!(model.cached(), ids.len());
+    model.reset();
+    assert_eq!(last_logits(&mut model, &ids, 0), first);
+    let long = Tensor::zeros((1, 17), DType::U32, &Device::Cpu).unwrap();
+    model.reset();
+    assert!(matches!(
+        model.forward(&long, 0),
+        Err(Error::Argument { .. })
+    ));
+}
