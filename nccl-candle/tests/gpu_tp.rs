@@ -361,6 +361,11 @@ fn fused_epilogue_matches_the_unfused_sequence() {
             let sum = group.all_reduce(partial, ReduceOp::Sum).unwrap();
             let want_residual = (&sum + residual).unwrap();
             let want_normed = candle_nn::ops::rms_norm(&want_residual, weight, EPS).unwrap();
+            // Before any read-back: with ranks sharing GPU 0 a read-back waiting on this
+            // rank's collective holds the context's staging buffer, which the peer's own
+            // read-back before its call then waits for (see `common::on_ranks`). Hung on
+            // one H200 until the kernels' 300 s timeout.
+            device.synchronize().unwrap();
             let after = host_f32(partial);
             assert_eq!(before, after, "{what}: the partial output changed");
             if !fits {
