@@ -36,8 +36,8 @@ mod collectives;
 pub mod ddp;
 mod error;
 mod gather;
-mod op;
 pub mod models;
+mod op;
 pub mod tp;
 
 pub use agree::fingerprint;

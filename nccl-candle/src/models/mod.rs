@@ -33,9 +33,11 @@
 mod checkpoint;
 mod config;
 mod decoder;
+mod sampling;
 
 pub use checkpoint::{
     Checkpoint, TensorInfo, CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
 };
 pub use config::{Family, Llama3RopeScaling, ModelConfig};
 pub use decoder::{argmax, CausalLm};
+pub use sampling::{Sampler, Sampling};
