@@ -836,7 +836,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
     let rank = job.placement().rank;
     let launcher = job.placement().launcher.to_string();
     let joined = (|| -> Result<(), AnyError> {
-        let device = Device::new_cuda(job.device()?)?;
+        let device = Device::new_cuda_with_stream(job.device()?)?;
         let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;
         // --lsa's communicator, split off now: LsaCollectives takes its communicator and
         // can only be tried once the checkpoint says the hidden size, and the plain one

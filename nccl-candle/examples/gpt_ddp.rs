@@ -426,13 +426,9 @@ fn run(options: &Options) -> Result<(), Failure> {
         .validate_for(placement.world_size)
         .map_err(Failure::Usage)?;
     let ordinal = job.device()?;
-    // candle's device and the communicator share one stream: by default the GPU's
-    // per-thread stream, candle's own choice, which keeps cudarc from tracking events.
-    let device = if options.own_stream {
-        Device::new_cuda_with_stream(ordinal)?
-    } else {
-        Device::new_cuda(ordinal)?
-    };
+    // candle's device and the communicator share one stream of their own (nccl-rs refuses
+    // the per-thread default stream, which names another stream on each thread).
+    let device = Device::new_cuda_with_stream(ordinal)?;
     let stream = device.as_cuda_device()?.cuda_stream();
     let comm = job.init_comm_on(stream)?;
     let rank = comm.rank();

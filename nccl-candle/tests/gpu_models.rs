@@ -215,8 +215,7 @@ fn a_bad_shard_on_one_rank_is_an_error_on_every_rank() {
         } else {
             good.path()
         };
-        let err = Checkpoint::open(dir)
-            .and_then(|c| CausalLm::load(&c, &group, DType::BF16, device, 32))
+        let err = CausalLm::load_dir(dir, &group, DType::BF16, device, 32)
             .err()
             .unwrap_or_else(|| panic!("rank {rank} loaded"));
         if rank == last {

@@ -271,9 +271,7 @@ fn a_window_shorter_than_the_prompt_gives_the_same_logits_step_by_step() {
 fn load_errors(dirs: &[&Path], max_seq: usize) -> Vec<Error> {
     on_threads(dirs.len(), |group| {
         let dir = dirs[group.rank()];
-        let err = Checkpoint::open(dir)
-            .and_then(|c| CausalLm::load(&c, &group, DType::F32, &Device::Cpu, max_seq))
-            .err();
+        let err = CausalLm::load_dir(dir, &group, DType::F32, &Device::Cpu, max_seq).err();
         err.unwrap_or_else(|| panic!("rank {} loaded", group.rank()))
     })
 }
@@ -406,6 +404,20 @@ fn bad_checkpoints_are_typed_errors_on_every_rank() {
     assert_eq!(
         fault_of(&errors[1]),
         Some(CheckpointFault::Tensor),
+        "{}",
+        errors[1]
+    );
+    // One rank cannot even open its copy (no config.json there): its own error there, a
+    // refusal on the other, no rank left waiting.
+    let errors = load_errors(&[good.path(), cases[0].1.path()], 32);
+    assert!(
+        matches!(errors[0], Error::PeerRefused { ref ranks, .. } if ranks == &[1]),
+        "{}",
+        errors[0]
+    );
+    assert_eq!(
+        fault_of(&errors[1]),
+        Some(CheckpointFault::Missing),
         "{}",
         errors[1]
     );

@@ -8,7 +8,7 @@ use crate::model::Config;
 pub const USAGE: &str = "\
 usage: gpt_ddp [--model tiny|small|large] [--global-batch N] [--steps N] [--lr X] [--seed N]
                [--lr-warmup N] [--check-steps K] [--tolerance X] [--warmup N]
-               [--measure-steps N] [--bucket-mb N] [--own-stream] [--no-check]
+               [--measure-steps N] [--bucket-mb N] [--no-check]
 
 Data-parallel training of a small GPT on generated sequences, one process per GPU (or per rank
 of mpirun/srun/torchrun; NCCL_RS_LOCAL_RANKS=N starts N local ranks).
@@ -30,8 +30,6 @@ of mpirun/srun/torchrun; NCCL_RS_LOCAL_RANKS=N starts N local ranks).
   --measure-steps N  last steps, with the gradient all-reduce timed between synchronisations
                      (default 10)
   --bucket-mb N      largest gradient bucket in MiB (default 25, as PyTorch DDP)
-  --own-stream       run candle and NCCL on a stream of their own instead of the per-thread
-                     default stream
   --no-check         skip the self-checks and rank 0's reference run";
 
 /// The model sizes.
@@ -100,7 +98,6 @@ pub struct Options {
     pub warmup: usize,
     pub measure_steps: usize,
     pub bucket_bytes: usize,
-    pub own_stream: bool,
     pub check: bool,
 }
 
@@ -120,7 +117,6 @@ pub fn parse_options(args: impl IntoIterator<Item = String>) -> Result<Command, 
     let mut warmup = 10;
     let mut measure_steps = 10;
     let mut bucket_mb: usize = 25;
-    let mut own_stream = false;
     let mut check = true;
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
@@ -154,10 +150,7 @@ pub fn parse_options(args: impl IntoIterator<Item = String>) -> Result<Command, 
             "--warmup" => warmup = number(&flag, &value()?)?,
             "--measure-steps" => measure_steps = number(&flag, &value()?)?,
             "--bucket-mb" => bucket_mb = number(&flag, &value()?)?,
-            "--own-stream" | "--no-check" if inline.is_some() => {
-                return Err(format!("{flag} takes no value"))
-            }
-            "--own-stream" => own_stream = true,
+            "--no-check" if inline.is_some() => return Err(format!("{flag} takes no value")),
             "--no-check" => check = false,
             "-h" | "--help" => return Ok(Command::Help),
             other => return Err(format!("unknown argument {other:?}")),
@@ -178,7 +171,6 @@ pub fn parse_options(args: impl IntoIterator<Item = String>) -> Result<Command, 
         bucket_bytes: bucket_mb
             .checked_mul(1 << 20)
             .ok_or("--bucket-mb is too large")?,
-        own_stream,
         check,
     };
     options.validate()?;

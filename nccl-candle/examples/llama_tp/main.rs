@@ -442,7 +442,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
         std::process::exit(1)
     });
     let launcher = job.placement().launcher;
-    let device = Device::new_cuda(job.device()?)?;
+    let device = Device::new_cuda_with_stream(job.device()?)?;
     let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;
     let (rank, world) = (comm.rank(), comm.size());
     let cfg = options.config();

@@ -54,14 +54,39 @@ fn fault(path: &Path, fault: CheckpointFault, why: impl Into<String>) -> Error {
     }
 }
 
+/// The most a JSON file of a checkpoint may hold (tokenizers run to tens of MB).
+const MAX_JSON: u64 = 256 << 20;
+
+/// A JSON file of the checkpoint, read whole: a regular file of at most [`MAX_JSON`] bytes
+/// (not a device or a pipe a read would never end on).
 fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|err| {
+    let missing = |err: std::io::Error| {
         fault(
             path,
             CheckpointFault::Missing,
             format!("cannot read it: {err}"),
         )
-    })
+    };
+    let file = File::open(path).map_err(missing)?;
+    let meta = file.metadata().map_err(missing)?;
+    if !meta.is_file() || meta.len() > MAX_JSON {
+        return Err(fault(
+            path,
+            CheckpointFault::Malformed,
+            format!("not a regular file of at most {MAX_JSON} bytes"),
+        ));
+    }
+    let mut text = String::new();
+    file.take(MAX_JSON)
+        .read_to_string(&mut text)
+        .map_err(|err| {
+            fault(
+                path,
+                CheckpointFault::Malformed,
+                format!("not UTF-8 text: {err}"),
+            )
+        })?;
+    Ok(text)
 }
 
 impl Checkpoint {
@@ -76,7 +101,10 @@ impl Checkpoint {
         let config_text = read_text(&config_path)?;
         let config = ModelConfig::from_json(&config_text, &config_path)?;
         let index_path = dir.join(INDEX_FILE);
-        let (files, index) = if index_path.exists() {
+        // transformers loads model.safetensors when both are there.
+        let (files, index) = if dir.join(WEIGHTS_FILE).exists() {
+            (vec![dir.join(WEIGHTS_FILE)], None)
+        } else if index_path.exists() {
             let index = read_index(&index_path)?;
             let mut files: Vec<PathBuf> = index.values().cloned().collect();
             files.sort();
@@ -85,8 +113,6 @@ impl Checkpoint {
                 files.into_iter().map(|f| dir.join(f)).collect(),
                 Some(index),
             )
-        } else if dir.join(WEIGHTS_FILE).exists() {
-            (vec![dir.join(WEIGHTS_FILE)], None)
         } else {
             return Err(fault(
                 &dir,
@@ -168,10 +194,11 @@ impl Checkpoint {
 
     /// The bytes of the weights' data (what the headers describe).
     pub fn weight_bytes(&self) -> usize {
+        // Each tensor's bytes lie in its file (checked when opened); saturating all the same.
         self.tensors
             .values()
             .map(|t| t.shape.iter().product::<usize>() * t.dtype.size_in_bytes())
-            .sum()
+            .fold(0usize, usize::saturating_add)
     }
 
     /// A fingerprint of the checkpoint for the ranks to compare
@@ -266,8 +293,8 @@ impl Checkpoint {
     fn read_error(&self, err: candle_core::Error) -> Error {
         fault(
             &self.dir,
-            CheckpointFault::Missing,
-            format!("cannot map the weights files: {err}"),
+            CheckpointFault::Malformed,
+            format!("candle cannot read the weights files: {err}"),
         )
     }
 }
@@ -341,6 +368,7 @@ fn read_header(path: &Path) -> Result<Vec<(String, Vec<usize>, DType)>> {
         .ok_or_else(|| malformed("the header is not a JSON object".into()))?;
     let data_len = len - 8 - header_len;
     let mut out = Vec::with_capacity(entries.len());
+    let mut spans = Vec::with_capacity(entries.len());
     for (name, entry) in entries {
         if name == "__metadata__" {
             continue;
@@ -375,12 +403,28 @@ fn read_header(path: &Path) -> Result<Vec<(String, Vec<usize>, DType)>> {
             .iter()
             .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d))
             .and_then(|b| u64::try_from(b).ok());
-        match (offsets.as_slice(), bytes) {
-            ([start, end], Some(bytes))
-                if start <= end && end - start == bytes && *end <= data_len => {}
-            _ => return Err(bad("its data_offsets do not fit its shape and the file")),
-        }
+        let span = match (offsets.as_slice(), bytes) {
+            ([start, end], Some(bytes)) if start <= end && end - start == bytes => (*start, *end),
+            _ => return Err(bad("its data_offsets do not fit its shape")),
+        };
+        spans.push((span, name.clone()));
         out.push((name.clone(), shape, dtype));
+    }
+    // safetensors' own rule: the tensors tile the data, no gap, no overlap, nothing after.
+    spans.sort();
+    let mut next = 0;
+    for ((start, end), name) in &spans {
+        if *start != next {
+            return Err(malformed(format!(
+                "{name}'s data starts at {start}, not at {next} where the one before ends"
+            )));
+        }
+        next = *end;
+    }
+    if next != data_len {
+        return Err(malformed(format!(
+            "the tensors' data ends at {next}, the file's at {data_len}"
+        )));
     }
     Ok(out)
 }
@@ -399,9 +443,11 @@ fn sample(path: &Path) -> Result<(u64, Vec<u8>)> {
     let mut samples = Vec::new();
     let mut buf = vec![0u8; 4096];
     for i in 0..16u64 {
-        file.seek(SeekFrom::Start(len.saturating_sub(4096) / 15 * i))
-            .map_err(missing)?;
-        let n = file.read(&mut buf).map_err(missing)?;
+        let at = len.saturating_sub(4096) / 15 * i;
+        file.seek(SeekFrom::Start(at)).map_err(missing)?;
+        // Whole samples: a short read (network file systems) must not change the print.
+        let n = usize::try_from((len - at).min(4096)).unwrap_or(4096);
+        file.read_exact(&mut buf[..n]).map_err(missing)?;
         samples.extend_from_slice(&buf[..n]);
     }
     Ok((len, samples))

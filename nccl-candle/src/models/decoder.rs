@@ -150,7 +150,19 @@ fn rows(
         rank,
         world_size,
     };
-    Ok(vb.get_with_hints(shape, name, hints)?)
+    let block = vb.get_with_hints(shape, name, hints)?;
+    // candle checks the shape only when it does not shard; the file may have changed since
+    // its header was checked.
+    let mut expected = shape.to_vec();
+    expected[0] /= world_size;
+    if block.dims() != expected.as_slice() {
+        return Err(Error::ShardShape {
+            name: format!("{}.{name}", vb.prefix()),
+            expected,
+            got: block.dims().to_vec(),
+        });
+    }
+    Ok(block)
 }
 
 /// A column-parallel projection: this rank's rows of the weight (and bias).
@@ -189,7 +201,7 @@ fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
 }
 
 /// This rank's attention heads.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Attention {
     q: Linear,
     k: Linear,
@@ -319,7 +331,7 @@ impl Mlp {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Layer {
     input_norm: Tensor,
     attention: Attention,
@@ -372,7 +384,9 @@ fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
 /// Every rank of the group loads the same checkpoint with the same arguments, then calls
 /// [`forward`](Self::forward) with the same token ids (each call is collectives on every
 /// rank), as with any tensor-parallel model.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: a copy would share the KV caches' storage, which candle writes in place.
+#[derive(Debug)]
 pub struct CausalLm {
     config: ModelConfig,
     group: TpGroup,
@@ -392,6 +406,9 @@ pub struct CausalLm {
     eps: f32,
     /// Positions the KV caches hold.
     cached: usize,
+    /// A forward pass failed after the first layer's cache took its positions: the caches
+    /// disagree on what they hold until [`reset`](CausalLm::reset).
+    broken: bool,
     fused: bool,
 }
 
@@ -407,8 +424,10 @@ impl CausalLm {
     /// [`Error::Mismatch`]), before any other collective. A rank that fails to read its
     /// shard tells the others the same way after loading.
     ///
-    /// The weights files are mapped while loading: another process changing them then is
-    /// outside what this call can guard against (as with every loader that maps them).
+    /// Every rank must reach this call: a rank that failed to open its checkpoint must take
+    /// part as a refusal ([`load_dir`](Self::load_dir) does that). The weights files are
+    /// mapped while loading: another process changing them then is outside what this call
+    /// can guard against (as with every loader that maps them).
     pub fn load(
         checkpoint: &Checkpoint,
         group: &TpGroup,
@@ -417,30 +436,45 @@ impl CausalLm {
         max_seq: usize,
     ) -> Result<Self> {
         let cfg = checkpoint.config();
-        let checked = Self::check(checkpoint, group, dtype, max_seq);
-        let (plan, local) = match checked {
-            Ok(plan) => (Some(plan), Ok(())),
-            Err(err) => (None, Err(err)),
-        };
-        let fp = match checkpoint.fingerprint() {
-            Ok(fp) => fingerprint(&(fp, format!("{dtype:?}"), max_seq)),
-            Err(_) => 0,
+        // The fingerprint's own failure (a file unreadable here) is this rank's refusal.
+        let checked = Self::check(checkpoint, group, dtype, max_seq).and_then(|plan| {
+            let fp = checkpoint.fingerprint()?;
+            Ok((plan, fingerprint(&(fp, format!("{dtype:?}"), max_seq))))
+        });
+        let (plan, fp, local) = match checked {
+            Ok((plan, fp)) => (Some(plan), fp, Ok(())),
+            Err(err) => (None, 0, Err(err)),
         };
         group.agree_checked("checkpoints and load arguments", fp, local, device)?;
-        let Some(plan) = plan else {
-            // agree_checked returned this rank's error when it had one.
-            return Err(Error::Argument {
-                op: "CausalLm::load",
-                why: "no plan".into(),
-            });
+        // agree_checked returned this rank's own error when it had one.
+        let plan = plan.ok_or_else(|| unreachable_state("no plan after the agreement"))?;
+        let (model, local) = match Self::read(checkpoint, group, cfg, plan, dtype, device, max_seq)
+        {
+            Ok(model) => (Some(model), Ok(())),
+            Err(err) => (None, Err(err)),
         };
-        let loaded = Self::read(checkpoint, group, cfg, plan, dtype, device, max_seq);
-        let local = loaded.as_ref().map(|_| ()).map_err(|err| Error::Argument {
-            op: "CausalLm::load",
-            why: err.to_string(),
-        });
         group.agree_checked("loaded shards", fp, local, device)?;
-        loaded
+        model.ok_or_else(|| unreachable_state("no model after the agreement"))
+    }
+
+    /// [`Checkpoint::open`] then [`load`](Self::load), with a failure to open the
+    /// directory on this rank counted as its refusal in the ranks' agreement: every rank
+    /// returns an error (its own, or [`Error::PeerRefused`]) instead of some waiting for a
+    /// rank that could not open its copy. Prefer it to opening the checkpoint separately.
+    pub fn load_dir(
+        dir: impl AsRef<std::path::Path>,
+        group: &TpGroup,
+        dtype: DType,
+        device: &Device,
+        max_seq: usize,
+    ) -> Result<Self> {
+        match Checkpoint::open(dir) {
+            Ok(checkpoint) => Self::load(&checkpoint, group, dtype, device, max_seq),
+            Err(err) => {
+                group.agree_checked("checkpoints and load arguments", 0, Err(err), device)?;
+                Err(unreachable_state("a refusal agreed as none"))
+            }
+        }
     }
 
     /// What a rank checks alone before loading.
@@ -467,6 +501,19 @@ impl CausalLm {
             });
         }
         let plan = Plan::new(cfg, group.rank(), group.size())?;
+        // Nine tensors a layer at least: a layer count past the files' tensors is refused
+        // before a list of that many names is made.
+        if cfg.num_hidden_layers > checkpoint.tensors().len() / 9 {
+            return Err(Error::Checkpoint {
+                path: checkpoint.dir().join(super::checkpoint::CONFIG_FILE),
+                fault: crate::CheckpointFault::Tensor,
+                why: format!(
+                    "num_hidden_layers {} but the weights files hold {} tensors",
+                    cfg.num_hidden_layers,
+                    checkpoint.tensors().len()
+                ),
+            });
+        }
         for (name, shape) in expected_tensors(cfg) {
             checkpoint.expect(&name, &shape)?;
         }
@@ -540,6 +587,7 @@ impl CausalLm {
             max_seq,
             eps: cfg.rms_norm_eps as f32,
             cached: 0,
+            broken: false,
             fused: false,
         })
     }
@@ -573,14 +621,28 @@ impl CausalLm {
     /// `ids` (`[b, seq]`, `u32`) at positions `offset..offset + seq`; `offset` must be
     /// [`cached`](Self::cached) (the earlier positions went through earlier calls). Ids past
     /// the vocabulary embed to zeros.
+    ///
+    /// Every rank calls it with the same ids and offset: a refusal here (a stale offset, a
+    /// sequence past `max_seq`, ids of another shape) is this rank's alone, and its peers
+    /// then wait in the pass's collectives (as with any collective; the communicator's
+    /// watchdog or abort ends the wait). A pass that fails past the embedding leaves the
+    /// caches partly written: the model refuses every pass until [`reset`](Self::reset).
     pub fn forward(&mut self, ids: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, seq) = ids.dims2()?;
-        if offset != self.cached || seq == 0 || offset + seq > self.max_seq {
+        if self.broken {
+            return Err(Error::Argument {
+                op: "CausalLm::forward",
+                why: "an earlier pass failed midway and left the KV caches partly written: \
+                      reset() first"
+                    .into(),
+            });
+        }
+        if offset != self.cached || seq == 0 || seq > self.max_seq - offset {
             return Err(Error::Argument {
                 op: "CausalLm::forward",
                 why: format!(
                     "positions {offset}..{} with {} cached and room for {}",
-                    offset + seq,
+                    offset.saturating_add(seq),
                     self.cached,
                     self.max_seq
                 ),
@@ -593,12 +655,14 @@ impl CausalLm {
         let mask = mask(seq, offset, self.config.sliding_window, ids.device())?;
         let embedded = masked_lookup(&self.embed, ids, self.vocab_start)?;
         let x = self.group.layer_sum(embedded)?;
-        // From here on the caches hold these positions, whatever happens next: a failed
-        // call leaves the model to be reset.
-        self.cached = offset + seq;
+        // From here on some caches may take these positions and others not, should a layer
+        // fail: broken until it ends.
+        self.broken = true;
         let last = self
             .layers_forward(x, &rope, mask.as_ref())?
             .narrow(1, seq - 1, 1)?;
+        self.broken = false;
+        self.cached = offset + seq;
         let head = self.head.as_ref().unwrap_or(&self.embed);
         let block = last.squeeze(1)?.matmul(&head.t()?)?;
         let logits = self.group.layer_gather(&block, 1)?;
@@ -657,12 +721,21 @@ impl CausalLm {
             layer.attention.cache.reset();
         }
         self.cached = 0;
+        self.broken = false;
     }
 
     /// This rank's query heads, key/value heads, MLP features and vocabulary rows.
     pub fn local_sizes(&self) -> (usize, usize, usize, usize) {
         let p = &self.plan;
         (p.heads, p.kv_heads, p.intermediate, p.vocab_rows)
+    }
+}
+
+/// An error for a state the agreement rules out (kept typed rather than a panic).
+fn unreachable_state(why: &str) -> Error {
+    Error::Argument {
+        op: "CausalLm::load",
+        why: why.into(),
     }
 }
 

@@ -14,7 +14,7 @@
 //! use nccl_candle::tp::TpGroup;
 //!
 //! let checkpoint = Checkpoint::open("Qwen3-0.6B")?;
-//! let device = Device::new_cuda(0)?;
+//! let device = Device::new_cuda_with_stream(0)?;
 //! // One rank here; a group over a `nccl::Comm` (or `LsaCollectives`) splits the model.
 //! let group = TpGroup::single();
 //! let mut model = CausalLm::load(&checkpoint, &group, DType::BF16, &device, 512)?;

@@ -260,7 +260,12 @@ impl TpGroup {
             .and_then(|row| ranks.all_gather(&row));
         // This rank's own error says more than the exchange's or the peers'.
         local?;
-        let table: Vec<u64> = exchanged?
+        let exchanged = exchanged?;
+        // The stream first, then the copy: a copy that waits for the collective holds the
+        // context's staging buffer, which a peer sharing the context (ranks on one GPU in
+        // one process) needs for its own upload before it can join (hung on one H200).
+        device.synchronize()?;
+        let table: Vec<u64> = exchanged
             .to_vec1::<i64>()?
             .into_iter()
             .map(|v| u64::from_ne_bytes(v.to_ne_bytes()))
