@@ -603,6 +603,77 @@ fn epilogue_reference(
     (h.iter().map(|&v| half::bf16::from_f32(v)).collect(), out)
 }
 
+/// A fused call whose row is split over CTAs as an instance's first call, with the row
+/// exactly the instance's capacity and well inside it: nccl-candle's fused test (capacity
+/// 8192, first call 1 × 8192) hung on one H200 with two ranks sharing it in one process.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_split_row_fused_call_first_and_at_capacity() {
+    const TEST: &str = "a_split_row_fused_call_first_and_at_capacity";
+    let Some((comms, _deadline)) = start(TEST) else {
+        return;
+    };
+    per_rank(comms, |comm, _| {
+        use nccl::device::LsaEpilogue;
+        let stream = comm.stream().clone();
+        let (rank, size) = (comm.rank(), comm.size());
+        let (rows, hidden) = (1usize, 8192usize);
+        let len = rows * hidden;
+        let mut staging = Staging::new(&stream, len);
+        let small = |seed: u64, rank: usize, len: usize| -> Vec<half::bf16> {
+            let mut rng = Rng::new(seed ^ ((rank as u64 + 7) << 20));
+            (0..len)
+                .map(|_| half::bf16::from_f32(rng.range(-64, 64) as f32 / 16.0))
+                .collect()
+        };
+        let xs: Vec<Vec<half::bf16>> = (0..size).map(|r| small(5, r, len)).collect();
+        let res0 = small(6, 99, len);
+        let w = small(7, 98, hidden);
+        let (want_res, want_out) = epilogue_reference(&xs, &res0, &w, hidden);
+        let mut verdicts = Vec::new();
+        for capacity in [len, 16 * len] {
+            let mut x = stream.alloc_zeros::<half::bf16>(len).expect("x");
+            let mut residual = stream.alloc_zeros::<half::bf16>(len).expect("residual");
+            let mut out = stream.alloc_zeros::<half::bf16>(len).expect("out");
+            let mut weight = stream.alloc_zeros::<half::bf16>(hidden).expect("weight");
+            staging.upload(&xs[rank], &mut x);
+            staging.upload(&res0, &mut residual);
+            staging.upload(&w, &mut weight);
+            let mut ar = LsaAllReduce::<half::bf16>::new(&comm, capacity).expect("new");
+            ar.set_timeout(Duration::from_secs(5));
+            let called = ar.all_reduce_add_rms_norm(
+                &mut x,
+                &mut residual,
+                &weight,
+                1e-5,
+                &mut out,
+                LsaEpilogue::Fused,
+            );
+            let got_res = staging.download(&residual);
+            let got_out = staging.download(&out);
+            let checked = ar.check();
+            let res_wrong = (0..len).filter(|&j| got_res[j] != want_res[j]).count();
+            let out_wrong = (0..len)
+                .filter(|&j| {
+                    let (g, w) = (got_out[j].to_f32(), want_out[j]);
+                    // NaN counts as wrong.
+                    (g - w).abs().is_nan() || (g - w).abs() > 0.01 * w.abs() + 1e-3
+                })
+                .count();
+            let verdict = format!(
+                "capacity {capacity}: call {:?}, check {:?}, {res_wrong} residuals and {out_wrong} outputs wrong",
+                called.map(|_| ()),
+                checked.map(|_| ())
+            );
+            eprintln!("NOTE {TEST}: rank {rank}: {verdict}");
+            verdicts.push((res_wrong == 0 && out_wrong == 0, verdict));
+        }
+        for (ok, verdict) in verdicts {
+            assert!(ok, "rank {rank}: {verdict}");
+        }
+    });
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn fused_epilogue_matches_the_separate_one_and_the_host() {
