@@ -30,6 +30,9 @@
 //! partial sums round to bf16 before the all-reduce where one GPU rounds once; see
 //! `llama_tp`'s `decode::relative_tolerance`). The verdict is agreed on every rank; exit
 //! code 1 when it fails.
+//!
+//! Past 600 lines: the example is one program a reader follows from the options to the
+//! check (launch, agreement, loading, sampling, streaming text, timing, memory, `--check`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;

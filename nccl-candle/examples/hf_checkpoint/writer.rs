@@ -10,6 +10,9 @@
 //!
 //! Used by the `hf_checkpoint` example and, through `#[path]`, by tests; it needs only crates
 //! `nccl-candle` itself depends on.
+//!
+//! Past 600 lines: the presets, each family's config.json and tensors, the safetensors and
+//! index writing and the tokenizer's merges: one writer tests include as one file.
 
 // Each crate that includes this file (the example, tests) uses a part of it.
 #![allow(dead_code)]

@@ -1,189 +1,20 @@
 //! The decoder of the Llama family, this rank's part of it: rotary attention with a KV
 //! cache (grouped-query, optional q/k/v/o biases, Qwen3's per-head q/k norms, Mistral's
 //! sliding window), a SwiGLU MLP, RMSNorms, a vocab-parallel embedding and head.
+
 //!
-//! How the weights split over `N` ranks: q, k, v, gate and up by output rows (each rank a
-//! block of whole heads, of MLP features), o and down by input columns
-//! ([`RowParallelLinear`], whose sum is the layer's one all-reduce); the embedding table and
-//! the head by vocabulary rows, `ceil(vocab / N)` a rank with the last block padded with zero
-//! rows, so any vocabulary splits; key/value heads split when `N` divides them and are
-//! replicated when they divide `N` (each rank holds the one key/value head its query heads
-//! read, as vLLM does), anything else is refused.
+//! How the weights split over the ranks: see [`plan`](super::plan).
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::kv_cache::KvCache;
-use candle_nn::var_builder::{Shard, ShardedVarBuilder};
+use candle_nn::var_builder::ShardedVarBuilder;
 use candle_nn::{Linear, Module};
 
 use super::checkpoint::Checkpoint;
 use super::config::{Llama3RopeScaling, ModelConfig};
+use super::plan::{column, expected_tensors, vocab_rows, whole, Plan};
 use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
-
-/// How the model lies over the group: what each rank holds. Depends only on the
-/// configuration and the world size, so every rank computes the same plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Plan {
-    rank: usize,
-    ranks: usize,
-    /// Query heads on each rank.
-    heads: usize,
-    /// Key/value heads on each rank.
-    kv_heads: usize,
-    /// Which block of the key/value heads this rank holds, of how many blocks.
-    kv_part: (usize, usize),
-    /// MLP features on each rank.
-    intermediate: usize,
-    /// Vocabulary rows on each rank (the last rank's padded with zeros).
-    vocab_rows: usize,
-}
-
-impl Plan {
-    fn new(cfg: &ModelConfig, rank: usize, ranks: usize) -> Result<Self> {
-        let refuse = |name: &str, len: usize| Error::NotDivisible {
-            name: name.to_string(),
-            shape: vec![len],
-            dim: 0,
-            world_size: ranks,
-        };
-        if !cfg.num_attention_heads.is_multiple_of(ranks) {
-            return Err(refuse("num_attention_heads", cfg.num_attention_heads));
-        }
-        if !cfg.intermediate_size.is_multiple_of(ranks) {
-            return Err(refuse("intermediate_size", cfg.intermediate_size));
-        }
-        let kv = cfg.num_key_value_heads;
-        let (kv_heads, kv_part) = if kv.is_multiple_of(ranks) {
-            (kv / ranks, (rank, ranks))
-        } else if ranks.is_multiple_of(kv) {
-            // Replicated: ranks / kv ranks share each key/value head, the one their query
-            // heads read (query head h reads h / (heads / kv); a rank's heads / ranks
-            // query heads divide heads / kv, so they all read the same one).
-            (1, (rank * kv / ranks, kv))
-        } else {
-            return Err(refuse("num_key_value_heads", kv));
-        };
-        Ok(Self {
-            rank,
-            ranks,
-            heads: cfg.num_attention_heads / ranks,
-            kv_heads,
-            kv_part,
-            intermediate: cfg.intermediate_size / ranks,
-            vocab_rows: cfg.vocab_size.div_ceil(ranks),
-        })
-    }
-
-    /// This rank's vocabulary rows that exist (the rest of its block is padding).
-    fn vocab_range(&self, vocab: usize) -> std::ops::Range<usize> {
-        let start = (self.rank * self.vocab_rows).min(vocab);
-        start..((self.rank + 1) * self.vocab_rows).min(vocab)
-    }
-}
-
-/// Every tensor the configuration implies, with its whole shape.
-fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let (q, kv) = (cfg.q_width(), cfg.kv_width());
-    let mut all = vec![
-        (
-            "model.embed_tokens.weight".to_string(),
-            vec![cfg.vocab_size, h],
-        ),
-        ("model.norm.weight".to_string(), vec![h]),
-    ];
-    if !cfg.tie_word_embeddings {
-        all.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
-    }
-    for layer in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{layer}");
-        let a = format!("{p}.self_attn");
-        all.extend([
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{a}.q_proj.weight"), vec![q, h]),
-            (format!("{a}.k_proj.weight"), vec![kv, h]),
-            (format!("{a}.v_proj.weight"), vec![kv, h]),
-            (format!("{a}.o_proj.weight"), vec![h, q]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
-        ]);
-        if cfg.qkv_bias {
-            all.extend([
-                (format!("{a}.q_proj.bias"), vec![q]),
-                (format!("{a}.k_proj.bias"), vec![kv]),
-                (format!("{a}.v_proj.bias"), vec![kv]),
-            ]);
-        }
-        if cfg.o_bias {
-            all.push((format!("{a}.o_proj.bias"), vec![h]));
-        }
-        if cfg.mlp_bias {
-            all.extend([
-                (format!("{p}.mlp.gate_proj.bias"), vec![i]),
-                (format!("{p}.mlp.up_proj.bias"), vec![i]),
-                (format!("{p}.mlp.down_proj.bias"), vec![h]),
-            ]);
-        }
-        if cfg.qk_norm {
-            all.extend([
-                (format!("{a}.q_norm.weight"), vec![hd]),
-                (format!("{a}.k_norm.weight"), vec![hd]),
-            ]);
-        }
-    }
-    all
-}
-
-/// Block `part` of `parts` along dimension 0 of `name` (whole shape `shape`), whose size the
-/// plan and the checkpoint's check guarantee divides.
-fn rows(
-    vb: &ShardedVarBuilder,
-    name: &str,
-    shape: &[usize],
-    part: (usize, usize),
-) -> Result<Tensor> {
-    let (rank, world_size) = part;
-    let hints = Shard {
-        dim: 0,
-        rank,
-        world_size,
-    };
-    let block = vb.get_with_hints(shape, name, hints)?;
-    // candle checks the shape only when it does not shard; the file may have changed since
-    // its header was checked.
-    let mut expected = shape.to_vec();
-    expected[0] /= world_size;
-    if block.dims() != expected.as_slice() {
-        return Err(Error::ShardShape {
-            name: format!("{}.{name}", vb.prefix()),
-            expected,
-            got: block.dims().to_vec(),
-        });
-    }
-    Ok(block)
-}
-
-/// A column-parallel projection: this rank's rows of the weight (and bias).
-fn column(
-    vb: &ShardedVarBuilder,
-    out: usize,
-    inp: usize,
-    bias: bool,
-    part: (usize, usize),
-) -> Result<Linear> {
-    let weight = rows(vb, "weight", &[out, inp], part)?;
-    let bias = match bias {
-        true => Some(rows(vb, "bias", &[out], part)?),
-        false => None,
-    };
-    Ok(Linear::new(weight, bias))
-}
-
-fn whole(vb: &ShardedVarBuilder, name: &str, len: usize) -> Result<Tensor> {
-    rows(vb, name, &[len], (0, 1))
-}
 
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)?)
@@ -737,44 +568,6 @@ fn unreachable_state(why: &str) -> Error {
         op: "CausalLm::load",
         why: why.into(),
     }
-}
-
-/// This rank's rows of a `[vocab, hidden]` table, zero-padded to the plan's block.
-fn vocab_rows(
-    checkpoint: &Checkpoint,
-    name: &str,
-    plan: &Plan,
-    cfg: &ModelConfig,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let range = plan.vocab_range(cfg.vocab_size);
-    let h = cfg.hidden_size;
-    let mapped = checkpoint.mapped()?;
-    let view = mapped.get(name)?;
-    let stored: DType = view.dtype().try_into()?;
-    let rows = if range.is_empty() {
-        Tensor::zeros((0, h), dtype, device)?
-    } else {
-        // Rows of a row-major table are one run of bytes.
-        let row_bytes = h * stored.size_in_bytes();
-        let bytes = view
-            .data()
-            .get(range.start * row_bytes..range.end * row_bytes)
-            .ok_or_else(|| Error::Argument {
-                op: "CausalLm::load",
-                why: format!("{name}: rows {range:?} outside its data"),
-            })?;
-        Tensor::from_raw_buffer(bytes, stored, &[range.len(), h], device)?.to_dtype(dtype)?
-    };
-    let pad = plan.vocab_rows - range.len();
-    if pad == 0 {
-        return Ok(rows);
-    }
-    Ok(Tensor::cat(
-        &[rows, Tensor::zeros((pad, h), dtype, device)?],
-        0,
-    )?)
 }
 
 /// The additive mask of `seq` queries at positions `offset..` over keys `0..offset + seq`:

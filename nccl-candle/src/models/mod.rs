@@ -33,6 +33,7 @@
 mod checkpoint;
 mod config;
 mod decoder;
+mod plan;
 mod sampling;
 
 pub use checkpoint::{

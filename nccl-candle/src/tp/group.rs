@@ -238,8 +238,10 @@ impl TpGroup {
     /// [`agree`](Self::agree) with this rank's own verdict: every rank exchanges its
     /// fingerprint and whether `local` failed, then returns its own error if it had one,
     /// else [`Error::PeerRefused`] when another rank's checks failed, else the comparison's
-    /// verdict. Every rank calls it whatever its checks found, so no rank is left waiting.
-    pub(crate) fn agree_checked(
+    /// verdict. Every rank calls it whatever its checks found, so no rank is left waiting
+    /// (short of this rank failing to put its 16-byte row on `device`, which `agree`'s
+    /// caveats cover).
+    pub fn agree_checked(
         &self,
         what: &'static str,
         fingerprint: u64,
