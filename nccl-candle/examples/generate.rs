@@ -260,47 +260,6 @@ fn gpu_used(device: &Device) -> Result<u64, AnyError> {
     Ok(total.saturating_sub(free) as u64)
 }
 
-/// The bytes of the checkpoint's data that this rank's shard holds (in the file's types),
-/// from each tensor's name and how `nccl_candle::models` splits it: q, k, v, gate, up by
-/// rows of heads or features, o and down by columns, the embedding and head by vocabulary
-/// rows; norms and row-parallel biases whole.
-fn shard_bytes(checkpoint: &Checkpoint, model: &CausalLm, rank: usize, ranks: usize) -> u64 {
-    let cfg = checkpoint.config();
-    let (heads, kv_heads, features, vocab_rows) = model.local_sizes();
-    let vocab_here =
-        ((rank + 1) * vocab_rows).min(cfg.vocab_size) - (rank * vocab_rows).min(cfg.vocab_size);
-    let ends = |name: &str, stems: &[&str]| {
-        stems.iter().any(|stem| {
-            name.ends_with(&format!("{stem}.weight")) || name.ends_with(&format!("{stem}.bias"))
-        })
-    };
-    let mut bytes = 0u64;
-    for (name, info) in checkpoint.tensors() {
-        let elements: usize = info.shape.iter().product();
-        let row = elements / info.shape.first().copied().unwrap_or(1).max(1);
-        let held = if ends(name, &["q_proj"]) {
-            heads * cfg.head_dim * row
-        } else if ends(name, &["k_proj", "v_proj"]) {
-            kv_heads * cfg.head_dim * row
-        } else if ends(name, &["gate_proj", "up_proj"]) {
-            features * row
-        } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-            elements / ranks
-        } else if name == "model.embed_tokens.weight"
-            || (name == "lm_head.weight" && !cfg.tie_word_embeddings)
-        {
-            vocab_here * row
-        } else if name.starts_with("model.") && !name.contains("rotary_emb") {
-            elements
-        } else {
-            // Not loaded (a tied head's copy, rotary tables some checkpoints carry).
-            0
-        };
-        bytes += (held * info.dtype.size_in_bytes()) as u64;
-    }
-    bytes
-}
-
 const MB: f64 = 1e6;
 
 /// One generation: the choices, their logits when recorded, the times.
@@ -718,7 +677,7 @@ fn generate(
     model.set_fused(options.fused);
     device.synchronize()?;
     let load_time = start.elapsed().as_secs_f64();
-    let shard = shard_bytes(&checkpoint, &model, rank, world);
+    let shard = model.shard_bytes();
     if rank == 0 {
         println!(
             "loaded in {load_time:.1} s ({:.0} MB/s of this rank's shard)",

@@ -235,6 +235,8 @@ pub struct CausalLm {
     sin: Tensor,
     max_seq: usize,
     eps: f32,
+    /// Bytes of the checkpoint's data this rank read (in the files' types).
+    shard_bytes: usize,
     /// Positions the KV caches hold.
     cached: usize,
     /// A forward pass failed after the first layer's cache took its positions: the caches
@@ -345,7 +347,7 @@ impl CausalLm {
                 ),
             });
         }
-        for (name, shape) in expected_tensors(cfg) {
+        for (name, shape, _) in expected_tensors(cfg) {
             checkpoint.expect(&name, &shape)?;
         }
         Ok(plan)
@@ -417,6 +419,16 @@ impl CausalLm {
             sin: table(f64::sin)?,
             max_seq,
             eps: cfg.rms_norm_eps as f32,
+            shard_bytes: expected_tensors(cfg)
+                .iter()
+                .map(|(name, shape, split)| {
+                    let size = checkpoint
+                        .tensors()
+                        .get(name)
+                        .map_or(0, |t| t.dtype.size_in_bytes());
+                    plan.local_elements(shape, *split, cfg.vocab_size) * size
+                })
+                .sum(),
             cached: 0,
             broken: false,
             fused: false,
@@ -553,6 +565,12 @@ impl CausalLm {
         }
         self.cached = 0;
         self.broken = false;
+    }
+
+    /// The bytes of the checkpoint's data this rank read, in the files' types: its part of
+    /// the split tensors and the whole of the others (what loading moved from the files).
+    pub fn shard_bytes(&self) -> usize {
+        self.shard_bytes
     }
 
     /// This rank's query heads, key/value heads, MLP features and vocabulary rows.

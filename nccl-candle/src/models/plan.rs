@@ -79,59 +79,92 @@ impl Plan {
     }
 }
 
-/// Every tensor the configuration implies, with its whole shape.
-pub(super) fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+/// How a tensor lies over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Split {
+    /// Whole on every rank (norms, row-parallel biases).
+    Whole,
+    /// A block of rows (dimension 0): query heads, MLP features.
+    Rows,
+    /// A block of rows of the key/value heads (split or replicated, see [`Plan`]).
+    KvRows,
+    /// A block of columns (dimension 1): o_proj and down_proj.
+    Columns,
+    /// Vocabulary rows, the last rank's padded.
+    Vocab,
+}
+
+/// Every tensor the configuration implies, with its whole shape and how it splits.
+pub(super) fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Split)> {
+    use Split::*;
     let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (q, kv) = (cfg.q_width(), cfg.kv_width());
+    let v = cfg.vocab_size;
     let mut all = vec![
-        (
-            "model.embed_tokens.weight".to_string(),
-            vec![cfg.vocab_size, h],
-        ),
-        ("model.norm.weight".to_string(), vec![h]),
+        ("model.embed_tokens.weight".to_string(), vec![v, h], Vocab),
+        ("model.norm.weight".to_string(), vec![h], Whole),
     ];
     if !cfg.tie_word_embeddings {
-        all.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+        all.push(("lm_head.weight".to_string(), vec![v, h], Vocab));
     }
     for layer in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{layer}");
         let a = format!("{p}.self_attn");
         all.extend([
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{a}.q_proj.weight"), vec![q, h]),
-            (format!("{a}.k_proj.weight"), vec![kv, h]),
-            (format!("{a}.v_proj.weight"), vec![kv, h]),
-            (format!("{a}.o_proj.weight"), vec![h, q]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+            (format!("{p}.input_layernorm.weight"), vec![h], Whole),
+            (
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                Whole,
+            ),
+            (format!("{a}.q_proj.weight"), vec![q, h], Rows),
+            (format!("{a}.k_proj.weight"), vec![kv, h], KvRows),
+            (format!("{a}.v_proj.weight"), vec![kv, h], KvRows),
+            (format!("{a}.o_proj.weight"), vec![h, q], Columns),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h], Rows),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h], Rows),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i], Columns),
         ]);
         if cfg.qkv_bias {
             all.extend([
-                (format!("{a}.q_proj.bias"), vec![q]),
-                (format!("{a}.k_proj.bias"), vec![kv]),
-                (format!("{a}.v_proj.bias"), vec![kv]),
+                (format!("{a}.q_proj.bias"), vec![q], Rows),
+                (format!("{a}.k_proj.bias"), vec![kv], KvRows),
+                (format!("{a}.v_proj.bias"), vec![kv], KvRows),
             ]);
         }
         if cfg.o_bias {
-            all.push((format!("{a}.o_proj.bias"), vec![h]));
+            all.push((format!("{a}.o_proj.bias"), vec![h], Whole));
         }
         if cfg.mlp_bias {
             all.extend([
-                (format!("{p}.mlp.gate_proj.bias"), vec![i]),
-                (format!("{p}.mlp.up_proj.bias"), vec![i]),
-                (format!("{p}.mlp.down_proj.bias"), vec![h]),
+                (format!("{p}.mlp.gate_proj.bias"), vec![i], Rows),
+                (format!("{p}.mlp.up_proj.bias"), vec![i], Rows),
+                (format!("{p}.mlp.down_proj.bias"), vec![h], Whole),
             ]);
         }
         if cfg.qk_norm {
             all.extend([
-                (format!("{a}.q_norm.weight"), vec![hd]),
-                (format!("{a}.k_norm.weight"), vec![hd]),
+                (format!("{a}.q_norm.weight"), vec![hd], Whole),
+                (format!("{a}.k_norm.weight"), vec![hd], Whole),
             ]);
         }
     }
     all
+}
+
+impl Plan {
+    /// The elements of a tensor of whole `shape` split as `split` that this rank reads
+    /// (padding rows not counted: they are not read).
+    pub(super) fn local_elements(&self, shape: &[usize], split: Split, vocab: usize) -> usize {
+        let whole: usize = shape.iter().product();
+        let row = whole / shape.first().copied().unwrap_or(1).max(1);
+        match split {
+            Split::Whole => whole,
+            Split::Rows | Split::Columns => whole / self.ranks,
+            Split::KvRows => whole / self.kv_part.1,
+            Split::Vocab => self.vocab_range(vocab).len() * row,
+        }
+    }
 }
 
 /// Block `part` of `parts` along dimension 0 of `name` (whole shape `shape`), whose size the

@@ -22,17 +22,22 @@ pub enum Reference {
 
 impl Reference {
     pub fn load(spec: &Spec, dir: &Path) -> Reference {
+        Self::load_as(spec, dir, DType::F32)
+    }
+
+    /// [`load`](Self::load) computing in `dtype`.
+    pub fn load_as(spec: &Spec, dir: &Path, dtype: DType) -> Reference {
         use candle_transformers::models::{llama, mistral, qwen2, qwen3};
         let config = std::fs::read(dir.join("config.json")).unwrap();
         let files: Vec<PathBuf> = spec.weight_files().iter().map(|f| dir.join(f)).collect();
         let dev = Device::Cpu;
         // SAFETY: the files are this test's own, in its private directory, unchanged while mapped.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &dev) }.unwrap();
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &dev) }.unwrap();
         match spec.family {
             Family::Llama => {
                 let cfg: llama::LlamaConfig = serde_json::from_slice(&config).unwrap();
                 let cfg = cfg.into_config(false);
-                let cache = llama::Cache::new(true, DType::F32, &cfg, &dev).unwrap();
+                let cache = llama::Cache::new(true, dtype, &cfg, &dev).unwrap();
                 Reference::Llama(llama::Llama::load(vb, &cfg).unwrap(), cache)
             }
             Family::Mistral => {
@@ -63,6 +68,7 @@ impl Reference {
             Reference::Qwen3(m) => m.forward(&input, pos),
         }
         .unwrap();
-        logits.flatten_all().unwrap().to_vec1().unwrap()
+        let logits = logits.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+        logits.to_vec1().unwrap()
     }
 }
