@@ -151,6 +151,9 @@ fn main() -> ExitCode {
         .is_some_and(|v| v != 0);
     if shared {
         set_default("NCCL_RUNTIME_CONNECT", "0");
+        // Read by the CUDA driver when this process first uses CUDA: lazily loaded kernels can
+        // wait for the other rank's collective (init_all refuses shared ranks without it).
+        set_default("CUDA_MODULE_LOADING", "EAGER");
     }
     match run(shared) {
         Ok(Outcome::Passed(shapes)) => {

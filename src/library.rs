@@ -335,6 +335,21 @@ pub fn cuda_device_count() -> Result<usize> {
     }
 }
 
+/// Whether the CUDA driver loads kernels lazily (`CUDA_MODULE_LOADING` unset or `LAZY`, the
+/// default since CUDA 12.2; read by the driver once, when the process first uses CUDA).
+/// Lazily, a kernel's first lookup or launch can wait for everything running in its context.
+pub(crate) fn lazy_module_loading() -> Result<bool> {
+    use cudarc::driver::sys::{cuModuleGetLoadingMode, CUmoduleLoadingMode, CUresult};
+    let mut mode = CUmoduleLoadingMode::CU_MODULE_EAGER_LOADING;
+    // SAFETY: writes one enum through a valid pointer; callers hold a CUDA context, so the
+    // driver is initialised.
+    let rc = unsafe { cuModuleGetLoadingMode(&mut mode) };
+    if rc != CUresult::CUDA_SUCCESS {
+        return Err(cudarc::driver::DriverError(rc).into());
+    }
+    Ok(mode == CUmoduleLoadingMode::CU_MODULE_LAZY_LOADING)
+}
+
 /// Whether the dynamic loader finds a library under one of `names`. cudarc's own probe
 /// (`is_culib_present`) exists only when cudarc loads its libraries at run time, and another
 /// crate of the build may have chosen to link them instead.

@@ -265,3 +265,99 @@ fn nccl_memory_registered_all_reduce() {
         }
     }
 }
+
+/// Tells the child of [`ranks_sharing_a_gpu_with_lazy_loading_are_refused_before_nccl`] the
+/// loading mode it was started with.
+const LAZY_CHILD_VAR: &str = "NCCL_RS_TEST_LAZY_CHILD";
+
+/// Two ranks of one process on one GPU share a CUDA context: with lazily loaded kernels a
+/// kernel's first use can wait for the other rank's collective (hung on one H200), so
+/// `init_all` refuses them, typed, before NCCL is called; eagerly it makes them. Each mode in
+/// a child process of its own (the driver reads `CUDA_MODULE_LOADING` once).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn ranks_sharing_a_gpu_with_lazy_loading_are_refused_before_nccl() {
+    const TEST: &str = "ranks_sharing_a_gpu_with_lazy_loading_are_refused_before_nccl";
+    if common::shape::gpus(TEST, 1).is_none() {
+        return;
+    }
+    let version = nccl::version().expect("NCCL loads");
+    if version < common::shape::SHARED_SINCE {
+        common::shape::skip(
+            TEST,
+            &format!(
+                "ranks sharing a GPU need NCCL {}+, loaded {version}",
+                common::shape::SHARED_SINCE
+            ),
+        );
+        return;
+    }
+    for mode in ["LAZY", "EAGER"] {
+        let children = common::procs::Children::spawn("child_lazy_loading", &[0], |_| {
+            vec![
+                common::procs::var(LAZY_CHILD_VAR, mode),
+                common::procs::var("CUDA_MODULE_LOADING", mode),
+                common::procs::var("NCCL_MULTI_RANK_GPU_ENABLE", 1),
+                common::procs::var("NCCL_RUNTIME_CONNECT", 0),
+            ]
+        });
+        let lines = children.finish(Duration::from_secs(120));
+        let verdict = lines
+            .iter()
+            // After the harness's own "test child_lazy_loading ... " on the same line.
+            .find_map(|(_, line)| line.split_once("VERDICT ").map(|(_, verdict)| verdict))
+            .unwrap_or_else(|| panic!("{mode}: the child printed no verdict"));
+        println!("CUDA_MODULE_LOADING={mode}: {verdict}");
+        match mode {
+            "LAZY" => assert!(
+                verdict.starts_with("refused") && verdict.contains("CUDA_MODULE_LOADING=EAGER"),
+                "{verdict}"
+            ),
+            _ => assert!(verdict.starts_with("made"), "{verdict}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "child process of ranks_sharing_a_gpu_with_lazy_loading_are_refused_before_nccl"]
+fn child_lazy_loading() {
+    let Ok(mode) = std::env::var(LAZY_CHILD_VAR) else {
+        return;
+    };
+    let streams: Vec<_> = (0..2)
+        .map(|_| {
+            cudarc::driver::CudaContext::new(0)
+                .and_then(|ctx| ctx.new_stream())
+                .expect("a stream on GPU 0")
+        })
+        .collect();
+    match Comm::init_all(&streams) {
+        Err(Error::Unavailable { api, reason }) => println!("VERDICT refused: {api}: {reason}"),
+        Err(other) => panic!("{mode}: an unexpected error: {other}"),
+        Ok(comms) => {
+            // They work: a sum over both ranks of random data, against the host's.
+            let op = common::Op::Builtin(ReduceOp::Sum);
+            let data: Vec<Vec<f32>> = (0..2)
+                .map(|r| common::input::<f32>(Some(op), 7 + r, 1024))
+                .collect();
+            let want = common::reduce_ref(op, &data);
+            let mut bufs: Vec<CudaSlice<f32>> = streams
+                .iter()
+                .zip(&data)
+                .map(|(s, d)| s.clone_htod(d).unwrap())
+                .collect();
+            let mut group = Group::start().unwrap();
+            for (comm, buf) in comms.iter().zip(bufs.iter_mut()) {
+                group
+                    .enqueue(comm, Operation::all_reduce_in_place(buf, ReduceOp::Sum))
+                    .unwrap();
+            }
+            group.finish().unwrap();
+            for (s, buf) in streams.iter().zip(&bufs) {
+                let got = s.clone_dtoh(buf).unwrap();
+                common::assert_close(&format!("{mode}: the sum"), &got, &want);
+            }
+            println!("VERDICT made {} ranks on GPU 0, sums right", comms.len());
+        }
+    }
+}

@@ -205,7 +205,12 @@ impl Comm {
     /// the other rank's kernel already waits on this GPU can hang both (seen on NCCL 2.32.3
     /// when a collective's configuration asked for more CTAs than were connected), and make
     /// each rank's buffers before the collectives that use them: an allocation can wait for
-    /// the GPU while the other rank's kernel spins there waiting for this rank.
+    /// the GPU while the other rank's kernel spins there waiting for this rank. For the same
+    /// reason ranks sharing a GPU here need `CUDA_MODULE_LOADING=EAGER` in the environment
+    /// before the process first uses CUDA (lazily, the CUDA 12.2+ default, a kernel's first
+    /// use can wait for the whole context: seen hanging both ranks on one H200); without it
+    /// `init_all` refuses them with [`Error::Unavailable`], before NCCL is called. Ranks of
+    /// one process sharing a GPU through [`Comm::init_rank`] on threads need the same.
     ///
     /// Operations on these communicators must be issued from one thread inside a
     /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
@@ -443,6 +448,22 @@ fn check_shared_device(
             "streams {same} and {second} are the same stream; ranks sharing a GPU need a \
              stream each (`CudaContext::new_stream`)"
         ));
+    }
+    // Both ranks are in one CUDA context. With lazy loading a kernel's first lookup or
+    // launch can wait for the whole context, where the other rank's collective spins until
+    // this rank joins it: both hang (seen on one H200: candle's first bf16 add after a
+    // collective, NCCL 2.32.3).
+    if library::lazy_module_loading()? {
+        return Err(Error::Unavailable {
+            api: "Comm::init_all",
+            reason: format!(
+                "streams {first} and {second} share device {ordinal} in this process, and \
+                 CUDA loads kernels lazily (CUDA_MODULE_LOADING unset or LAZY, the default \
+                 since CUDA 12.2): a kernel's first use can then wait for the other rank's \
+                 collective, which waits for this rank. Set CUDA_MODULE_LOADING=EAGER in the \
+                 environment before the process first uses CUDA"
+            ),
+        });
     }
     Ok(())
 }

@@ -72,6 +72,13 @@ struct Host {
 fn host() -> &'static Host {
     static HOST: OnceLock<Host> = OnceLock::new();
     HOST.get_or_init(|| {
+        // Before this process first uses CUDA (the driver reads it then): lazily loaded
+        // kernels can wait for the whole context, where a rank sharing the GPU spins in a
+        // collective until this rank joins it (`Comm::init_all` refuses shared ranks without
+        // it). Every test process, as any may put two ranks on one GPU.
+        if std::env::var_os("CUDA_MODULE_LOADING").is_none() {
+            std::env::set_var("CUDA_MODULE_LOADING", "EAGER");
+        }
         let forced = std::env::var(SHAPE_VAR)
             .ok()
             .filter(|v| !v.trim().is_empty())
