@@ -26,6 +26,10 @@
 //! Run on 2×H100 with NCCL 2.32.3, with the data- and tensor-parallel modules ([`ddp`],
 //! [`tp`]) and their examples (see this crate's README).
 //!
+//! Ranks of one process sharing a GPU share its CUDA context: call [`load_kernels`] on each
+//! rank's device before any rank's first collective (candle loads a kernel module at its
+//! first use, and a load can wait for the other rank's collective, which waits for it).
+//!
 //! Errors are [`Error`]; it converts into `candle_core::Error` (and back, losslessly), so `?`
 //! works on this crate's calls inside candle code, and [`Error::find_in`] finds the typed
 //! error inside candle's. The tensor-parallel layers are candle
@@ -36,6 +40,7 @@ mod collectives;
 pub mod ddp;
 mod error;
 mod gather;
+mod kernels;
 pub mod models;
 mod op;
 pub mod tp;
@@ -46,3 +51,4 @@ pub use collectives::{
 };
 pub use error::{CheckpointFault, Error, Result};
 pub use gather::all_gather_dim;
+pub use kernels::load_kernels;

@@ -113,20 +113,13 @@ pub fn run(
     });
 }
 
-/// Loads the candle kernels the tests use on `device`, before any rank enters a collective:
-/// loading a module can wait for the whole GPU, and with two ranks sharing GPU 0 the other
-/// rank's collective spins there until this rank joins it (seen: `broadcast_vars`' test hung
-/// on one H200 with a cast's first use between the ranks' collectives).
+/// Loads every candle kernel module on `device` before any rank enters a collective
+/// ([`nccl_candle::load_kernels`]): with two ranks sharing GPU 0, a module loaded between the
+/// ranks' collectives waits for the other rank's, which waits for this rank (seen on one
+/// H200: `broadcast_vars`' test with a cast's first use in between; with eager CUDA loading
+/// and only the ops these tests use warmed up, `layers_over_gpus_match_the_host` too).
 fn warm_up(device: &Device) {
-    use candle_core::{DType, Tensor};
-    let t = Tensor::arange(0f32, 64.0, device).expect("arange");
-    for dtype in [DType::BF16, DType::F16, DType::U32, DType::F32] {
-        let _ = t.to_dtype(dtype).and_then(|c| c.to_dtype(DType::F32));
-    }
-    let _ = (&t + 8.0).and_then(|x| x.affine(0.5, 1.0));
-    let _ = (&t * &t).and_then(|x| (&x - &t)?.sqrt()?.exp()?.sum_all());
-    let _ = Tensor::zeros(8, DType::F32, device).and_then(|z| z.ones_like());
-    device.synchronize().expect("warm-up");
+    nccl_candle::load_kernels(device).expect("candle's kernels");
 }
 
 /// Whether the loaded NCCL can run nccl-rs's shipped kernels; else says why not (skipped).

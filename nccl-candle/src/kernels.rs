@@ -1,0 +1,68 @@
+//! candle's CUDA kernels loaded up front, for ranks that share a GPU in one process.
+//!
+//! candle loads each of its kernel modules (PTX, compiled by the driver) on a device at the
+//! first use of one of its kernels, and loading a module can wait for everything running in
+//! the CUDA context. Two ranks of one process sharing a GPU share that context, and a
+//! collective of one rank spins there until the other joins it: a module the other rank
+//! loads in between waits for the first rank's collective, which waits for it. Both hang
+//! (seen on one H200 with candle's first use of an op between two ranks' collectives, and
+//! with CUDA's eager loading too). Loading every module before any rank's first collective
+//! leaves nothing to load later.
+
+use candle_core::Device;
+
+use crate::Result;
+
+/// One kernel of each of candle 0.11.1's kernel modules (`candle_kernels::ALL_IDS`): asking
+/// for it loads its whole module on the device.
+const ONE_KERNEL_EACH: [(&str, &candle_kernels::Module); 11] = [
+    ("affine_f32", &candle_kernels::AFFINE),
+    ("bmul_f32", &candle_kernels::BINARY),
+    ("cast_f32_f32", &candle_kernels::CAST),
+    ("conv1d_f32", &candle_kernels::CONV),
+    ("fill_f32", &candle_kernels::FILL),
+    ("is_u32_f32", &candle_kernels::INDEXING),
+    ("quantize_q8_1", &candle_kernels::QUANTIZED),
+    ("fast_sum_f32", &candle_kernels::REDUCE),
+    ("asort_asc_f32", &candle_kernels::SORT),
+    ("where_u32_f32", &candle_kernels::TERNARY),
+    ("uexp_f32", &candle_kernels::UNARY),
+];
+
+/// Loads every candle kernel module on `device` (nothing on a CPU device) and waits for the
+/// device, so that no candle op has a module left to load.
+///
+/// Needed where ranks of one process share a GPU (`NCCL_MULTI_RANK_GPU_ENABLE=1`,
+/// `Comm::init_all` with one GPU twice, which also needs `CUDA_MODULE_LOADING=EAGER`): call it
+/// on every rank's device before any rank's first collective, since a module loaded later can
+/// wait for a peer's collective that waits for this rank (see the module docs). Harmless
+/// elsewhere; a device's modules load once (about a second on an H200 the first time a
+/// machine compiles them, from the driver's cache after that).
+pub fn load_kernels(device: &Device) -> Result<()> {
+    let Device::Cuda(cuda) = device else {
+        return Ok(());
+    };
+    for (kernel, module) in ONE_KERNEL_EACH {
+        cuda.get_or_load_func(kernel, module)?;
+    }
+    device.synchronize()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_kernel_of_every_module() {
+        let mut modules: Vec<usize> = ONE_KERNEL_EACH.iter().map(|(_, m)| m.index()).collect();
+        modules.sort_unstable();
+        modules.dedup();
+        assert_eq!(modules.len(), candle_kernels::ALL_IDS.len());
+    }
+
+    #[test]
+    fn nothing_to_load_on_the_cpu() {
+        load_kernels(&Device::Cpu).unwrap();
+    }
+}
