@@ -9,8 +9,14 @@ use candle_nn::VarBuilder;
 use super::writer::{Family, Spec};
 
 /// candle-transformers' model for the family, loaded from the checkpoint the way its examples
-/// load a downloaded one (the Llama there has no attention biases: it ignores them).
-pub enum Reference {
+/// load a downloaded one (the Llama there has no attention biases: it ignores them), on the
+/// device it computes on.
+pub struct Reference {
+    model: Model,
+    device: Device,
+}
+
+enum Model {
     Llama(
         candle_transformers::models::llama::Llama,
         candle_transformers::models::llama::Cache,
@@ -20,6 +26,9 @@ pub enum Reference {
     Qwen3(candle_transformers::models::qwen3::ModelForCausalLM),
 }
 
+// Each test binary that includes this file uses some of these: the CPU tests load on the
+// CPU, the GPU tests on a GPU.
+#[allow(dead_code)]
 impl Reference {
     pub fn load(spec: &Spec, dir: &Path) -> Reference {
         Self::load_as(spec, dir, DType::F32)
@@ -27,45 +36,53 @@ impl Reference {
 
     /// [`load`](Self::load) computing in `dtype`.
     pub fn load_as(spec: &Spec, dir: &Path, dtype: DType) -> Reference {
+        Self::load_on(spec, dir, dtype, &Device::Cpu)
+    }
+
+    /// [`load_as`](Self::load_as) on `dev`.
+    pub fn load_on(spec: &Spec, dir: &Path, dtype: DType, dev: &Device) -> Reference {
         use candle_transformers::models::{llama, mistral, qwen2, qwen3};
         let config = std::fs::read(dir.join("config.json")).unwrap();
         let files: Vec<PathBuf> = spec.weight_files().iter().map(|f| dir.join(f)).collect();
-        let dev = Device::Cpu;
         // SAFETY: the files are this test's own, in its private directory, unchanged while mapped.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &dev) }.unwrap();
-        match spec.family {
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, dev) }.unwrap();
+        let model = match spec.family {
             Family::Llama => {
                 let cfg: llama::LlamaConfig = serde_json::from_slice(&config).unwrap();
                 let cfg = cfg.into_config(false);
-                let cache = llama::Cache::new(true, dtype, &cfg, &dev).unwrap();
-                Reference::Llama(llama::Llama::load(vb, &cfg).unwrap(), cache)
+                let cache = llama::Cache::new(true, dtype, &cfg, dev).unwrap();
+                Model::Llama(llama::Llama::load(vb, &cfg).unwrap(), cache)
             }
             Family::Mistral => {
                 let cfg: mistral::Config = serde_json::from_slice(&config).unwrap();
-                Reference::Mistral(mistral::Model::new(&cfg, vb).unwrap())
+                Model::Mistral(mistral::Model::new(&cfg, vb).unwrap())
             }
             Family::Qwen2 => {
                 let cfg: qwen2::Config = serde_json::from_slice(&config).unwrap();
-                Reference::Qwen2(qwen2::ModelForCausalLM::new(&cfg, vb).unwrap())
+                Model::Qwen2(qwen2::ModelForCausalLM::new(&cfg, vb).unwrap())
             }
             Family::Qwen3 => {
                 let cfg: qwen3::Config = serde_json::from_slice(&config).unwrap();
-                Reference::Qwen3(qwen3::ModelForCausalLM::new(&cfg, vb).unwrap())
+                Model::Qwen3(qwen3::ModelForCausalLM::new(&cfg, vb).unwrap())
             }
+        };
+        Reference {
+            model,
+            device: dev.clone(),
         }
     }
 
     /// The last position's logits, `ids` being the tokens from position `pos` on.
     pub fn forward(&mut self, ids: &[u32], pos: usize) -> Vec<f32> {
-        let input = Tensor::new(ids, &Device::Cpu)
+        let input = Tensor::new(ids, &self.device)
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        let logits = match self {
-            Reference::Llama(m, cache) => m.forward(&input, pos, cache),
-            Reference::Mistral(m) => m.forward(&input, pos),
-            Reference::Qwen2(m) => m.forward(&input, pos),
-            Reference::Qwen3(m) => m.forward(&input, pos),
+        let logits = match &mut self.model {
+            Model::Llama(m, cache) => m.forward(&input, pos, cache),
+            Model::Mistral(m) => m.forward(&input, pos),
+            Model::Qwen2(m) => m.forward(&input, pos),
+            Model::Qwen3(m) => m.forward(&input, pos),
         }
         .unwrap();
         let logits = logits.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
