@@ -69,8 +69,12 @@ fn list() {
         "shards",
         "tied"
     );
-    for s in writer::presets() {
+    let large: Vec<&str> = writer::large_presets().iter().map(|s| s.name).collect();
+    for s in writer::presets().into_iter().chain(writer::large_presets()) {
         let mut extras = Vec::new();
+        if large.contains(&s.name) {
+            extras.push("large: not in --all".to_string());
+        }
         if s.llama3_rope {
             extras.push("llama3 rope, eos list".to_string());
         }

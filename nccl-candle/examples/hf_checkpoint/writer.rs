@@ -259,9 +259,29 @@ pub fn presets() -> Vec<Spec> {
     ]
 }
 
-/// The preset called `name`.
+/// Checkpoints the size of a small real model, for a GPU host's memory and load-speed runs;
+/// not among [`presets`], which every CPU test writes and runs. `llama-1b-bf16` has
+/// TinyLlama-1.1B's shape (1.1 G parameters, 2.2 GB in four shards).
+pub fn large_presets() -> Vec<Spec> {
+    use DType::BF16;
+    use Family::*;
+    vec![spec(
+        "llama-1b-bf16",
+        Llama,
+        [32000, 2048, 5632, 22, 32, 4],
+        BF16,
+        4,
+        false,
+        19,
+    )]
+}
+
+/// The preset called `name`, of [`presets`] or [`large_presets`].
 pub fn preset(name: &str) -> Option<Spec> {
-    presets().into_iter().find(|s| s.name == name)
+    presets()
+        .into_iter()
+        .chain(large_presets())
+        .find(|s| s.name == name)
 }
 
 /// How a tensor's values are drawn.
