@@ -260,15 +260,16 @@ pub fn presets() -> Vec<Spec> {
 }
 
 /// Checkpoints the size of a small real model, for a GPU host's memory and load-speed runs;
-/// not among [`presets`], which every CPU test writes and runs. `llama-1b-bf16` has
-/// TinyLlama-1.1B's shape (1.1 G parameters, 2.2 GB in four shards).
+/// not among [`presets`], which every CPU test writes and runs. `llama-1b-bf16`: 1.04 G
+/// parameters, 2.1 GB in four shards; 24 query and 6 key/value heads of 96, so it splits
+/// over 1, 2, 3 and 6 ranks.
 pub fn large_presets() -> Vec<Spec> {
     use DType::BF16;
     use Family::*;
     vec![spec(
         "llama-1b-bf16",
         Llama,
-        [32000, 2048, 5632, 22, 32, 4],
+        [32000, 2304, 6144, 16, 24, 6],
         BF16,
         4,
         false,

@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::DType;
-use candle_nn::var_builder::{ShardedSafeTensors, ShardedVarBuilder};
 
 use super::config::ModelConfig;
 use crate::{fingerprint, CheckpointFault, Error, Result};
@@ -270,22 +269,11 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// candle's sharded reader over the weights files, for `dtype` on `device`.
-    pub(crate) fn var_builder(
-        &self,
-        dtype: DType,
-        device: &candle_core::Device,
-    ) -> Result<ShardedVarBuilder<'static>> {
+    /// candle's reader of whole files, from which a rank reads its blocks.
+    pub(crate) fn mapped(&self) -> Result<MmapedSafetensors> {
         // SAFETY: candle maps the files; a mapping is sound while no one changes the file,
         // which `CausalLm::load` documents as the caller's (as every loader that maps
         // checkpoints does). The mapping lives only as long as the load.
-        let vb = unsafe { ShardedSafeTensors::var_builder(&self.files, dtype, device) };
-        vb.map_err(|err| self.read_error(err))
-    }
-
-    /// candle's reader of whole files, for rows of a tensor ([`Self::rows`]).
-    pub(crate) fn mapped(&self) -> Result<MmapedSafetensors> {
-        // SAFETY: as in `var_builder`.
         let mapped = unsafe { MmapedSafetensors::multi(&self.files) };
         mapped.map_err(|err| self.read_error(err))
     }

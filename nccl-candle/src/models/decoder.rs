@@ -7,12 +7,11 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::kv_cache::KvCache;
-use candle_nn::var_builder::ShardedVarBuilder;
 use candle_nn::{Linear, Module};
 
 use super::checkpoint::Checkpoint;
 use super::config::{Llama3RopeScaling, ModelConfig};
-use super::plan::{column, expected_tensors, vocab_rows, whole, Plan};
+use super::plan::{column, expected_tensors, row_parallel, vocab_rows, whole, Blocks, Plan};
 use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
 
@@ -48,7 +47,7 @@ struct Attention {
 
 impl Attention {
     fn load(
-        vb: &ShardedVarBuilder,
+        vb: &Blocks,
         group: &TpGroup,
         cfg: &ModelConfig,
         plan: &Plan,
@@ -79,7 +78,7 @@ impl Attention {
                 cfg.qkv_bias,
                 plan.kv_part,
             )?,
-            o: RowParallelLinear::load(&vb.pp("o_proj"), group, cfg.q_width(), h, cfg.o_bias)?,
+            o: row_parallel(&vb.pp("o_proj"), group, cfg.q_width(), h, cfg.o_bias)?,
             qk_norm,
             heads: plan.heads,
             kv_heads: plan.kv_heads,
@@ -141,18 +140,13 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(
-        vb: &ShardedVarBuilder,
-        group: &TpGroup,
-        cfg: &ModelConfig,
-        plan: &Plan,
-    ) -> Result<Self> {
+    fn load(vb: &Blocks, group: &TpGroup, cfg: &ModelConfig, plan: &Plan) -> Result<Self> {
         let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         let mine = (plan.rank, plan.ranks);
         Ok(Self {
             gate: column(&vb.pp("gate_proj"), i, h, bias, mine)?,
             up: column(&vb.pp("up_proj"), i, h, bias, mine)?,
-            down: RowParallelLinear::load(&vb.pp("down_proj"), group, i, h, bias)?,
+            down: row_parallel(&vb.pp("down_proj"), group, i, h, bias)?,
         })
     }
 
@@ -362,7 +356,7 @@ impl CausalLm {
         device: &Device,
         max_seq: usize,
     ) -> Result<Self> {
-        let vb = checkpoint.var_builder(dtype, device)?;
+        let vb = Blocks::new(checkpoint, dtype, device)?;
         let model = vb.pp("model");
         let h = cfg.hidden_size;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -376,24 +370,10 @@ impl CausalLm {
             });
         }
         let norm = whole(&model.pp("norm"), "weight", h)?;
-        let vocab = vocab_rows(
-            checkpoint,
-            "model.embed_tokens.weight",
-            &plan,
-            cfg,
-            dtype,
-            device,
-        )?;
+        let vocab = vocab_rows(&vb, "model.embed_tokens.weight", &plan, cfg)?;
         let head = match cfg.tie_word_embeddings {
             true => None,
-            false => Some(vocab_rows(
-                checkpoint,
-                "lm_head.weight",
-                &plan,
-                cfg,
-                dtype,
-                device,
-            )?),
+            false => Some(vocab_rows(&vb, "lm_head.weight", &plan, cfg)?),
         };
         let angles: Vec<f64> = {
             let inverse = inverse_frequencies(cfg);

@@ -147,6 +147,24 @@ impl RowParallelLinear {
         })
     }
 
+    /// From this rank's block of the weight (`[out_features, in_features / N]`) and the
+    /// whole bias, already loaded (the models' own reader).
+    pub(crate) fn from_block(
+        group: &TpGroup,
+        weight: Tensor,
+        bias: Option<Tensor>,
+        in_features: usize,
+        out_features: usize,
+    ) -> Self {
+        Self {
+            group: group.clone(),
+            linear: Linear::new(weight, None),
+            bias,
+            in_features,
+            out_features,
+        }
+    }
+
     /// The whole output `[.., out_features]`, the same on every rank, from this rank's block
     /// of the input `x` (`[.., in_features / N]`, at least two dimensions).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
