@@ -337,8 +337,11 @@ pub fn cuda_device_count() -> Result<usize> {
 
 /// Whether the CUDA driver loads kernels lazily (`CUDA_MODULE_LOADING` unset or `LAZY`, the
 /// default since CUDA 12.2; read by the driver once, when the process first uses CUDA).
-/// Lazily, a kernel's first lookup or launch can wait for everything running in its context.
-pub(crate) fn lazy_module_loading() -> Result<bool> {
+/// Lazily, a kernel's first lookup or launch can wait for everything running in its context,
+/// which ranks of one process sharing a GPU cannot allow ([`Comm::init_all`](crate::Comm::init_all)
+/// refuses them). Asks the driver, so the process must have used CUDA already (a context or
+/// [`cuda_device_count`]); else the driver's error.
+pub fn lazy_module_loading() -> Result<bool> {
     use cudarc::driver::sys::{cuModuleGetLoadingMode, CUmoduleLoadingMode, CUresult};
     let mut mode = CUmoduleLoadingMode::CU_MODULE_EAGER_LOADING;
     // SAFETY: writes one enum through a valid pointer; callers hold a CUDA context, so the

@@ -312,12 +312,13 @@ fn one_rank_alone_gets_its_own_input_back() {
     if skip_before_device_api(TEST) {
         return;
     }
+    // The harness's settings before this process's first use of CUDA.
+    common::shape::setup();
     if nccl::library::cuda_device_count().unwrap_or(0) == 0 {
         skip(TEST, "no CUDA GPU");
         return;
     }
     let _deadline = Deadline::new(TEST, LIMIT);
-    common::shape::setup();
     common::shape::ran(TEST, "1 rank on GPU 0");
     for name in ["f32", "bf16", "f16"] {
         let stream = cudarc::driver::CudaContext::new(0)

@@ -29,15 +29,19 @@ const ONE_KERNEL_EACH: [(&str, &candle_kernels::Module); 11] = [
     ("uexp_f32", &candle_kernels::UNARY),
 ];
 
-/// Loads every candle kernel module on `device` (nothing on a CPU device) and waits for the
-/// device, so that no candle op has a module left to load.
+/// Loads every one of candle-kernels' modules on `device` (nothing on a CPU device) and
+/// waits for the device, so that no candle op built on them has a module left to load.
+/// Not covered: the kernels candle links in from its own static libraries (its GGUF
+/// matrix-vector and mixture-of-experts kernels), which CUDA loads as any linked kernel.
 ///
 /// Needed where ranks of one process share a GPU (`NCCL_MULTI_RANK_GPU_ENABLE=1`,
-/// `Comm::init_all` with one GPU twice, which also needs `CUDA_MODULE_LOADING=EAGER`): call it
-/// on every rank's device before any rank's first collective, since a module loaded later can
-/// wait for a peer's collective that waits for this rank (see the module docs). Harmless
-/// elsewhere; a device's modules load once (about a second on an H200 the first time a
-/// machine compiles them, from the driver's cache after that).
+/// `Comm::init_all` with one GPU twice): call it on every rank's device before any rank's
+/// first collective, since a module loaded later can wait for a peer's collective that waits
+/// for this rank (see the module docs). It needs `CUDA_MODULE_LOADING=EAGER` there as well:
+/// lazily, each kernel of a loaded module is still loaded at its first use (`init_all`
+/// refuses such ranks; ranks made with `Comm::init_rank` on threads are the caller's to
+/// check, with `nccl::library::lazy_module_loading`). Harmless elsewhere; a device's modules
+/// load once (from the driver's cache after the first time a machine compiles them).
 pub fn load_kernels(device: &Device) -> Result<()> {
     let Device::Cuda(cuda) = device else {
         return Ok(());

@@ -26,9 +26,11 @@
 //! Run on 2×H100 with NCCL 2.32.3, with the data- and tensor-parallel modules ([`ddp`],
 //! [`tp`]) and their examples (see this crate's README).
 //!
-//! Ranks of one process sharing a GPU share its CUDA context: call [`load_kernels`] on each
-//! rank's device before any rank's first collective (candle loads a kernel module at its
-//! first use, and a load can wait for the other rank's collective, which waits for it).
+//! Ranks of one process sharing a GPU share its CUDA context: start the process with
+//! `CUDA_MODULE_LOADING=EAGER` (nccl-rs's `Comm::init_all` refuses such ranks without it) and
+//! call [`load_kernels`] on each rank's device before any rank's first collective (candle
+//! loads a kernel module at its first use, and a load can wait for the other rank's
+//! collective, which waits for it).
 //!
 //! Errors are [`Error`]; it converts into `candle_core::Error` (and back, losslessly), so `?`
 //! works on this crate's calls inside candle code, and [`Error::find_in`] finds the typed

@@ -209,8 +209,9 @@ impl Comm {
     /// reason ranks sharing a GPU here need `CUDA_MODULE_LOADING=EAGER` in the environment
     /// before the process first uses CUDA (lazily, the CUDA 12.2+ default, a kernel's first
     /// use can wait for the whole context: seen hanging both ranks on one H200); without it
-    /// `init_all` refuses them with [`Error::Unavailable`], before NCCL is called. Ranks of
-    /// one process sharing a GPU through [`Comm::init_rank`] on threads need the same.
+    /// `init_all` refuses them with [`Error::InvalidArgument`], before NCCL is called (see
+    /// [`library::lazy_module_loading`]). Ranks of one process sharing a GPU through
+    /// [`Comm::init_rank`] on threads need the same.
     ///
     /// Operations on these communicators must be issued from one thread inside a
     /// [`Group`](crate::Group), or each communicator must be moved to its own thread.
@@ -454,16 +455,14 @@ fn check_shared_device(
     // this rank joins it: both hang (seen on one H200: candle's first bf16 add after a
     // collective, NCCL 2.32.3).
     if library::lazy_module_loading()? {
-        return Err(Error::Unavailable {
-            api: "Comm::init_all",
-            reason: format!(
-                "streams {first} and {second} share device {ordinal} in this process, and \
-                 CUDA loads kernels lazily (CUDA_MODULE_LOADING unset or LAZY, the default \
-                 since CUDA 12.2): a kernel's first use can then wait for the other rank's \
-                 collective, which waits for this rank. Set CUDA_MODULE_LOADING=EAGER in the \
-                 environment before the process first uses CUDA"
-            ),
-        });
+        return refuse(
+            "CUDA loads kernels lazily here (CUDA_MODULE_LOADING unset or LAZY, the default \
+             since CUDA 12.2), and ranks of one process sharing a GPU share its context: a \
+             kernel's first use can then wait for the other rank's collective, which waits \
+             for this rank. Set CUDA_MODULE_LOADING=EAGER in the environment before the \
+             process first uses CUDA"
+                .into(),
+        );
     }
     Ok(())
 }

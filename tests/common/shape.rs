@@ -261,6 +261,19 @@ impl Layout {
 /// are 2+, else two ranks sharing GPU 0 (NCCL 2.30+); `None`, said through [`skip`], where
 /// neither is possible.
 pub fn threaded(test: &str) -> Option<Layout> {
+    // `host` sets eager loading unless the environment said otherwise; the driver read it
+    // when this process first used CUDA, and `Comm::init_all` refuses shared ranks that load
+    // lazily.
+    if host().pick(THREADED) == Ok(Shape::Shared)
+        && nccl::library::lazy_module_loading().unwrap_or(false)
+    {
+        skip(
+            test,
+            "two ranks of one process on GPU 0 need CUDA_MODULE_LOADING=EAGER from the \
+             process's start (this one loads lazily)",
+        );
+        return None;
+    }
     layout(test, THREADED, 2)
 }
 

@@ -241,7 +241,7 @@ impl Blocks {
                 world_size: ranks,
             });
         }
-        let stored: DType = view.dtype().try_into()?;
+        let stored = stored_type(&path, view.dtype().try_into()?)?;
         let data = view.data();
         let size = stored.size_in_bytes();
         let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
@@ -252,6 +252,8 @@ impl Blocks {
         };
         let mut local = shape.to_vec();
         local[dim] /= ranks;
+        // One rank's block along any dimension is the whole tensor: one run of bytes.
+        let dim = if ranks == 1 { 0 } else { dim };
         let block = if dim == 0 {
             // Whole rows: one run of bytes.
             let row = cols * size;
@@ -274,6 +276,18 @@ impl Blocks {
     /// The whole tensor `name` of shape `shape`.
     pub(super) fn whole(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.get(name, shape, 0, (0, 1))
+    }
+}
+
+/// The element type of `name` in the file: the checkpoint's check allowed only these, but
+/// the file may have changed since its header was read.
+fn stored_type(name: &str, dtype: DType) -> Result<DType> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(dtype),
+        other => Err(Error::Argument {
+            op: "CausalLm::load",
+            why: format!("{name} now holds {other:?}, not f32, bf16 or f16 (the file changed)"),
+        }),
     }
 }
 
@@ -325,7 +339,7 @@ pub(super) fn vocab_rows(
     let h = cfg.hidden_size;
     let (dtype, device) = (blocks.dtype, &blocks.device);
     let view = blocks.mapped.get(name)?;
-    let stored: DType = view.dtype().try_into()?;
+    let stored = stored_type(name, view.dtype().try_into()?)?;
     let rows = if range.is_empty() {
         Tensor::zeros((0, h), dtype, device)?
     } else {
