@@ -367,6 +367,35 @@ fn rewrite(file: &Path, edit: impl FnOnce(&mut std::collections::HashMap<String,
     candle_core::safetensors::save(&tensors, file).unwrap();
 }
 
+/// A weights file cut short after the checkpoint was opened (its headers read): the load is a
+/// typed error on every rank, not a crash (a mapping of the file would fault past its end).
+#[test]
+fn a_file_cut_short_after_opening_is_an_error_on_every_rank() {
+    let spec = writer::preset("llama-gqa-bf16").unwrap();
+    let dir = written(&spec);
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let file = dir.path().join("model.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let results = on_threads(2, |group| {
+        CausalLm::load(&checkpoint, &group, DType::F32, &Device::Cpu, 16).err()
+    });
+    let faults: Vec<String> = results
+        .into_iter()
+        .map(|err| err.expect("a load of a file cut short").to_string())
+        .collect();
+    // The rank whose bytes are gone says why; every rank refuses.
+    assert!(
+        faults.iter().any(|f| f.contains("cannot read")),
+        "{faults:?}"
+    );
+}
+
 #[test]
 fn bad_checkpoints_are_typed_errors_on_every_rank() {
     let spec = writer::preset("llama-gqa-bf16").unwrap();

@@ -7,7 +7,6 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::DType;
 
 use super::config::ModelConfig;
@@ -31,6 +30,8 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     /// Its element type.
     pub dtype: DType,
+    /// Where its data starts in the file, in bytes (after the header).
+    pub offset: u64,
 }
 
 /// A checkpoint directory, opened: the configuration parsed and validated, the weights files
@@ -121,12 +122,7 @@ impl Checkpoint {
         };
         let mut tensors = BTreeMap::new();
         for file in &files {
-            for (name, shape, dtype) in read_header(file)? {
-                let info = TensorInfo {
-                    file: file.clone(),
-                    shape,
-                    dtype,
-                };
+            for (name, info) in read_header(file)? {
                 if let Some(earlier) = tensors.insert(name.clone(), info) {
                     return Err(fault(
                         file,
@@ -269,21 +265,37 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// candle's reader of whole files, from which a rank reads its blocks.
-    pub(crate) fn mapped(&self) -> Result<MmapedSafetensors> {
-        // SAFETY: candle maps the files; a mapping is sound while no one changes the file,
-        // which `CausalLm::load` documents as the caller's (as every loader that maps
-        // checkpoints does). The mapping lives only as long as the load.
-        let mapped = unsafe { MmapedSafetensors::multi(&self.files) };
-        mapped.map_err(|err| self.read_error(err))
-    }
-
-    fn read_error(&self, err: candle_core::Error) -> Error {
-        fault(
-            &self.dir,
-            CheckpointFault::Malformed,
-            format!("candle cannot read the weights files: {err}"),
-        )
+    /// Fills `buf` with tensor `name`'s data from byte `at` of it on, read from its file (a
+    /// positioned read: a file changed since [`open`](Self::open) gives an error or other
+    /// numbers, never memory the process does not own, as a mapping could).
+    pub(crate) fn read_tensor_bytes(&self, name: &str, at: u64, buf: &mut [u8]) -> Result<()> {
+        let info = self.tensors.get(name).ok_or_else(|| {
+            fault(
+                &self.dir,
+                CheckpointFault::Tensor,
+                format!("{name} is not in the checkpoint"),
+            )
+        })?;
+        let end = at.checked_add(buf.len() as u64);
+        let size = info.shape.iter().product::<usize>() * info.dtype.size_in_bytes();
+        if end.is_none_or(|end| end > size as u64) {
+            return Err(fault(
+                &info.file,
+                CheckpointFault::Tensor,
+                format!("{name}: bytes {at}.. past its {size}"),
+            ));
+        }
+        let cannot = |err: std::io::Error| {
+            fault(
+                &info.file,
+                CheckpointFault::Missing,
+                format!("cannot read {name}: {err} (did the file change since it was opened?)"),
+            )
+        };
+        let mut file = File::open(&info.file).map_err(cannot)?;
+        file.seek(SeekFrom::Start(info.offset + at))
+            .map_err(cannot)?;
+        file.read_exact(buf).map_err(cannot)
     }
 }
 
@@ -325,8 +337,9 @@ fn read_index(path: &Path) -> Result<HashMap<String, PathBuf>> {
 /// A safetensors header's limit: larger ones are not headers (safetensors' own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-/// Every tensor of a safetensors file, from its header: name, shape, type.
-fn read_header(path: &Path) -> Result<Vec<(String, Vec<usize>, DType)>> {
+/// Every tensor of a safetensors file, from its header: its name, and its shape, type and
+/// where its data starts.
+fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>> {
     let missing = |err: std::io::Error| {
         fault(
             path,
@@ -396,7 +409,16 @@ fn read_header(path: &Path) -> Result<Vec<(String, Vec<usize>, DType)>> {
             _ => return Err(bad("its data_offsets do not fit its shape")),
         };
         spans.push((span, name.clone()));
-        out.push((name.clone(), shape, dtype));
+        // Within the file: the spans tile its data (checked below).
+        out.push((
+            name.clone(),
+            TensorInfo {
+                file: path.to_path_buf(),
+                shape,
+                dtype,
+                offset: 8 + header_len + span.0,
+            },
+        ));
     }
     // safetensors' own rule: the tensors tile the data, no gap, no overlap, nothing after.
     spans.sort();

@@ -252,9 +252,9 @@ impl CausalLm {
     /// shard tells the others the same way after loading.
     ///
     /// Every rank must reach this call: a rank that failed to open its checkpoint must take
-    /// part as a refusal ([`load_dir`](Self::load_dir) does that). The weights files are
-    /// mapped while loading: another process changing them then is outside what this call
-    /// can guard against (as with every loader that maps them).
+    /// part as a refusal ([`load_dir`](Self::load_dir) does that). Each rank reads only its
+    /// blocks' bytes, with positioned reads (no mapping): a file another process changes
+    /// meanwhile gives an error or other weights, never undefined behaviour.
     pub fn load(
         checkpoint: &Checkpoint,
         group: &TpGroup,
@@ -356,7 +356,7 @@ impl CausalLm {
         device: &Device,
         max_seq: usize,
     ) -> Result<Self> {
-        let vb = Blocks::new(checkpoint, dtype, device)?;
+        let vb = Blocks::new(checkpoint, dtype, device);
         let model = vb.pp("model");
         let h = cfg.hidden_size;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);

@@ -12,7 +12,6 @@
 
 use std::sync::Arc;
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 
@@ -170,37 +169,38 @@ impl Plan {
     }
 }
 
-/// This rank's blocks of the checkpoint's tensors, read straight from the mapped files: one
-/// run of bytes a block (dimension 0) or a row (dimension 1), then one upload. candle's
-/// sharded reader copies a block byte by byte (measured on one H200 host, a 2.2 GB
-/// checkpoint: 233 MB/s a rank for two ranks, against 5.4 GB/s for one rank, which candle
-/// reads whole). Names are relative to a prefix, as candle's `VarBuilder`'s.
+/// This rank's blocks of the checkpoint's tensors, read from the files with positioned
+/// reads, only this rank's bytes: one read a block of whole rows, or rows a few MiB at a time
+/// for a block of columns, then one upload. candle's sharded reader copies a block byte by
+/// byte (measured on one H200 host, a 2.2 GB checkpoint: 233 MB/s a rank for two ranks,
+/// against 5.4 GB/s for one rank, which candle reads whole), and maps the files, which a
+/// file changed meanwhile turns into undefined behaviour; here it is an error or other
+/// numbers. Names are relative to a prefix, as candle's `VarBuilder`'s.
 #[derive(Clone)]
 pub(super) struct Blocks {
-    mapped: Arc<MmapedSafetensors>,
+    checkpoint: Arc<Checkpoint>,
     prefix: String,
     dtype: DType,
     device: Device,
 }
 
+/// How many bytes of whole rows a block of columns reads at once.
+const ROWS_AT_ONCE: usize = 4 << 20;
+
 impl Blocks {
-    pub(super) fn new(checkpoint: &Checkpoint, dtype: DType, device: &Device) -> Result<Self> {
-        Ok(Self {
-            mapped: Arc::new(checkpoint.mapped()?),
+    pub(super) fn new(checkpoint: &Checkpoint, dtype: DType, device: &Device) -> Self {
+        Self {
+            checkpoint: Arc::new(checkpoint.clone()),
             prefix: String::new(),
             dtype,
             device: device.clone(),
-        })
+        }
     }
 
     /// The same files under `prefix.name`.
     pub(super) fn pp(&self, name: impl std::fmt::Display) -> Self {
-        let prefix = match self.prefix.is_empty() {
-            true => name.to_string(),
-            false => format!("{}.{name}", self.prefix),
-        };
         Self {
-            prefix,
+            prefix: self.path(&name.to_string()),
             ..self.clone()
         }
     }
@@ -212,10 +212,24 @@ impl Blocks {
         }
     }
 
+    /// The element type `path` is stored in, its shape checked against `shape`: the
+    /// checkpoint's check and the plan guarantee both (anything else is
+    /// [`Error::ShardShape`]).
+    fn stored(&self, path: &str, shape: &[usize]) -> Result<DType> {
+        let info = self.checkpoint.tensors().get(path);
+        match info {
+            Some(info) if info.shape == shape => Ok(info.dtype),
+            _ => Err(Error::ShardShape {
+                name: path.to_string(),
+                expected: shape.to_vec(),
+                got: info.map(|i| i.shape.clone()).unwrap_or_default(),
+            }),
+        }
+    }
+
     /// Block `part.0` of `part.1` along `dim` of `name` (whole shape `shape`, 1 or 2
-    /// dimensions), in the model's type on its device. The checkpoint's check and the plan
-    /// guarantee the shape and that it divides; the file may have changed since its header
-    /// was read, so both are checked again: [`Error::ShardShape`], [`Error::NotDivisible`].
+    /// dimensions), in the model's type on its device: [`Error::ShardShape`] for another
+    /// shape, [`Error::NotDivisible`] when it does not split.
     pub(super) fn get(
         &self,
         name: &str,
@@ -224,12 +238,11 @@ impl Blocks {
         part: (usize, usize),
     ) -> Result<Tensor> {
         let path = self.path(name);
-        let view = self.mapped.get(&path)?;
-        if view.shape() != shape || shape.is_empty() || shape.len() > 2 || dim >= shape.len() {
-            return Err(Error::ShardShape {
-                name: path,
-                expected: shape.to_vec(),
-                got: view.shape().to_vec(),
+        let stored = self.stored(&path, shape)?;
+        if shape.is_empty() || shape.len() > 2 || dim >= shape.len() {
+            return Err(Error::Argument {
+                op: "CausalLm::load",
+                why: format!("{path}: cannot split dimension {dim} of {shape:?}"),
             });
         }
         let (rank, ranks) = part;
@@ -241,53 +254,42 @@ impl Blocks {
                 world_size: ranks,
             });
         }
-        let stored = stored_type(&path, view.dtype().try_into()?)?;
-        let data = view.data();
         let size = stored.size_in_bytes();
         let (rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
-        let short = || Error::ShardShape {
-            name: path.clone(),
-            expected: shape.to_vec(),
-            got: vec![data.len() / size.max(1)],
-        };
+        let row = cols * size;
         let mut local = shape.to_vec();
         local[dim] /= ranks;
-        // One rank's block along any dimension is the whole tensor: one run of bytes.
-        let dim = if ranks == 1 { 0 } else { dim };
-        let block = if dim == 0 {
-            // Whole rows: one run of bytes.
-            let row = cols * size;
-            let first = rank * local[0] * row;
-            let bytes = data.get(first..first + local[0] * row).ok_or_else(short)?;
-            Tensor::from_raw_buffer(bytes, stored, &local, &self.device)?
+        // One rank's block along any dimension is the whole tensor: whole rows.
+        let bytes = if dim == 0 || ranks == 1 {
+            let mut bytes = vec![0u8; local[0] * row];
+            let first = rank * bytes.len();
+            self.checkpoint
+                .read_tensor_bytes(&path, first as u64, &mut bytes)?;
+            bytes
         } else {
-            // A run of each row.
-            let (row, run) = (cols * size, local[1] * size);
+            // A run of each row, from whole rows read a few MiB at a time.
+            let run = local[1] * size;
             let mut bytes = Vec::with_capacity(rows * run);
-            for r in 0..rows {
-                let first = r * row + rank * run;
-                bytes.extend_from_slice(data.get(first..first + run).ok_or_else(short)?);
+            let batch = (ROWS_AT_ONCE / row.max(1)).clamp(1, rows);
+            let mut chunk = vec![0u8; batch * row];
+            for first in (0..rows).step_by(batch) {
+                let count = batch.min(rows - first);
+                let chunk = &mut chunk[..count * row];
+                self.checkpoint
+                    .read_tensor_bytes(&path, (first * row) as u64, chunk)?;
+                for r in chunk.chunks_exact(row) {
+                    bytes.extend_from_slice(&r[rank * run..(rank + 1) * run]);
+                }
             }
-            Tensor::from_raw_buffer(&bytes, stored, &local, &self.device)?
+            bytes
         };
+        let block = Tensor::from_raw_buffer(&bytes, stored, &local, &self.device)?;
         Ok(block.to_dtype(self.dtype)?)
     }
 
     /// The whole tensor `name` of shape `shape`.
     pub(super) fn whole(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.get(name, shape, 0, (0, 1))
-    }
-}
-
-/// The element type of `name` in the file: the checkpoint's check allowed only these, but
-/// the file may have changed since its header was read.
-fn stored_type(name: &str, dtype: DType) -> Result<DType> {
-    match dtype {
-        DType::F32 | DType::BF16 | DType::F16 => Ok(dtype),
-        other => Err(Error::Argument {
-            op: "CausalLm::load",
-            why: format!("{name} now holds {other:?}, not f32, bf16 or f16 (the file changed)"),
-        }),
     }
 }
 
@@ -338,21 +340,17 @@ pub(super) fn vocab_rows(
     let range = plan.vocab_range(cfg.vocab_size);
     let h = cfg.hidden_size;
     let (dtype, device) = (blocks.dtype, &blocks.device);
-    let view = blocks.mapped.get(name)?;
-    let stored = stored_type(name, view.dtype().try_into()?)?;
+    let stored = blocks.stored(name, &[cfg.vocab_size, h])?;
     let rows = if range.is_empty() {
         Tensor::zeros((0, h), dtype, device)?
     } else {
         // Rows of a row-major table are one run of bytes.
         let row_bytes = h * stored.size_in_bytes();
-        let bytes = view
-            .data()
-            .get(range.start * row_bytes..range.end * row_bytes)
-            .ok_or_else(|| Error::Argument {
-                op: "CausalLm::load",
-                why: format!("{name}: rows {range:?} outside its data"),
-            })?;
-        Tensor::from_raw_buffer(bytes, stored, &[range.len(), h], device)?.to_dtype(dtype)?
+        let mut bytes = vec![0u8; range.len() * row_bytes];
+        blocks
+            .checkpoint
+            .read_tensor_bytes(name, (range.start * row_bytes) as u64, &mut bytes)?;
+        Tensor::from_raw_buffer(&bytes, stored, &[range.len(), h], device)?.to_dtype(dtype)?
     };
     let pad = plan.vocab_rows - range.len();
     if pad == 0 {
