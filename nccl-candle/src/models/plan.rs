@@ -10,7 +10,7 @@
 //! when `N` divides them and are replicated when they divide `N` (each rank holds the one
 //! key/value head its query heads read, as vLLM does), anything else is refused.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
@@ -182,6 +182,9 @@ pub(super) struct Blocks {
     prefix: String,
     dtype: DType,
     device: Device,
+    /// The bytes of the block being read, kept from one block to the next: fresh memory for
+    /// each would be paged in again (a fresh buffer a block halved the load's speed).
+    scratch: Arc<Mutex<Vec<u8>>>,
 }
 
 /// How many bytes of whole rows a block of columns reads at once.
@@ -194,7 +197,18 @@ impl Blocks {
             prefix: String::new(),
             dtype,
             device: device.clone(),
+            scratch: Arc::default(),
         }
+    }
+
+    /// The scratch buffer, `len` bytes of it.
+    fn scratch(&self, len: usize) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        // A panic elsewhere leaves only bytes behind, all overwritten before use.
+        let mut scratch = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        if scratch.len() < len {
+            scratch.resize(len, 0);
+        }
+        scratch
     }
 
     /// The same files under `prefix.name`.
@@ -259,17 +273,16 @@ impl Blocks {
         let row = cols * size;
         let mut local = shape.to_vec();
         local[dim] /= ranks;
+        let len = local.iter().product::<usize>() * size;
+        let mut scratch = self.scratch(len);
+        let bytes = &mut scratch[..len];
         // One rank's block along any dimension is the whole tensor: whole rows.
-        let bytes = if dim == 0 || ranks == 1 {
-            let mut bytes = vec![0u8; local[0] * row];
-            let first = rank * bytes.len();
+        if dim == 0 || ranks == 1 {
             self.checkpoint
-                .read_tensor_bytes(&path, first as u64, &mut bytes)?;
-            bytes
+                .read_tensor_bytes(&path, (rank * len) as u64, bytes)?;
         } else {
             // A run of each row, from whole rows read a few MiB at a time.
             let run = local[1] * size;
-            let mut bytes = Vec::with_capacity(rows * run);
             let batch = (ROWS_AT_ONCE / row.max(1)).clamp(1, rows);
             let mut chunk = vec![0u8; batch * row];
             for first in (0..rows).step_by(batch) {
@@ -277,13 +290,13 @@ impl Blocks {
                 let chunk = &mut chunk[..count * row];
                 self.checkpoint
                     .read_tensor_bytes(&path, (first * row) as u64, chunk)?;
-                for r in chunk.chunks_exact(row) {
-                    bytes.extend_from_slice(&r[rank * run..(rank + 1) * run]);
+                for (i, r) in chunk.chunks_exact(row).enumerate() {
+                    let at = (first + i) * run;
+                    bytes[at..at + run].copy_from_slice(&r[rank * run..(rank + 1) * run]);
                 }
             }
-            bytes
-        };
-        let block = Tensor::from_raw_buffer(&bytes, stored, &local, &self.device)?;
+        }
+        let block = Tensor::from_raw_buffer(bytes, stored, &local, &self.device)?;
         Ok(block.to_dtype(self.dtype)?)
     }
 
@@ -346,11 +359,13 @@ pub(super) fn vocab_rows(
     } else {
         // Rows of a row-major table are one run of bytes.
         let row_bytes = h * stored.size_in_bytes();
-        let mut bytes = vec![0u8; range.len() * row_bytes];
+        let len = range.len() * row_bytes;
+        let mut scratch = blocks.scratch(len);
+        let bytes = &mut scratch[..len];
         blocks
             .checkpoint
-            .read_tensor_bytes(name, (range.start * row_bytes) as u64, &mut bytes)?;
-        Tensor::from_raw_buffer(&bytes, stored, &[range.len(), h], device)?.to_dtype(dtype)?
+            .read_tensor_bytes(name, (range.start * row_bytes) as u64, bytes)?;
+        Tensor::from_raw_buffer(bytes, stored, &[range.len(), h], device)?.to_dtype(dtype)?
     };
     let pad = plan.vocab_rows - range.len();
     if pad == 0 {
