@@ -10,9 +10,9 @@
 //! `InnerConnection`); `init.rs` creates communicators, `child.rs` splits them, `wait.rs`
 //! waits on them, `streams.rs` tracks the other streams their operations ran on,
 //! `suspend.rs` releases and restores their memory, `status.rs` describes them (`Debug`,
-//! `Display`), `close.rs` ends them and `in_flight.rs` lists the destroys that outlived a
-//! drop. Failure handling (abort handles, the watchdog, revoke/shrink/grow) lives in
-//! [`crate::fault`].
+//! `Display`), `flight_record.rs` copies their flight recorder's ring, `close.rs` ends them
+//! and `in_flight.rs` lists the destroys that outlived a drop. Failure handling (abort
+//! handles, the watchdog, revoke/shrink/grow) lives in [`crate::fault`].
 //!
 //! # End of life
 //!
@@ -80,6 +80,7 @@ pub(crate) use comm_call;
 
 mod child;
 mod close;
+mod flight_record;
 mod in_flight;
 mod init;
 mod job_slot;
@@ -102,6 +103,7 @@ use nccl_sys::ncclComm_t;
 use parking_lot::MutexGuard;
 
 pub(crate) use close::Siblings;
+pub(crate) use flight_record::record_of;
 pub use in_flight::DestroyInFlight;
 pub(crate) use init::rank_and_size;
 pub(crate) use job_slot::JobSlot;

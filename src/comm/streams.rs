@@ -58,9 +58,9 @@ const PER_THREAD: usize = 0x2;
 /// threads (it is `Send`), so its drop, its waits and its kernels' stops, run on another
 /// thread, would look at a stream its work never ran on. (Per-call streams may be it: their
 /// events are keyed with the thread that enqueued.)
-pub(crate) fn check_own_stream(stream: &CudaStream) -> crate::Result<()> {
+pub(crate) fn check_own_stream(stream: &CudaStream) -> crate::error::Result<()> {
     if stream.cu_stream() as usize == PER_THREAD {
-        return Err(crate::Error::invalid(
+        return Err(crate::error::Error::invalid(
             "a communicator's own stream cannot be the per-thread default stream: it names a \
              different stream on each thread the communicator may be used or dropped on; make \
              one with CudaContext::new_stream (or pass it per call)",
@@ -311,7 +311,7 @@ impl Comm {
     /// Whether the work recorded on the other streams this communicator used has finished
     /// (`true` when there are none); [`Error::Cuda`](crate::Error::Cuda) where a stream
     /// could not be tracked.
-    pub(crate) fn foreign_streams_done(&self) -> crate::Result<bool> {
+    pub(crate) fn foreign_streams_done(&self) -> crate::error::Result<bool> {
         let state = self.shared.lock();
         match state.foreign.as_deref() {
             None => Ok(true),

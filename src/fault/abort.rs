@@ -7,9 +7,8 @@ use cudarc::driver::CudaContext;
 
 use super::require_nonblocking;
 use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
-use crate::comm::{Comm, Shared};
+use crate::comm::{record_of, Comm, Shared};
 use crate::diagnostics::flight::{self, FlightRecord, Who};
-use crate::diagnostics::record_of;
 use crate::error::Result;
 use crate::library::Library;
 

@@ -17,12 +17,12 @@ use super::abort::act;
 use super::require_nonblocking;
 use crate::calls;
 use crate::comm::state::{Action, Actor, Cause, Failure, FailureState, State};
-use crate::comm::{Comm, Shared};
+use crate::comm::{record_of, Comm, Shared};
 use crate::diagnostics::flight::{self, FlightRecord, Who};
 use crate::diagnostics::ras::{RasOutcome, RasQuery};
-use crate::diagnostics::record_of;
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
+use crate::release::Version;
 
 /// What a [`Watchdog`] does when it trips.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -527,7 +527,7 @@ fn complete_report(shared: &WatchdogShared) {
 }
 
 /// The first NCCL with RAS.
-const RAS_SINCE: crate::Version = crate::Version::new(2, 24, 0);
+const RAS_SINCE: Version = Version::new(2, 24, 0);
 
 /// A progress probe: an event recorded on the communicator's stream, and the flight
 /// recorder's next sequence number then (every operation below it completes before it).

@@ -5,9 +5,9 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::compare::{compare_sequence, RankOps};
 use super::finding::{Finding, Words};
 use super::record::{FlightEntry, FlightRecord};
+use super::sequence::{compare_sequence, RankOps};
 use super::shipped::ShippedEnd;
 
 /// What [`compare`](super::compare) found about one instance of shipped kernels: its calls

@@ -23,7 +23,8 @@
 
 use serde_json::{Map, Value};
 
-use super::record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+use super::op_kind::OpKind;
+use super::record::{FlightEntry, FlightRecord, OpState, RecordedReduction};
 use super::shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};

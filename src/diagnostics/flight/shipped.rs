@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use super::record::OpKind;
+use super::op_kind::OpKind;
 use super::ring::{InstanceRow, RawEnd, RawShipped};
 use crate::dtype::DataType;
 

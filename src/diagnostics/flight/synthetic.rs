@@ -1,7 +1,8 @@
 //! Synthetic flight records for the tests: ranks that issue all-reduces of given sizes, and
 //! shipped kernels' calls.
 
-use super::record::{FlightEntry, FlightRecord, OpKind, OpState, RecordedReduction};
+use super::op_kind::OpKind;
+use super::record::{FlightEntry, FlightRecord, OpState, RecordedReduction};
 use super::shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 use crate::dtype::DataType;
 
