@@ -110,6 +110,16 @@ pub enum Error {
         /// What is wrong, naming the field or tensor.
         why: String,
     },
+    /// A CUDA graph of a decode step ([`decode::DecodeGraph`](crate::decode::DecodeGraph))
+    /// could not be captured, instantiated or launched: `op` names the step that failed
+    /// (candle's own message names the operation that cannot be captured), `why` what failed.
+    #[error("CUDA graph, {op}: {why}")]
+    Graph {
+        /// The graph's step: `capture`, `instantiate`, `launch`, or the check before them.
+        op: &'static str,
+        /// What failed.
+        why: String,
+    },
     /// Ranks simulated on threads ([`tp::ThreadedCollectives`](crate::tp::ThreadedCollectives)) could not exchange tensors:
     /// another rank's thread panicked during an exchange.
     #[error("threaded collectives: {0}")]

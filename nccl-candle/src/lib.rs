@@ -39,6 +39,7 @@
 
 mod agree;
 mod collectives;
+pub mod decode;
 pub mod ddp;
 mod error;
 mod gather;

@@ -6,12 +6,12 @@
 //! How the weights split over the ranks: see [`plan`](super::plan).
 
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::kv_cache::KvCache;
 use candle_nn::{Linear, Module};
 
 use super::checkpoint::Checkpoint;
 use super::config::{Llama3RopeScaling, ModelConfig};
 use super::plan::{column, expected_tensors, row_parallel, vocab_rows, whole, Blocks, Plan};
+use crate::decode::{attend, KvCache, StaticDecode, StepInputs};
 use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
 
@@ -83,19 +83,13 @@ impl Attention {
             heads: plan.heads,
             kv_heads: plan.kv_heads,
             head_dim: hd,
-            cache: KvCache::new(2, max_seq),
+            cache: KvCache::new(max_seq),
         })
     }
 
     /// This rank's heads' output, `[b, seq, heads / N * head_dim]` (o_proj's input), for
-    /// `x` (`[b, seq, hidden]`) at the positions of `rope`'s rows.
-    fn heads_out(
-        &mut self,
-        x: &Tensor,
-        rope: &Rope,
-        mask: Option<&Tensor>,
-        eps: f32,
-    ) -> Result<Tensor> {
+    /// `x` (`[b, seq, hidden]`) at `positions`.
+    fn heads_out(&mut self, x: &Tensor, positions: &Positions, eps: f32) -> Result<Tensor> {
         let (b, seq, _) = x.dims3()?;
         let split =
             |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape((b, seq, n, self.head_dim))?) };
@@ -106,15 +100,25 @@ impl Attention {
             q = rms_norm(&q, q_norm, eps)?;
             k = rms_norm(&k, k_norm, eps)?;
         }
+        let rope = positions.rope();
         let heads_first = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(1, 2)?.contiguous()?) };
         let q = candle_nn::rotary_emb::rope(&heads_first(q)?, &rope.cos, &rope.sin)?;
         let k = candle_nn::rotary_emb::rope(&heads_first(k)?, &rope.cos, &rope.sin)?;
         let v = heads_first(v)?;
-        let (k, v) = self.cache.append(&k.contiguous()?, &v)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let mask = match positions {
+            Positions::Device { mask, inputs, .. } => {
+                // Scores and softmax in f32 whatever the weights' type, as the reference
+                // models do.
+                let (keys, values) = self.cache.write_at(&k, &v, inputs)?;
+                return attend(&q, &keys, &values, mask, scale, DType::F32);
+            }
+            Positions::Host { mask, .. } => *mask,
+        };
+        let (k, v) = self.cache.append(&k, &v)?;
         let rep = self.heads / self.kv_heads;
         let k = repeat_kv(k, rep)?.contiguous()?;
         let v = repeat_kv(v, rep)?.contiguous()?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
         // Scores and softmax in f32 whatever the weights' type, as the reference models do.
         let mut scores = (q
             .to_dtype(DType::F32)?
@@ -128,6 +132,28 @@ impl Attention {
             .matmul(&v)?
             .transpose(1, 2)?
             .reshape((b, seq, self.heads * self.head_dim))?)
+    }
+}
+
+/// Where a pass's positions come from: the host (a prompt, an eager step: the offset is
+/// known, the caches are appended to) or the device (a static step: [`StepInputs`]).
+enum Positions<'a> {
+    Host {
+        rope: Rope,
+        mask: Option<&'a Tensor>,
+    },
+    Device {
+        rope: Rope,
+        mask: Tensor,
+        inputs: &'a StepInputs,
+    },
+}
+
+impl Positions<'_> {
+    fn rope(&self) -> &Rope {
+        match self {
+            Positions::Host { rope, .. } | Positions::Device { rope, .. } => rope,
+        }
     }
 }
 
@@ -481,11 +507,20 @@ impl CausalLm {
         // From here on some caches may take these positions and others not, should a layer
         // fail: broken until it ends.
         self.broken = true;
+        let positions = Positions::Host {
+            rope,
+            mask: mask.as_ref(),
+        };
         let last = self
-            .layers_forward(x, &rope, mask.as_ref())?
+            .layers_forward(x, &positions)?
             .narrow(1, seq - 1, 1)?;
         self.broken = false;
         self.cached = offset + seq;
+        self.logits(&last)
+    }
+
+    /// The logits, `[b, vocab]` f32, of the normed last positions `last` (`[b, 1, hidden]`).
+    fn logits(&self, last: &Tensor) -> Result<Tensor> {
         let head = self.head.as_ref().unwrap_or(&self.embed);
         let block = last.squeeze(1)?.matmul(&head.t()?)?;
         let logits = self.group.layer_gather(&block, 1)?;
@@ -495,17 +530,12 @@ impl CausalLm {
     }
 
     /// The layers and the final norm: the normed residual stream of every position.
-    fn layers_forward(
-        &mut self,
-        mut x: Tensor,
-        rope: &Rope,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn layers_forward(&mut self, mut x: Tensor, positions: &Positions) -> Result<Tensor> {
         let eps = self.eps;
         if !self.fused {
             for layer in &mut self.layers {
                 let h = rms_norm(&x, &layer.input_norm, eps)?;
-                let heads = layer.attention.heads_out(&h, rope, mask, eps)?;
+                let heads = layer.attention.heads_out(&h, positions, eps)?;
                 x = (x + layer.attention.o.forward(&heads)?)?;
                 let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
                 x = (&x + layer.mlp.down.forward(&layer.mlp.gated(&h)?)?)?;
@@ -522,7 +552,7 @@ impl CausalLm {
                 None => self.norm.clone(),
             };
             let layer = &mut self.layers[i];
-            let heads = layer.attention.heads_out(&h, rope, mask, eps)?;
+            let heads = layer.attention.heads_out(&h, positions, eps)?;
             (x, h) = layer.attention.o.forward_add_rms_norm(
                 &heads,
                 &x,
@@ -538,7 +568,7 @@ impl CausalLm {
         Ok(h)
     }
 
-    /// Forgets every position (empties the KV caches).
+    /// Forgets every position (empties the KV caches, keeping their memory).
     pub fn reset(&mut self) {
         for layer in &mut self.layers {
             layer.attention.cache.reset();
@@ -557,6 +587,82 @@ impl CausalLm {
     pub fn local_sizes(&self) -> (usize, usize, usize, usize) {
         let p = &self.plan;
         (p.heads, p.kv_heads, p.intermediate, p.vocab_rows)
+    }
+}
+
+// SAFETY: a step touches the weights, the rotary tables, the layers' caches (allocated by
+// the prompt's append and kept by `reset` and by a prompt of the same batch, which
+// `DecodeGraph::prefill` requires), the inputs and the group's collectives, all owned here
+// or by the inputs; it enqueues candle ops and the group's collectives on the device's
+// stream only, keeps no tensor it makes, and refuses inputs of another `max_seq` or batch.
+unsafe impl StaticDecode for CausalLm {
+    fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    fn group(&self) -> &TpGroup {
+        &self.group
+    }
+
+    fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    fn cached(&self) -> usize {
+        self.cached
+    }
+
+    fn cache_batch(&self) -> Option<usize> {
+        self.layers.first().and_then(|l| l.attention.cache.batch())
+    }
+
+    fn prefill(&mut self, ids: &Tensor) -> Result<Tensor> {
+        self.reset();
+        self.forward(ids, 0)
+    }
+
+    fn decode_step(&mut self, inputs: &StepInputs) -> Result<()> {
+        if self.broken
+            || inputs.max_seq() != self.max_seq
+            || self.cache_batch() != Some(inputs.batch())
+        {
+            return Err(Error::Argument {
+                op: "CausalLm::decode_step",
+                why: format!(
+                    "inputs of batch {} and {} positions for caches of batch {:?} and {}                      positions{}",
+                    inputs.batch(),
+                    inputs.max_seq(),
+                    self.cache_batch(),
+                    self.max_seq,
+                    if self.broken { ", after a failed pass (reset first)" } else { "" }
+                ),
+            });
+        }
+        let (cos, sin) = inputs.rope_rows(&self.cos, &self.sin)?;
+        let positions = Positions::Device {
+            rope: Rope { cos, sin },
+            mask: inputs.mask(self.config.sliding_window, DType::F32)?,
+            inputs,
+        };
+        let embedded = masked_lookup(&self.embed, &inputs.ids()?, self.vocab_start)?;
+        let x = self.group.layer_sum(embedded)?;
+        self.broken = true;
+        let last = self.layers_forward(x, &positions)?;
+        inputs.finish(&self.logits(&last)?)?;
+        self.broken = false;
+        Ok(())
+    }
+
+    fn set_cached(&mut self, cached: usize) -> Result<()> {
+        for layer in &mut self.layers {
+            layer.attention.cache.set_len(cached)?;
+        }
+        self.cached = cached;
+        Ok(())
     }
 }
 

@@ -1,0 +1,182 @@
+//! A key/value cache allocated once for its longest sequence, written at positions the host
+//! knows (prefill, eager decode) or that the device holds (a step replayed from a CUDA graph).
+
+use candle_core::{DType, Tensor};
+
+use super::StepInputs;
+use crate::{Error, Result};
+
+/// One attention layer's keys and values, `[batch, kv_heads, max_seq, head_dim]` each,
+/// allocated at the first [`append`](Self::append) (of that batch, heads, width and type)
+/// and never moved afterwards: a CUDA graph that captured a step keeps pointing at the same
+/// memory. The eager path ([`append`](Self::append)) runs the kernels candle's own
+/// `candle_nn::kv_cache::KvCache` runs (a `slice_set` at the position, a view of the
+/// positions held), so its results are candle's bit for bit.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    max_seq: usize,
+    /// `(keys, values)`, once allocated.
+    data: Option<(Tensor, Tensor)>,
+    /// Positions written by the host-driven path (the next [`append`](Self::append) writes
+    /// at this position).
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache with room for `max_seq` positions (nothing allocated yet).
+    pub fn new(max_seq: usize) -> Self {
+        Self {
+            max_seq,
+            data: None,
+            len: 0,
+        }
+    }
+
+    /// The positions it has room for.
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// The positions it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no position.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Writes `k` and `v` (`[b, kv_heads, seq, head_dim]`) at the next positions and returns
+    /// every position held, `[b, kv_heads, len + seq, head_dim]` views of the cache. The
+    /// first call allocates (zeros) for its shape, and so does a call of another batch,
+    /// heads, width or type on an empty cache (after [`reset`](Self::reset), which keeps
+    /// the memory for the same shape); such a call on a cache holding positions is refused,
+    /// as is a sequence past `max_seq`.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.len == 0 && self.check("KvCache::append", k, v).is_err() {
+            self.data = None;
+        }
+        let seq = self.check("KvCache::append", k, v)?.2;
+        if seq > self.max_seq - self.len {
+            return Err(Error::Argument {
+                op: "KvCache::append",
+                why: format!(
+                    "{seq} positions after {} in a cache of {}",
+                    self.len, self.max_seq
+                ),
+            });
+        }
+        let (keys, values) = self.allocated(k, v)?;
+        keys.slice_set(&k.contiguous()?, 2, self.len)?;
+        values.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.len += seq;
+        Ok((keys.narrow(2, 0, self.len)?, values.narrow(2, 0, self.len)?))
+    }
+
+    /// Writes `k` and `v` (`[b, kv_heads, 1, head_dim]`) at the position `inputs` holds on
+    /// the device and returns the whole cache (every position up to `max_seq`; attention
+    /// masks the later ones with [`StepInputs::mask`]). The cache must already be allocated
+    /// for this shape by an [`append`](Self::append) (the prompt's). Advances nothing on
+    /// the host: the owner counts positions ([`set_len`](Self::set_len)).
+    pub fn write_at(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        inputs: &StepInputs,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, heads, seq, dim) = self.check("KvCache::write_at", k, v)?;
+        if seq != 1 {
+            return Err(Error::Shape {
+                op: "KvCache::write_at",
+                why: format!("one position a step, not {seq}"),
+            });
+        }
+        let Some((keys, values)) = &self.data else {
+            return Err(Error::Argument {
+                op: "KvCache::write_at",
+                why: "the cache is not allocated yet (the prompt's append allocates it)".into(),
+            });
+        };
+        let index = inputs.position_index((b, heads, 1, dim))?;
+        keys.scatter_set(&index, &k.contiguous()?, 2)?;
+        values.scatter_set(&index, &v.contiguous()?, 2)?;
+        Ok((keys.clone(), values.clone()))
+    }
+
+    /// Sets the positions held to `len` after steps that wrote them on the device
+    /// ([`write_at`](Self::write_at)); refused past `max_seq`.
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        if len > self.max_seq {
+            return Err(Error::Argument {
+                op: "KvCache::set_len",
+                why: format!("{len} positions in a cache of {}", self.max_seq),
+            });
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Forgets every position, keeping the memory (a graph that captured a step still
+    /// points at it). Later positions keep an earlier sequence's values: attention gives
+    /// them a weight of exactly zero.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// The cache's shape for `k`, `v`, checked against each other and the allocation.
+    fn check(&self, op: &'static str, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize)> {
+        let dims = k.dims4()?;
+        if v.dims() != k.dims() || v.dtype() != k.dtype() || !v.device().same_device(k.device()) {
+            return Err(Error::Shape {
+                op,
+                why: format!(
+                    "keys {:?} {:?} and values {:?} {:?} differ",
+                    k.dims(),
+                    k.dtype(),
+                    v.dims(),
+                    v.dtype()
+                ),
+            });
+        }
+        if let Some((keys, _)) = &self.data {
+            let (b, heads, _, dim) = keys.dims4()?;
+            if (dims.0, dims.1, dims.3) != (b, heads, dim) || keys.dtype() != k.dtype() {
+                return Err(Error::Shape {
+                    op,
+                    why: format!(
+                        "keys {:?} {:?} for a cache of [{b}, {heads}, {}, {dim}] {:?} holding \
+                         positions (reset it first)",
+                        k.dims(),
+                        k.dtype(),
+                        self.max_seq,
+                        keys.dtype()
+                    ),
+                });
+            }
+        }
+        Ok(dims)
+    }
+
+    fn allocated(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        if let Some((keys, values)) = &self.data {
+            return Ok((keys.clone(), values.clone()));
+        }
+        let (b, heads, _, dim) = k.dims4()?;
+        let shape = (b, heads, self.max_seq, dim);
+        let keys = Tensor::zeros(shape, k.dtype(), k.device())?;
+        let values = Tensor::zeros(shape, v.dtype(), v.device())?;
+        self.data = Some((keys.clone(), values.clone()));
+        Ok((keys, values))
+    }
+
+    /// The batch it is allocated for.
+    pub fn batch(&self) -> Option<usize> {
+        self.data.as_ref().map(|(k, _)| k.dims()[0])
+    }
+
+    /// The element type, once allocated.
+    pub fn dtype(&self) -> Option<DType> {
+        self.data.as_ref().map(|(k, _)| k.dtype())
+    }
+}

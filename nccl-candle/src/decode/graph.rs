@@ -1,0 +1,326 @@
+//! A decode step captured once into a CUDA graph and replayed for every token.
+
+use candle_core::{DType, Device, Tensor};
+use candle_core::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use candle_core::cuda::cudarc::driver::CudaGraph;
+
+use super::StepInputs;
+use crate::tp::TpGroup;
+use crate::{fingerprint, Error, Result};
+
+/// A model whose decode step reads its token ids and position from device memory
+/// ([`StepInputs`]), so that one captured step serves every position of a sequence.
+///
+/// # Safety
+///
+/// [`DecodeGraph`] replays the kernels [`decode_step`](Self::decode_step) enqueued while it
+/// was captured, on the memory they touched then, for as long as it holds the model
+/// (mutably borrowed). An implementation promises that while borrowed so:
+/// * every tensor a step reads or writes is owned by the model (or the inputs) and keeps its
+///   storage: [`prefill`](Self::prefill) of the batch the caches hold and `decode_step` never
+///   free, replace or reallocate what an earlier step touched;
+/// * `decode_step` enqueues only device work on [`device`](Self::device)'s stream (candle
+///   ops, the group's collectives): no host copy, no synchronisation, and every tensor it
+///   makes and does not keep is dropped before it returns;
+/// * `decode_step` refuses inputs of another `max_seq` or batch than its caches' (a position
+///   is then always inside them).
+pub unsafe trait StaticDecode {
+    /// The device the model runs on.
+    fn device(&self) -> &Device;
+    /// The model's tensor-parallel group.
+    fn group(&self) -> &TpGroup;
+    /// The tokens of the logits.
+    fn vocab(&self) -> usize;
+    /// The positions the caches have room for.
+    fn max_seq(&self) -> usize;
+    /// The positions the caches hold: the next step's position.
+    fn cached(&self) -> usize;
+    /// The batch the caches are allocated for (`None` before the first prompt).
+    fn cache_batch(&self) -> Option<usize>;
+    /// Starts a sequence: empties the caches (keeping their memory for the same batch) and
+    /// runs the prompt `ids` (`[batch, seq]`, `u32`) from position 0 with the host-driven
+    /// path; returns the last position's logits, `[batch, vocab]`.
+    fn prefill(&mut self, ids: &Tensor) -> Result<Tensor>;
+    /// One step of `inputs.batch()` rows at the position `inputs` holds: writes the caches
+    /// there and the logits into `inputs` ([`StepInputs::finish`]). Counts nothing on the
+    /// host ([`set_cached`](Self::set_cached) does).
+    fn decode_step(&mut self, inputs: &StepInputs) -> Result<()>;
+    /// Records that the caches hold `cached` positions after device-driven steps.
+    fn set_cached(&mut self, cached: usize) -> Result<()>;
+}
+
+/// A model's decode step, captured into a CUDA graph on its device's stream and replayed
+/// for each token ([`capture`](Self::capture)), or run eagerly through the same code
+/// ([`eager`](Self::eager): the reference a replay is compared with, bit for bit).
+///
+/// It borrows the model mutably for its whole life, so nothing the graph reads or writes
+/// (weights, caches, the group's collectives and their scratch) can be dropped, replaced or
+/// used by other code meanwhile; its inputs and outputs are its own. Dropping it leaves
+/// running replays to finish on the stream: every later use of the model's memory, frees
+/// included, is ordered after them on that stream.
+///
+/// Every rank of the group makes it and steps it alike, as with any collective: capture
+/// agrees on the arguments first, runs one step eagerly (the warm-up that loads kernels and
+/// fills candle's cache of host data, every rank's collectives included), captures, and
+/// agrees on the outcome, so a rank whose capture failed leaves no peer replaying alone.
+/// A step refused on one rank alone (ids of another batch, a sequence at `max_seq`) leaves
+/// its peers' replay waiting in its collectives, as with an eager pass: the communicator's
+/// watchdog or abort ends the wait (NCCL's kernels), the shipped kernels' timeout theirs.
+pub struct DecodeGraph<'m, M: StaticDecode> {
+    model: &'m mut M,
+    inputs: StepInputs,
+    /// `None`: eager steps.
+    graph: Option<CudaGraph>,
+    /// A step failed midway: the caches disagree with the count.
+    failed: bool,
+}
+
+impl<M: StaticDecode> std::fmt::Debug for DecodeGraph<'_, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeGraph")
+            .field("batch", &self.inputs.batch())
+            .field("captured", &self.graph.is_some())
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+/// A CUDA device for models captured into graphs: its own stream (candle's
+/// `Device::new_cuda_with_stream`; the legacy default stream cannot be captured) and no
+/// cross-stream event tracking (cudarc waits on events recorded outside a capture, which
+/// invalidates it). Its tensors are ordered by that one stream only: work on another stream
+/// that touches them synchronises itself.
+pub fn capturable_device(ordinal: usize) -> Result<Device> {
+    let device = Device::new_cuda_with_stream(ordinal)?;
+    if let Device::Cuda(cuda) = &device {
+        // SAFETY: no tensor of this device exists yet, every candle op on it runs on its one
+        // stream and this crate's collectives enqueue on that stream; the caveat for other
+        // streams is documented above.
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
+}
+
+/// Why `device` cannot capture, if it cannot.
+fn capture_refusal(device: &Device) -> Option<String> {
+    let Device::Cuda(cuda) = device else {
+        return Some(format!("the model is on {:?}, not a CUDA device", device.location()));
+    };
+    if cuda.cuda_stream().cu_stream().is_null() {
+        return Some(
+            "the device runs on CUDA's legacy default stream, which cannot be captured \
+             (make it with capturable_device)"
+                .into(),
+        );
+    }
+    if cuda.is_event_tracking() {
+        return Some(
+            "the device tracks cross-stream events, which a capture cannot wait on (make it \
+             with capturable_device)"
+                .into(),
+        );
+    }
+    None
+}
+
+impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
+    /// The model's step for `batch` rows, run eagerly by [`step`](Self::step) (no graph):
+    /// the same kernels a captured step replays. Local: no collective.
+    pub fn eager(model: &'m mut M, batch: usize) -> Result<Self> {
+        let inputs = StepInputs::new(batch, model.vocab(), model.max_seq(), model.device())?;
+        Ok(Self {
+            model,
+            inputs,
+            graph: None,
+            failed: false,
+        })
+    }
+
+    /// Captures the model's step for `batch` rows into a CUDA graph. The caches must hold a
+    /// prompt of that batch ([`StaticDecode::prefill`], or [`prefill`](Self::prefill) of an
+    /// eager graph); the step after it is the first the graph can take. Every rank calls it
+    /// alike (see the type's docs): a refusal or failure on any rank is an error on every
+    /// rank ([`Error::Graph`] with the step and candle's or CUDA's reason for this rank's,
+    /// [`Error::PeerRefused`] for a peer's).
+    pub fn capture(model: &'m mut M, batch: usize) -> Result<Self> {
+        let device = model.device().clone();
+        let group = model.group().clone();
+        let inputs = StepInputs::new(batch, model.vocab(), model.max_seq(), &device);
+        let position = model.cached();
+        let local = match (&inputs, capture_refusal(&device)) {
+            (Err(_), _) => inputs.as_ref().map(|_| ()).map_err(|e| Error::Graph {
+                op: "check",
+                why: e.to_string(),
+            }),
+            (_, Some(why)) => Err(Error::Graph { op: "check", why }),
+            _ if model.cache_batch() != Some(batch) || position == 0 => Err(Error::Graph {
+                op: "check",
+                why: format!(
+                    "the caches hold {position} positions of batch {:?}, not a prompt of \
+                     batch {batch} (prefill first)",
+                    model.cache_batch()
+                ),
+            }),
+            _ if position >= model.max_seq() => Err(Error::Graph {
+                op: "check",
+                why: format!("no room after {position} positions"),
+            }),
+            _ => Ok(()),
+        };
+        let fp = fingerprint(&(batch, position, model.max_seq(), model.vocab()));
+        group.agree_checked("decode graph arguments", fp, local, &device)?;
+        let inputs = inputs?;
+        let Device::Cuda(cuda) = &device else {
+            return Err(Error::Graph {
+                op: "check",
+                why: "not a CUDA device".into(),
+            });
+        };
+        let stream = cuda.cuda_stream();
+        let captured = {
+            // candle uploads small host data (strided layouts, scalars) at each op; under
+            // this guard it keeps them in device memory, filled by the warm-up and read by
+            // the captured kernels for the life of the thread.
+            let _cache = cuda.enable_cuda_graph_htod_cache();
+            // The warm-up writes the caches at `position` with ids 0: the first replay
+            // writes that position again before anything reads it.
+            let warm = inputs
+                .write(&vec![0; batch], position)
+                .and_then(|()| model.decode_step(&inputs))
+                .and_then(|()| Ok(device.synchronize()?))
+                .map_err(|e| Error::Graph {
+                    op: "warm-up",
+                    why: e.to_string(),
+                });
+            warm.and_then(|()| {
+                stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(|e| Error::Graph {
+                        op: "capture",
+                        why: e.to_string(),
+                    })?;
+                let step = model.decode_step(&inputs);
+                // Always ended, so that the stream is usable whatever the step did.
+                let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+                step.map_err(|e| Error::Graph {
+                    op: "capture",
+                    why: e.to_string(),
+                })?;
+                match ended {
+                    Ok(Some(graph)) => Ok(graph),
+                    Ok(None) => Err(Error::Graph {
+                        op: "capture",
+                        why: "the step captured nothing".into(),
+                    }),
+                    Err(e) => Err(Error::Graph {
+                        op: "instantiate",
+                        why: e.to_string(),
+                    }),
+                }
+            })
+        };
+        let (graph, local) = match captured {
+            Ok(graph) => (Some(graph), Ok(())),
+            Err(err) => (None, Err(err)),
+        };
+        group.agree_checked("decode graph capture", fp, local, &device)?;
+        Ok(Self {
+            model,
+            inputs,
+            graph,
+            failed: false,
+        })
+    }
+
+    /// Whether steps replay a captured graph (`false`: eager).
+    pub fn is_captured(&self) -> bool {
+        self.graph.is_some()
+    }
+
+    /// The rows of a step.
+    pub fn batch(&self) -> usize {
+        self.inputs.batch()
+    }
+
+    /// The model (read only: the graph holds it).
+    pub fn model(&self) -> &M {
+        self.model
+    }
+
+    /// Starts a new sequence with prompt `ids` (`[batch, seq]`, `u32`, this graph's batch):
+    /// the model's [`prefill`](StaticDecode::prefill), eager; returns its logits
+    /// (`[batch, vocab]`). The graph stays valid: the caches keep their memory.
+    pub fn prefill(&mut self, ids: &Tensor) -> Result<Tensor> {
+        let (batch, _) = ids.dims2()?;
+        if batch != self.inputs.batch() || ids.dtype() != DType::U32 {
+            return Err(Error::Argument {
+                op: "DecodeGraph::prefill",
+                why: format!(
+                    "ids {:?} {:?} for a graph of batch {}",
+                    ids.dims(),
+                    ids.dtype(),
+                    self.inputs.batch()
+                ),
+            });
+        }
+        self.failed = true;
+        let logits = self.model.prefill(ids)?;
+        self.failed = false;
+        Ok(logits)
+    }
+
+    /// Runs one step with token ids `ids` (one per row) at the next position: writes the
+    /// inputs, then replays the graph (or runs the step eagerly). Its outputs are
+    /// [`logits`](Self::logits) and [`greedy`](Self::greedy) until the next step.
+    pub fn step(&mut self, ids: &[u32]) -> Result<()> {
+        if self.failed {
+            return Err(Error::Argument {
+                op: "DecodeGraph::step",
+                why: "an earlier step or prompt failed midway: start a new sequence (prefill)"
+                    .into(),
+            });
+        }
+        let position = self.model.cached();
+        if position == 0 || position >= self.model.max_seq() {
+            return Err(Error::Argument {
+                op: "DecodeGraph::step",
+                why: format!(
+                    "position {position}: a step needs a prompt first and room for {} \
+                     positions",
+                    self.model.max_seq()
+                ),
+            });
+        }
+        self.inputs.write(ids, position)?;
+        self.failed = true;
+        match &self.graph {
+            Some(graph) => graph.launch().map_err(|e| Error::Graph {
+                op: "launch",
+                why: e.to_string(),
+            })?,
+            None => self.model.decode_step(&self.inputs)?,
+        }
+        self.model.set_cached(position + 1)?;
+        self.failed = false;
+        Ok(())
+    }
+
+    /// The last step's logits, `[batch, vocab]` `f32`, in the graph's memory (the next step
+    /// overwrites them: copy what must outlive it).
+    pub fn logits(&self) -> &Tensor {
+        self.inputs.logits()
+    }
+
+    /// The last step's greedy tokens, `[batch]` `u32`, in the graph's memory.
+    pub fn greedy(&self) -> &Tensor {
+        self.inputs.greedy()
+    }
+
+    /// The last step's greedy tokens on the host, read after the stream is synchronised (a
+    /// copy that waits on a collective in a pageable buffer can hold up a peer sharing the
+    /// GPU).
+    pub fn greedy_tokens(&self) -> Result<Vec<u32>> {
+        self.model.device().synchronize()?;
+        Ok(self.inputs.greedy().to_vec1::<u32>()?)
+    }
+}

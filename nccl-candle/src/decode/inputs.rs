@@ -1,0 +1,197 @@
+//! What a static decode step reads from device memory (its token ids and position) and where
+//! it leaves its result, so that one captured graph serves every step of a sequence.
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor,
+};
+
+use crate::{Error, Result};
+
+/// A decode step's inputs and outputs in device memory: the token ids (`[batch, 1]`, `u32`)
+/// and the position (one `u32`) the step reads, the logits (`[batch, vocab]`, `f32`) and
+/// greedy tokens (`[batch]`, `u32`) it writes, and the constants its masks are made of. The
+/// host writes the inputs before each step ([`DecodeGraph`](super::DecodeGraph) does it); a
+/// step made of candle ops reads them through [`ids`](Self::ids),
+/// [`rope_rows`](Self::rope_rows), [`mask`](Self::mask) and
+/// [`position_index`](Self::position_index) and ends with [`finish`](Self::finish).
+#[derive(Debug)]
+pub struct StepInputs {
+    batch: usize,
+    vocab: usize,
+    max_seq: usize,
+    /// `[batch + 1]`: the ids, then the position (one host-to-device copy a step).
+    packed: Tensor,
+    /// `[max_seq]`, `u32`: `0..max_seq`.
+    keys: Tensor,
+    /// `[max_seq]`, `f32`: minus infinity and zero, the mask's two values.
+    hidden: Tensor,
+    shown: Tensor,
+    logits: Tensor,
+    greedy: Tensor,
+}
+
+impl StepInputs {
+    /// Inputs of `batch` rows for a model of `vocab` tokens and `max_seq` positions on
+    /// `device` (a CUDA device for a graph; any device for the eager step).
+    pub fn new(batch: usize, vocab: usize, max_seq: usize, device: &Device) -> Result<Self> {
+        if batch == 0 || vocab == 0 || max_seq == 0 || max_seq > u32::MAX as usize {
+            return Err(Error::Argument {
+                op: "StepInputs::new",
+                why: format!("batch {batch}, vocab {vocab}, max_seq {max_seq}"),
+            });
+        }
+        Ok(Self {
+            batch,
+            vocab,
+            max_seq,
+            packed: Tensor::zeros(batch + 1, DType::U32, device)?,
+            keys: Tensor::arange(0u32, max_seq as u32, device)?,
+            hidden: Tensor::full(f32::NEG_INFINITY, max_seq, device)?,
+            shown: Tensor::zeros(max_seq, DType::F32, device)?,
+            logits: Tensor::zeros((batch, vocab), DType::F32, device)?,
+            greedy: Tensor::zeros(batch, DType::U32, device)?,
+        })
+    }
+
+    /// The rows of a step.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// The positions a step may be at: `0..max_seq`.
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// Writes the step's token ids (`batch` of them) and position (below `max_seq`) into
+    /// device memory, on the device's stream (ordered after the previous step).
+    pub fn write(&self, ids: &[u32], position: usize) -> Result<()> {
+        if ids.len() != self.batch || position >= self.max_seq {
+            return Err(Error::Argument {
+                op: "StepInputs::write",
+                why: format!(
+                    "{} ids at position {position} for a batch of {} and {} positions",
+                    ids.len(),
+                    self.batch,
+                    self.max_seq
+                ),
+            });
+        }
+        let mut values = ids.to_vec();
+        values.push(position as u32);
+        self.packed.inplace_op1(&WriteHost(values))?;
+        Ok(())
+    }
+
+    /// The token ids, `[batch, 1]`.
+    pub fn ids(&self) -> Result<Tensor> {
+        Ok(self.packed.narrow(0, 0, self.batch)?.reshape((self.batch, 1))?)
+    }
+
+    /// The position, `[1]`.
+    pub fn position(&self) -> Result<Tensor> {
+        Ok(self.packed.narrow(0, self.batch, 1)?)
+    }
+
+    /// The position's rows of rotary tables `cos`, `sin` (`[max_seq, head_dim / 2]`):
+    /// `[1, head_dim / 2]` each.
+    pub fn rope_rows(&self, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor)> {
+        let at = self.position()?;
+        Ok((cos.index_select(&at, 0)?, sin.index_select(&at, 0)?))
+    }
+
+    /// The additive mask over every key position, `[1, max_seq]` in `dtype`: zero where the
+    /// step's query may see the key (at or before the position and, with a `window` `w`,
+    /// fewer than `w` positions before it), minus infinity elsewhere.
+    pub fn mask(&self, window: Option<usize>, dtype: DType) -> Result<Tensor> {
+        let at = self.position()?;
+        let mut hide = self.keys.broadcast_gt(&at)?;
+        if let Some(w) = window {
+            // Key j is too old when j + w <= position.
+            let w = u32::try_from(w.min(self.max_seq)).unwrap_or(u32::MAX) as f64;
+            let shifted = self.keys.affine(1.0, w)?;
+            hide = hide.maximum(&shifted.broadcast_le(&at)?)?;
+        }
+        Ok(hide
+            .where_cond(&self.hidden, &self.shown)?
+            .to_dtype(dtype)?
+            .unsqueeze(0)?)
+    }
+
+    /// An index tensor of `shape` holding the position everywhere (`u32`, contiguous), for
+    /// `scatter_set` along the positions' dimension.
+    pub fn position_index(&self, shape: (usize, usize, usize, usize)) -> Result<Tensor> {
+        Ok(self
+            .position()?
+            .reshape((1, 1, 1, 1))?
+            .broadcast_as(shape)?
+            .contiguous()?)
+    }
+
+    /// Writes a step's logits (`[batch, vocab]`, any float type) into the outputs, as `f32`,
+    /// and their greedy tokens.
+    pub fn finish(&self, logits: &Tensor) -> Result<()> {
+        if logits.dims() != [self.batch, self.vocab] {
+            return Err(Error::Shape {
+                op: "StepInputs::finish",
+                why: format!(
+                    "logits {:?} for [{}, {}]",
+                    logits.dims(),
+                    self.batch,
+                    self.vocab
+                ),
+            });
+        }
+        let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+        self.logits.slice_set(&logits, 0, 0)?;
+        self.greedy.slice_set(&logits.argmax(1)?, 0, 0)?;
+        Ok(())
+    }
+
+    /// The last step's logits, `[batch, vocab]` `f32` (the next step overwrites them: copy
+    /// what must outlive it).
+    pub fn logits(&self) -> &Tensor {
+        &self.logits
+    }
+
+    /// The last step's greedy tokens, `[batch]` `u32`.
+    pub fn greedy(&self) -> &Tensor {
+        &self.greedy
+    }
+}
+
+/// Copies host values into a `u32` tensor's storage on its device's stream.
+struct WriteHost(Vec<u32>);
+
+impl InplaceOp1 for WriteHost {
+    fn name(&self) -> &'static str {
+        "write_host"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        match (storage, layout.contiguous_offsets()) {
+            (CpuStorage::U32(data), Some((start, end))) if end - start == self.0.len() => {
+                data[start..end].copy_from_slice(&self.0);
+                Ok(())
+            }
+            _ => Err(candle_core::Error::Msg("write_host: not the inputs' storage".into())),
+        }
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("write_host: not contiguous".into()));
+        };
+        if end - start != self.0.len() || storage.dtype() != DType::U32 {
+            return Err(candle_core::Error::Msg("write_host: not the inputs' storage".into()));
+        }
+        let stream = storage.device.cuda_stream();
+        let slice = storage.as_cuda_slice_mut::<u32>()?;
+        let mut view = slice
+            .try_slice_mut(start..end)
+            .ok_or_else(|| candle_core::Error::Msg("write_host: outside the storage".into()))?;
+        stream
+            .memcpy_htod(&self.0, &mut view)
+            .map_err(|e| candle_core::Error::Msg(format!("write_host: {e}")))
+    }
+}
