@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use nccl::bootstrap::spawn_local;
 use nccl::ReduceOp;
+use nccl_candle::decode::{capturable_device, DecodeGraph, StaticDecode};
 use nccl_candle::fingerprint;
 use nccl_candle::models::{CausalLm, Checkpoint, Sampler, Sampling};
 use nccl_candle::tp::{LsaCollectives, TpGroup};
@@ -51,7 +52,7 @@ type AnyError = Box<dyn std::error::Error + Send + Sync>;
 const USAGE: &str = "\
 usage: generate --model-dir DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                 [--top-p P] [--seed S] [--dtype bf16|f32] [--max-seq N] [--lsa] [--fused]
-                [--check]
+                [--graph] [--check]
 
   --model-dir       a Hugging Face checkpoint: config.json, model.safetensors (or the shards
                     of model.safetensors.index.json), tokenizer.json
@@ -70,8 +71,11 @@ usage: generate --model-dir DIR --prompt TEXT [--max-new-tokens N] [--temperatur
                     plain NCCL, with a message, where they are not available
   --fused           run each row-parallel sum, the residual add and the next RMSNorm as one
                     op (one fused kernel with --lsa; the plain NCCL sequence without)
+  --graph           decode steps replayed from a CUDA graph of the static decode step
+                    (nccl_candle::decode), captured after the prompt's pass
   --check           with more than one rank, compare the greedy choices with the whole model
-                    on rank 0's GPU alone (exit code 1 when they differ beyond near-ties)
+                    on rank 0's GPU alone (exit code 1 when they differ beyond near-ties);
+                    with --graph on one rank, the graph's choices with the host-driven pass's
 
 One rank per visible GPU; NCCL_RS_LOCAL_RANKS=N forces N ranks.";
 
@@ -86,6 +90,7 @@ struct Options {
     max_seq: Option<usize>,
     lsa: bool,
     fused: bool,
+    graph: bool,
     check: bool,
 }
 
@@ -114,6 +119,7 @@ fn parse_options() -> Result<Option<Options>, String> {
         max_seq: None,
         lsa: false,
         fused: false,
+        graph: false,
         check: false,
     };
     let mut args = std::env::args().skip(1);
@@ -143,6 +149,7 @@ fn parse_options() -> Result<Option<Options>, String> {
             "--lsa" => options.lsa = true,
             "--fused" => options.fused = true,
             "--check" => options.check = true,
+            "--graph" => options.graph = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(None);
@@ -287,6 +294,7 @@ enum Feed<'a> {
 /// on the host (device work included); `shown` sees the tokens after each choice, outside
 /// the times. A failure here is the same on every rank (the logits are), so none is left
 /// waiting.
+#[allow(clippy::too_many_arguments)]
 fn decode(
     model: &mut CausalLm,
     sampler: &mut Sampler,
@@ -294,8 +302,12 @@ fn decode(
     feed: Feed<'_>,
     record: bool,
     device: &Device,
+    graph: bool,
     mut shown: impl FnMut(&[u32]),
 ) -> Result<Run, AnyError> {
+    if graph {
+        return decode_graph(model, sampler, prompt, feed, record, device, shown);
+    }
     model.reset();
     let mut run = Run::default();
     let mut input = prompt.to_vec();
@@ -317,16 +329,7 @@ fn decode(
         run.tokens.push(token);
         shown(&run.tokens);
         let done = run.tokens.len();
-        let next = match feed {
-            Feed::Chosen { new_tokens, eos } => {
-                (done < new_tokens && !eos.contains(&token)).then_some(token)
-            }
-            Feed::Forced(tokens) => match done < tokens.len() {
-                true => tokens.get(done - 1).copied(),
-                false => None,
-            },
-        };
-        match next {
+        match next_input(feed, done, token) {
             Some(next) => input = vec![next],
             None => return Ok(run),
         }
@@ -491,6 +494,73 @@ fn share_tokens(
     Ok(shared[1..=n].to_vec())
 }
 
+/// Where the next choice comes from after `done` choices ending with `token` (`None`: the
+/// run is over).
+fn next_input(feed: Feed<'_>, done: usize, token: u32) -> Option<u32> {
+    match feed {
+        Feed::Chosen { new_tokens, eos } => {
+            (done < new_tokens && !eos.contains(&token)).then_some(token)
+        }
+        Feed::Forced(tokens) => match done < tokens.len() {
+            true => tokens.get(done - 1).copied(),
+            false => None,
+        },
+    }
+}
+
+/// [`decode`] with the steps replayed from a CUDA graph of the static decode step, captured
+/// after the prompt's pass (the capture is in no time). A step's time runs from the upload
+/// of its input to its choice on the host, as the eager steps'.
+fn decode_graph(
+    model: &mut CausalLm,
+    sampler: &mut Sampler,
+    prompt: &[u32],
+    feed: Feed<'_>,
+    record: bool,
+    device: &Device,
+    mut shown: impl FnMut(&[u32]),
+) -> Result<Run, AnyError> {
+    let mut run = Run::default();
+    let start = Instant::now();
+    let ids = Tensor::new(prompt, device)?.unsqueeze(0)?;
+    let logits = model.prefill(&ids)?;
+    let mut token = *sampler
+        .sample(&logits)?
+        .first()
+        .ok_or("the sampler chose nothing")?;
+    run.prefill = start.elapsed();
+    if record {
+        run.logits.push(logits.flatten_all()?.to_vec1::<f32>()?);
+    }
+    run.tokens.push(token);
+    shown(&run.tokens);
+    let Some(mut next) = next_input(feed, 1, token) else {
+        return Ok(run);
+    };
+    let mut graph = DecodeGraph::capture(model, 1)?;
+    loop {
+        let start = Instant::now();
+        graph.step(&[next])?;
+        // The stream first, then the copy (ranks sharing a GPU share its staging buffer).
+        device.synchronize()?;
+        token = *sampler
+            .sample(graph.logits())?
+            .first()
+            .ok_or("the sampler chose nothing")?;
+        run.steps.push(start.elapsed());
+        if record {
+            run.logits
+                .push(graph.logits().flatten_all()?.to_vec1::<f32>()?);
+        }
+        run.tokens.push(token);
+        shown(&run.tokens);
+        match next_input(feed, run.tokens.len(), token) {
+            Some(n) => next = n,
+            None => return Ok(run),
+        }
+    }
+}
+
 /// Rank 0's generation with the whole model on its GPU: greedy, logits recorded.
 fn reference_run(
     checkpoint: &Checkpoint,
@@ -510,7 +580,16 @@ fn reference_run(
     let mut greedy = Sampler::new(Sampling::Greedy)?;
     let eos = &checkpoint.config().eos_token_ids;
     let feed = Feed::Chosen { new_tokens, eos };
-    decode(&mut whole, &mut greedy, prompt, feed, true, device, |_| {})
+    decode(
+        &mut whole,
+        &mut greedy,
+        prompt,
+        feed,
+        true,
+        device,
+        false,
+        |_| {},
+    )
 }
 
 /// `--check` (see the module's description); true when it passed, on every rank.
@@ -526,22 +605,39 @@ fn check(
     max_seq: usize,
 ) -> Result<bool, AnyError> {
     let (rank, world) = (group.rank(), group.size());
-    if world == 1 {
+    if world == 1 && !options.graph {
         println!(
             "check: one rank, nothing to compare with; the logits were finite (the sampler \
              refuses others): PASS"
         );
         return Ok(true);
     }
-    if rank == 0 {
-        println!("check: rank 0 loads the whole model on its GPU and generates greedily...");
-    }
-    // The other ranks wait in the agreement while rank 0 runs the reference.
-    let reference = match rank {
-        0 => reference_run(checkpoint, options, prompt, new_tokens, max_seq, device).map(Some),
-        _ => Ok(None),
+    let reference = if world == 1 {
+        println!("check: the host-driven pass of the same model generates greedily...");
+        let mut greedy = Sampler::new(Sampling::Greedy)?;
+        let eos = &checkpoint.config().eos_token_ids;
+        let feed = Feed::Chosen { new_tokens, eos };
+        Some(decode(
+            model,
+            &mut greedy,
+            prompt,
+            feed,
+            true,
+            device,
+            false,
+            |_| {},
+        )?)
+    } else {
+        if rank == 0 {
+            println!("check: rank 0 loads the whole model on its GPU and generates greedily...");
+        }
+        // The other ranks wait in the agreement while rank 0 runs the reference.
+        let reference = match rank {
+            0 => reference_run(checkpoint, options, prompt, new_tokens, max_seq, device).map(Some),
+            _ => Ok(None),
+        };
+        agreed(group, device, "the single-GPU reference", reference)?
     };
-    let reference = agreed(group, device, "the single-GPU reference", reference)?;
     let forced = share_tokens(group, device, reference.as_ref(), new_tokens)?;
     let mut greedy = Sampler::new(Sampling::Greedy)?;
     let run = decode(
@@ -551,6 +647,7 @@ fn check(
         Feed::Forced(&forced),
         rank == 0,
         device,
+        options.graph,
         |_| {},
     )?;
     let mut passed = true;
@@ -724,6 +821,7 @@ fn generate(
         warm_up,
         false,
         device,
+        options.graph,
         |_| {},
     )?;
     let mut sampler = Sampler::new(options.sampling)?;
@@ -742,6 +840,7 @@ fn generate(
         feed,
         false,
         device,
+        options.graph,
         |tokens| {
             if rank == 0 {
                 stream.push(tokens);
@@ -814,7 +913,11 @@ fn run(options: &Options) -> Result<(), AnyError> {
     let rank = job.placement().rank;
     let launcher = job.placement().launcher.to_string();
     let joined = (|| -> Result<(), AnyError> {
-        let device = Device::new_cuda_with_stream(job.device()?)?;
+        let device = match options.graph {
+            // Its own stream and no cross-stream events: what a capture needs.
+            true => capturable_device(job.device()?)?,
+            false => Device::new_cuda_with_stream(job.device()?)?,
+        };
         let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;
         // --lsa's communicator, split off now: LsaCollectives takes its communicator and
         // can only be tried once the checkpoint says the hidden size, and the plain one

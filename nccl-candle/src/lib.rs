@@ -39,8 +39,8 @@
 
 mod agree;
 mod collectives;
-pub mod decode;
 pub mod ddp;
+pub mod decode;
 mod error;
 mod gather;
 mod kernels;

@@ -36,7 +36,9 @@ fn on_threads<T: Send>(n: usize, body: impl Fn(TpGroup) -> T + Sync) -> Vec<T> {
 
 /// Two rows of prompt ids below the vocabulary.
 fn prompt(vocab: usize, len: usize) -> Vec<u32> {
-    (0..2 * len).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+    (0..2 * len)
+        .map(|i| ((i * 7919 + 13) % vocab) as u32)
+        .collect()
 }
 
 /// Each step's logits, `[2 * vocab]`, the prompt's first; steps fed the given tokens.
@@ -69,7 +71,10 @@ fn static_steps(model: &mut CausalLm, prompt: &[u32], feed: &[Vec<u32>]) -> Vec<
         for (row, &token) in greedy.iter().enumerate() {
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
             let best = row_logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            assert_eq!(row_logits[token as usize], best, "greedy token not the best logit");
+            assert_eq!(
+                row_logits[token as usize], best,
+                "greedy token not the best logit"
+            );
         }
         out.push(logits);
     }
@@ -85,8 +90,9 @@ fn greedy_feed(logits: &[Vec<f32>], vocab: usize) -> Vec<Vec<u32>> {
             (0..2)
                 .map(|row| {
                     let r = &step[row * vocab..(row + 1) * vocab];
-                    (0..vocab).max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a))).unwrap()
-                        as u32
+                    (0..vocab)
+                        .max_by(|&a, &b| r[a].total_cmp(&r[b]).then(b.cmp(&a)))
+                        .unwrap() as u32
                 })
                 .collect()
         })
@@ -136,7 +142,11 @@ fn the_static_step_matches_the_host_driven_pass_on_every_f32_preset() {
                 let mut worst = 0f32;
                 for (step, (w, g)) in want.iter().zip(&got).enumerate() {
                     let scale = w.iter().fold(1f32, |m, x| m.max(x.abs()));
-                    let diff = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    let diff = w
+                        .iter()
+                        .zip(g)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
                     assert!(
                         diff <= TOLERANCE * scale,
                         "{}: {ranks} rank(s): step {step}: |logit difference| {diff} (scale {scale})",
@@ -171,14 +181,19 @@ fn static_steps_are_refused_with_typed_errors() {
     let mut model = CausalLm::load(&checkpoint, &group, DType::F32, &Device::Cpu, 8).unwrap();
     // Capture needs a CUDA device with its own stream: refused on the CPU, before anything.
     match DecodeGraph::capture(&mut model, 1) {
-        Err(Error::Graph { op: "check", why }) => assert!(why.contains("not a CUDA device"), "{why}"),
+        Err(Error::Graph { op: "check", why }) => {
+            assert!(why.contains("not a CUDA device"), "{why}")
+        }
         other => panic!("capture on the CPU: {other:?}"),
     }
     // A step before any prompt, a prompt of another batch, ids of another count.
     let mut graph = DecodeGraph::eager(&mut model, 1).unwrap();
     assert!(matches!(graph.step(&[1]), Err(Error::Argument { .. })));
     let two_rows = Tensor::zeros((2, 3), DType::U32, &Device::Cpu).unwrap();
-    assert!(matches!(graph.prefill(&two_rows), Err(Error::Argument { .. })));
+    assert!(matches!(
+        graph.prefill(&two_rows),
+        Err(Error::Argument { .. })
+    ));
     let one_row = Tensor::zeros((1, 3), DType::U32, &Device::Cpu).unwrap();
     graph.prefill(&one_row).unwrap();
     assert!(matches!(graph.step(&[1, 2]), Err(Error::Argument { .. })));
@@ -192,9 +207,15 @@ fn static_steps_are_refused_with_typed_errors() {
     // Inputs of another length or batch than the caches': refused by the model itself.
     let longer = StepInputs::new(1, model.vocab(), 9, &Device::Cpu).unwrap();
     longer.write(&[1], 8).unwrap();
-    assert!(matches!(model.decode_step(&longer), Err(Error::Argument { .. })));
+    assert!(matches!(
+        model.decode_step(&longer),
+        Err(Error::Argument { .. })
+    ));
     let wider = StepInputs::new(2, model.vocab(), 8, &Device::Cpu).unwrap();
-    assert!(matches!(model.decode_step(&wider), Err(Error::Argument { .. })));
+    assert!(matches!(
+        model.decode_step(&wider),
+        Err(Error::Argument { .. })
+    ));
     assert!(matches!(longer.write(&[1], 9), Err(Error::Argument { .. })));
 }
 
@@ -208,21 +229,44 @@ fn the_cache_keeps_its_memory_and_refuses_what_does_not_fit() {
     assert_eq!(cache.batch(), Some(1));
     assert!(matches!(cache.append(&k, &k), Err(Error::Argument { .. })));
     let wide = Tensor::ones((2, 2, 1, 4), DType::F32, &dev).unwrap();
-    assert!(matches!(cache.append(&wide, &wide), Err(Error::Shape { .. })));
+    assert!(matches!(
+        cache.append(&wide, &wide),
+        Err(Error::Shape { .. })
+    ));
     cache.reset();
     let (keys, values) = cache.append(&wide, &wide).unwrap();
-    assert_eq!((keys.dims(), values.dims()), ([2, 2, 1, 4].as_slice(), [2, 2, 1, 4].as_slice()));
+    assert_eq!(
+        (keys.dims(), values.dims()),
+        ([2, 2, 1, 4].as_slice(), [2, 2, 1, 4].as_slice())
+    );
     assert!(matches!(cache.set_len(5), Err(Error::Argument { .. })));
     // The device-positioned write lands at the inputs' position.
     let inputs = StepInputs::new(2, 3, 4, &dev).unwrap();
     inputs.write(&[0, 0], 2).unwrap();
     let two = (Tensor::ones((2, 2, 1, 4), DType::F32, &dev).unwrap() * 2.0).unwrap();
     let (keys, _) = cache.write_at(&two, &two, &inputs).unwrap();
-    let at: Vec<f32> = keys.narrow(2, 2, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let at: Vec<f32> = keys
+        .narrow(2, 2, 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert!(at.iter().all(|&x| x == 2.0));
-    let mask: Vec<f32> = inputs.mask(None, DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let mask: Vec<f32> = inputs
+        .mask(None, DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(mask, [0.0, 0.0, 0.0, f32::NEG_INFINITY]);
-    let window: Vec<f32> =
-        inputs.mask(Some(2), DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let window: Vec<f32> = inputs
+        .mask(Some(2), DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(window, [f32::NEG_INFINITY, 0.0, 0.0, f32::NEG_INFINITY]);
 }

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
+use nccl_candle::decode::{DecodeGraph, StaticDecode};
 use nccl_candle::{Error, Result};
 
 use crate::model::{argmax, Llama};
@@ -93,6 +94,75 @@ pub fn decode(
         run.tokens.push(argmax(&logits)?.to_vec1::<u32>()?);
         run.steps.push(start.elapsed());
         keep(&mut run, &logits)?;
+    }
+    Ok(run)
+}
+
+/// How [`decode_static`] runs its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Steps {
+    /// The static step run eagerly (the kernels a graph replays, each launched).
+    Eager,
+    /// The static step captured into a CUDA graph once and replayed per token.
+    Graph,
+}
+
+/// [`decode`] through the static decode step (`nccl_candle::decode`): the prompt's pass as
+/// usual, then the steps read their ids and position from device memory, replayed from a
+/// CUDA graph captured after the prompt or run eagerly. A step's time is its inputs'
+/// upload, the replay (or launches) and its greedy tokens on the host; the capture (once per
+/// call, after the prompt) is in [`Run::prefill`]'s neighbour, not in the steps.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_static(
+    model: &mut Llama,
+    prompt: &[u32],
+    batch: usize,
+    new_tokens: usize,
+    feed: Feed<'_>,
+    record: bool,
+    device: &Device,
+    steps: Steps,
+) -> Result<Run> {
+    let prompt_len = prompt.len() / batch.max(1);
+    let mut run = Run::default();
+    let start = Instant::now();
+    let ids = Tensor::from_vec(prompt.to_vec(), (batch, prompt_len), device)?;
+    let logits = model.prefill(&ids)?;
+    run.tokens.push(argmax(&logits)?.to_vec1::<u32>()?);
+    run.prefill = start.elapsed();
+    if record {
+        run.logits.push(
+            logits
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        );
+    }
+    let mut graph = match steps {
+        Steps::Graph => DecodeGraph::capture(model, batch)?,
+        Steps::Eager => DecodeGraph::eager(model, batch)?,
+    };
+    for step in 1..new_tokens {
+        let input = match feed {
+            Feed::Greedy => run.tokens[step - 1].clone(),
+            Feed::Forced(tokens) => match tokens.get(step - 1) {
+                Some(row) if row.len() == batch => row.clone(),
+                _ => {
+                    return Err(Error::Argument {
+                        op: "decode_static",
+                        why: format!("no forced tokens for step {step} of {batch} rows"),
+                    })
+                }
+            },
+        };
+        let start = Instant::now();
+        graph.step(&input)?;
+        run.tokens.push(graph.greedy_tokens()?);
+        run.steps.push(start.elapsed());
+        if record {
+            run.logits
+                .push(graph.logits().flatten_all()?.to_vec1::<f32>()?);
+        }
     }
     Ok(run)
 }

@@ -10,7 +10,14 @@
 //! CUDA_VISIBLE_DEVICES=0,1 cargo run --release --example llama_tp -- --model large
 //! mpirun --allow-run-as-root -np 4 target/release/examples/llama_tp --model large
 //! cargo run --release --example llama_tp -- --model xl --lsa --fused  # one fused kernel a sum
+//! cargo run --release --example llama_tp -- --model large --graph     # decode in a CUDA graph
 //! ```
+//!
+//! `--graph` decodes through the static step (`nccl_candle::decode`): after the prompt, each
+//! step reads its ids and position from device memory, and is captured once into a CUDA
+//! graph (collectives and shipped kernels included) and replayed per token. The check then
+//! also compares the replays with the same step run eagerly, logit for logit (bit-identical
+//! expected: the same kernels in the same order).
 //!
 //! The row-parallel sums (two a layer) run one of three ways, named in the output's `path`:
 //! `nccl` (`ncclAllReduce`, the default), `lsa` (`--lsa`: the decode steps' bf16 sums through
@@ -60,7 +67,7 @@ use nccl::ReduceOp;
 use nccl_candle::fingerprint;
 use nccl_candle::tp::{LsaCollectives, TpGroup};
 
-use decode::{compare, decode, median_ms, non_finite, prompt, Feed, Run};
+use decode::{compare, decode, decode_static, median_ms, non_finite, prompt, Feed, Run, Steps};
 use model::{Config, Llama};
 
 type AnyError = Box<dyn std::error::Error + Send + Sync>;
@@ -68,7 +75,7 @@ type AnyError = Box<dyn std::error::Error + Send + Sync>;
 const USAGE: &str = "\
 usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--new-tokens N]
                 [--batch 1,8] [--seed N] [--warmup N] [--weights FILE] [--no-check] [--lsa]
-                [--fused]
+                [--fused] [--graph]
 
   --model       small: vocab 8192, hidden 512, 4 layers, 16 heads (8 key/value), MLP 1408,
                 ~20M parameters (default); large: vocab 32000, hidden 4096, 8 layers,
@@ -91,6 +98,8 @@ usage: llama_tp [--model small|large|xl] [--dtype bf16|f32] [--prompt-len N] [--
   --fused       with --lsa: run each of those sums, the residual add and the RMSNorm after it
                 as one kernel nccl-rs ships (the fused tensor-parallel epilogue,
                 TpGroup::all_reduce_add_rms_norm); the prompt's pass runs them unfused
+  --graph       decode steps replayed from a CUDA graph of the static decode step (captured
+                after each prompt), checked against the same step run eagerly
 
 Each rank writes its weights (3.8 GB for large, 14.8 GB for xl) under $TMPDIR (default
 /tmp), removed at the end. One rank per visible GPU; NCCL_RS_LOCAL_RANKS=N forces N ranks.";
@@ -108,6 +117,7 @@ struct Options {
     check: bool,
     lsa: bool,
     fused: bool,
+    graph: bool,
 }
 
 impl Options {
@@ -121,16 +131,31 @@ impl Options {
 
     /// Which way the row-parallel sums run: the name the output gives it, and what it is.
     fn path(&self) -> (&'static str, &'static str) {
-        match (self.lsa, self.fused) {
-            (false, _) => ("nccl", "row-parallel sums through ncclAllReduce"),
-            (true, false) => (
+        match (self.lsa, self.fused, self.graph) {
+            (false, _, false) => ("nccl", "row-parallel sums through ncclAllReduce"),
+            (false, _, true) => (
+                "nccl+graph",
+                "row-parallel sums through ncclAllReduce, decode steps replayed from a CUDA \
+                 graph (--graph)",
+            ),
+            (true, false, false) => (
                 "lsa",
                 "decode sums through nccl-rs's shipped all-reduce kernels (--lsa)",
             ),
-            (true, true) => (
+            (true, false, true) => (
+                "lsa+graph",
+                "decode sums through nccl-rs's shipped all-reduce kernels, decode steps \
+                 replayed from a CUDA graph (--lsa --graph)",
+            ),
+            (true, true, false) => (
                 "lsa+fused",
                 "decode sums, residual adds and RMSNorms as nccl-rs's fused epilogue kernel \
                  (--lsa --fused)",
+            ),
+            (true, true, true) => (
+                "fused+graph",
+                "decode sums, residual adds and RMSNorms as nccl-rs's fused epilogue kernel, \
+                 decode steps replayed from a CUDA graph (--lsa --fused --graph)",
             ),
         }
     }
@@ -150,6 +175,7 @@ fn parse_options() -> Result<Option<Options>, String> {
         check: true,
         lsa: false,
         fused: false,
+        graph: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -187,6 +213,7 @@ fn parse_options() -> Result<Option<Options>, String> {
             "--no-check" => options.check = false,
             "--lsa" => options.lsa = true,
             "--fused" => options.fused = true,
+            "--graph" => options.graph = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(None);
@@ -309,30 +336,92 @@ fn check(
     for (i, &batch) in options.batches.iter().enumerate() {
         let ids = prompt(cfg.vocab, batch, options.prompt_len, options.seed);
         let mine = reference.and_then(|runs| runs.get(i));
-        let (run, wanted) = if world > 1 {
-            let forced = share_tokens(group, device, mine, options.new_tokens, batch)?;
-            let run = decode(
-                model,
-                &ids,
-                batch,
-                options.new_tokens,
-                Feed::Forced(&forced),
-                rank == 0,
+        let forced = match world > 1 {
+            true => Some(share_tokens(
+                group,
                 device,
-            )?;
-            (run, mine)
-        } else {
-            let run = decode(
-                model,
-                &ids,
-                batch,
+                mine,
                 options.new_tokens,
-                Feed::Greedy,
-                true,
-                device,
-            )?;
-            (run, None)
+                batch,
+            )?),
+            false => None,
         };
+        let feed = forced.as_deref().map_or(Feed::Greedy, Feed::Forced);
+        let record = rank == 0 || world == 1;
+        let run = match options.graph {
+            true => {
+                let graph = decode_static(
+                    model,
+                    &ids,
+                    batch,
+                    options.new_tokens,
+                    feed,
+                    record,
+                    device,
+                    Steps::Graph,
+                )?;
+                // The same step eagerly, fed the replays' own choices: bit for bit.
+                let eager = decode_static(
+                    model,
+                    &ids,
+                    batch,
+                    options.new_tokens,
+                    Feed::Forced(&graph.tokens[..graph.tokens.len().saturating_sub(1)]),
+                    record,
+                    device,
+                    Steps::Eager,
+                )?;
+                if rank == 0 {
+                    let differ = graph
+                        .logits
+                        .iter()
+                        .flatten()
+                        .zip(eager.logits.iter().flatten())
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    let same_tokens = graph.tokens == eager.tokens;
+                    let ok = differ == 0 && same_tokens;
+                    passed &= ok;
+                    println!(
+                        "check batch {batch}: graph replays vs the same step eager: {} logits, {differ} \
+                         differ in any bit, tokens {}: {}",
+                        graph.logits.iter().map(Vec::len).sum::<usize>(),
+                        if same_tokens { "equal" } else { "differ" },
+                        if ok { "PASS" } else { "FAIL" }
+                    );
+                }
+                // And the host-driven pass of this model fed the same tokens: the static
+                // step attends over the whole cache (later positions masked), so sums may
+                // round differently; the tolerance and near-tie rule of the check apply.
+                let host = decode(
+                    model,
+                    &ids,
+                    batch,
+                    options.new_tokens,
+                    Feed::Forced(&graph.tokens[..graph.tokens.len().saturating_sub(1)]),
+                    record,
+                    device,
+                )?;
+                if rank == 0 {
+                    let tolerance = decode::tolerance(&host, relative);
+                    let verdict = compare(&host, &graph, cfg.vocab, tolerance);
+                    let ok = verdict.passed(tolerance);
+                    passed &= ok;
+                    println!(
+                        "check batch {batch}: graph replays vs the host-driven pass: {} choices, {} \
+                         near-ties, {} different; max |logit diff| {:.2e} (tolerance {tolerance:.2e}): {}",
+                        verdict.compared,
+                        verdict.near_ties,
+                        verdict.mismatches,
+                        verdict.max_diff,
+                        if ok { "PASS" } else { "FAIL" }
+                    );
+                }
+                graph
+            }
+            false => decode(model, &ids, batch, options.new_tokens, feed, record, device)?,
+        };
+        let wanted = if world > 1 { mine } else { None };
         if rank != 0 {
             continue;
         }
@@ -396,18 +485,23 @@ fn time_batch(
     let cfg = options.config();
     let ids = prompt(cfg.vocab, batch, options.prompt_len, options.seed);
     let short = options.new_tokens.min(options.warmup + 2);
+    let graph = options.graph;
     let mut timed = |skip: bool| -> Result<Run, AnyError> {
         group.set_skip_collectives(skip);
-        decode(model, &ids, batch, short, Feed::Greedy, false, device)?;
-        let run = decode(
-            model,
-            &ids,
-            batch,
-            options.new_tokens,
-            Feed::Greedy,
-            false,
-            device,
-        );
+        let one = |model: &mut Llama, tokens: usize| match graph {
+            true => decode_static(
+                model,
+                &ids,
+                batch,
+                tokens,
+                Feed::Greedy,
+                false,
+                device,
+                Steps::Graph,
+            ),
+            false => decode(model, &ids, batch, tokens, Feed::Greedy, false, device),
+        };
+        let run = one(model, short).and_then(|_| one(model, options.new_tokens));
         group.set_skip_collectives(false);
         Ok(run?)
     };
@@ -442,7 +536,11 @@ fn run(options: &Options) -> Result<(), AnyError> {
         std::process::exit(1)
     });
     let launcher = job.placement().launcher;
-    let device = Device::new_cuda_with_stream(job.device()?)?;
+    let device = match options.graph {
+        // Its own stream and no cross-stream events: what a capture needs.
+        true => nccl_candle::decode::capturable_device(job.device()?)?,
+        false => Device::new_cuda_with_stream(job.device()?)?,
+    };
     let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;
     let (rank, world) = (comm.rank(), comm.size());
     let cfg = options.config();
@@ -496,7 +594,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
     );
     let flags = (
         (options.seed, options.warmup, options.check, file),
-        (options.lsa, options.fused),
+        (options.lsa, options.fused, options.graph),
     );
     group.agree(
         "configuration, flags and weights",
@@ -543,7 +641,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
     }
     if rank == 0 {
         println!(
-            "world | batch | path      | prefill ms | decode ms/token | tokens/s | no-collectives ms/token | collective share"
+            "world | batch | path        | prefill ms | decode ms/token | tokens/s | no-collectives ms/token | collective share"
         );
         for (batch, [prefill, decode, without]) in rows {
             // One rank runs no collective: its two columns differ by noise alone.
@@ -552,7 +650,7 @@ fn run(options: &Options) -> Result<(), AnyError> {
                 _ => format!("{:.1}%", 100.0 * (decode - without) / decode),
             };
             println!(
-                "{world:>5} | {batch:>5} | {:<9} | {prefill:>10.2} | {decode:>15.3} | {:>8.0} | {without:>23.3} | {share:>16}",
+                "{world:>5} | {batch:>5} | {:<11} | {prefill:>10.2} | {decode:>15.3} | {:>8.0} | {without:>23.3} | {share:>16}",
                 options.path().0,
                 batch as f64 * 1e3 / decode,
             );

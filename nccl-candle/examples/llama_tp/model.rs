@@ -16,8 +16,8 @@
 //! Tensor names follow Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`, ...).
 
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::kv_cache::KvCache;
 use candle_nn::var_builder::ShardedVarBuilder;
+use nccl_candle::decode::{attend, KvCache, StaticDecode, StepInputs};
 use nccl_candle::tp::{
     load_replicated, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
 };
@@ -167,7 +167,7 @@ fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
 }
 
 /// This rank's attention heads.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Attention {
     q: ColumnParallelLinear,
     k: ColumnParallelLinear,
@@ -191,30 +191,18 @@ impl Attention {
             heads: cfg.heads / group.size(),
             kv_heads: cfg.kv_heads / group.size(),
             head_dim,
-            cache: KvCache::new(2, max_seq),
+            cache: KvCache::new(max_seq),
         })
     }
 
-    /// `x`: `[b, seq, hidden]` at positions `offset..`; `cos`, `sin`: those positions' rows.
-    fn forward(
-        &mut self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let heads = self.heads_out(x, cos, sin, mask)?;
+    /// `x`: `[b, seq, hidden]` at `positions`.
+    fn forward(&mut self, x: &Tensor, positions: &Positions) -> Result<Tensor> {
+        let heads = self.heads_out(x, positions)?;
         self.o.forward(&heads)
     }
 
     /// This rank's heads' output, `[b, seq, heads / N * head_dim]`: o_proj's input.
-    fn heads_out(
-        &mut self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn heads_out(&mut self, x: &Tensor, positions: &Positions) -> Result<Tensor> {
         let (b, seq, _) = x.dims3()?;
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((b, seq, n, self.head_dim))?
@@ -224,15 +212,25 @@ impl Attention {
         let q = heads(self.q.forward(x)?, self.heads)?;
         let k = heads(self.k.forward(x)?, self.kv_heads)?;
         let v = heads(self.v.forward(x)?, self.kv_heads)?;
+        let (cos, sin) = (&positions.cos, &positions.sin);
         let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
         let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        if let Some(inputs) = positions.inputs {
+            let mask = positions.mask.as_ref().ok_or_else(|| Error::Argument {
+                op: "Llama::decode_step",
+                why: "a device-positioned step without its mask".into(),
+            })?;
+            let (keys, values) = self.cache.write_at(&k, &v, inputs)?;
+            // Scores in the model's type, as the host-driven pass below.
+            return attend(&q, &keys, &values, mask, scale, q.dtype());
+        }
         let (k, v) = self.cache.append(&k, &v)?;
         let rep = self.heads / self.kv_heads;
         let k = repeat_kv(k, rep)?.contiguous()?;
         let v = repeat_kv(v, rep)?.contiguous()?;
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
         let mut scores = (q.matmul(&k.t()?)? * scale)?;
-        if let Some(mask) = mask {
+        if let Some(mask) = &positions.mask {
             scores = scores.broadcast_add(mask)?;
         }
         let weights = candle_nn::ops::softmax_last_dim(&scores)?;
@@ -241,6 +239,15 @@ impl Attention {
             .transpose(1, 2)?
             .reshape((b, seq, self.heads * self.head_dim))?)
     }
+}
+
+/// A pass's positions: their rotary rows, the additive mask (`None`: nothing hidden), and,
+/// for a static decode step, the inputs holding the position on the device.
+struct Positions<'a> {
+    cos: Tensor,
+    sin: Tensor,
+    mask: Option<Tensor>,
+    inputs: Option<&'a StepInputs>,
 }
 
 /// This rank's MLP features: `down(silu(gate(x)) * up(x))`.
@@ -271,7 +278,7 @@ impl Mlp {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Block {
     attention_norm: RmsNorm,
     attention: Attention,
@@ -280,8 +287,12 @@ struct Block {
 }
 
 /// The decoder, this rank's part of it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Llama {
+    group: TpGroup,
+    vocab: usize,
+    /// Positions the caches hold.
+    cached: usize,
     embed: VocabParallelEmbedding,
     blocks: Vec<Block>,
     norm: RmsNorm,
@@ -318,6 +329,9 @@ impl Llama {
         }
         let (cos, sin) = rope_tables(cfg.head_dim(), max_seq, vb.dtype(), vb.device())?;
         Ok(Self {
+            group: group.clone(),
+            vocab: cfg.vocab,
+            cached: 0,
             embed: VocabParallelEmbedding::load(
                 &model.pp("embed_tokens"),
                 group,
@@ -363,19 +377,35 @@ impl Llama {
                 ),
             });
         }
-        let cos = self.cos.narrow(0, offset, seq)?;
-        let sin = self.sin.narrow(0, offset, seq)?;
-        let mask = match seq {
-            1 => None,
-            _ => Some(causal_mask(seq, offset, self.dtype, ids.device())?),
+        let positions = Positions {
+            cos: self.cos.narrow(0, offset, seq)?,
+            sin: self.sin.narrow(0, offset, seq)?,
+            mask: match seq {
+                1 => None,
+                _ => Some(causal_mask(seq, offset, self.dtype, ids.device())?),
+            },
+            inputs: None,
         };
+        if offset != self.cached {
+            return Err(Error::Argument {
+                op: "Llama::forward",
+                why: format!("offset {offset} with {} positions cached", self.cached),
+            });
+        }
         let x = self.embed.forward(ids)?;
+        let logits = self.layers_and_head(x, &positions)?;
+        self.cached = offset + seq;
+        Ok(logits)
+    }
+
+    /// The layers, the final norm and the head on the embeddings `x`: the last position's
+    /// logits, `[b, vocab]`.
+    fn layers_and_head(&mut self, x: Tensor, positions: &Positions) -> Result<Tensor> {
+        let seq = x.dim(1)?;
         let last = match self.fused {
-            true => self
-                .forward_fused(x, &cos, &sin, mask.as_ref())?
-                .narrow(1, seq - 1, 1)?,
+            true => self.forward_fused(x, positions)?.narrow(1, seq - 1, 1)?,
             false => {
-                let x = self.forward_blocks(x, &cos, &sin, mask.as_ref())?;
+                let x = self.forward_blocks(x, positions)?;
                 self.norm.forward(&x.narrow(1, seq - 1, 1)?)?
             }
         };
@@ -383,18 +413,11 @@ impl Llama {
     }
 
     /// The decoder layers on the embeddings `x`: the residual stream after the last one.
-    fn forward_blocks(
-        &mut self,
-        mut x: Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn forward_blocks(&mut self, mut x: Tensor, positions: &Positions) -> Result<Tensor> {
         for block in &mut self.blocks {
-            let attended =
-                block
-                    .attention
-                    .forward(&block.attention_norm.forward(&x)?, cos, sin, mask)?;
+            let attended = block
+                .attention
+                .forward(&block.attention_norm.forward(&x)?, positions)?;
             x = (x + attended)?;
             x = (&x + block.mlp.forward(&block.mlp_norm.forward(&x)?)?)?;
         }
@@ -404,13 +427,7 @@ impl Llama {
     /// The decoder layers and the final norm on the embeddings `x`, each row-parallel output
     /// summed, added to the residual stream and normalised for the next sublayer in one op:
     /// the final norm of every position.
-    fn forward_fused(
-        &mut self,
-        mut x: Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn forward_fused(&mut self, mut x: Tensor, positions: &Positions) -> Result<Tensor> {
         // `x` is the residual stream, `h` its norm for the next sublayer.
         let first = self
             .blocks
@@ -423,7 +440,7 @@ impl Llama {
                 None => self.norm.weight.clone(),
             };
             let block = &mut self.blocks[i];
-            let heads = block.attention.heads_out(&h, cos, sin, mask)?;
+            let heads = block.attention.heads_out(&h, positions)?;
             (x, h) = block.attention.o.forward_add_rms_norm(
                 &heads,
                 &x,
@@ -439,11 +456,81 @@ impl Llama {
         Ok(h)
     }
 
-    /// Forgets every position (empties the KV caches).
+    /// Forgets every position (empties the KV caches, keeping their memory).
     pub fn reset(&mut self) {
         for block in &mut self.blocks {
             block.attention.cache.reset();
         }
+        self.cached = 0;
+    }
+}
+
+// SAFETY: a step touches the weights, the rotary tables, the blocks' caches (allocated by the
+// prompt's append, kept by `reset` and by a prompt of the same batch), the inputs and the
+// group's collectives, all owned here or by the inputs; it enqueues candle ops and the
+// group's collectives on the device's stream only, keeps no tensor it makes, and refuses
+// inputs of another `max_seq` or batch.
+unsafe impl StaticDecode for Llama {
+    fn device(&self) -> &Device {
+        self.cos.device()
+    }
+
+    fn group(&self) -> &TpGroup {
+        &self.group
+    }
+
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    fn cached(&self) -> usize {
+        self.cached
+    }
+
+    fn cache_batch(&self) -> Option<usize> {
+        self.blocks.first().and_then(|b| b.attention.cache.batch())
+    }
+
+    fn prefill(&mut self, ids: &Tensor) -> Result<Tensor> {
+        self.reset();
+        self.forward(ids, 0)
+    }
+
+    fn decode_step(&mut self, inputs: &StepInputs) -> Result<()> {
+        if inputs.max_seq() != self.max_seq || self.cache_batch() != Some(inputs.batch()) {
+            return Err(Error::Argument {
+                op: "Llama::decode_step",
+                why: format!(
+                    "inputs of batch {} and {} positions for caches of batch {:?} and {}",
+                    inputs.batch(),
+                    inputs.max_seq(),
+                    self.cache_batch(),
+                    self.max_seq
+                ),
+            });
+        }
+        let (cos, sin) = inputs.rope_rows(&self.cos, &self.sin)?;
+        let positions = Positions {
+            cos,
+            sin,
+            mask: Some(inputs.mask(None, self.dtype)?),
+            inputs: Some(inputs),
+        };
+        let x = self.embed.forward(&inputs.ids()?)?;
+        let logits = self.layers_and_head(x, &positions)?;
+        inputs.finish(&logits)
+    }
+
+    fn set_cached(&mut self, cached: usize) -> Result<()> {
+        for block in &mut self.blocks {
+            block.attention.cache.set_len(cached)?;
+        }
+        self.cached = cached;
+        Ok(())
     }
 }
 

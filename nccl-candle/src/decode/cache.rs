@@ -12,7 +12,9 @@ use crate::{Error, Result};
 /// memory. The eager path ([`append`](Self::append)) runs the kernels candle's own
 /// `candle_nn::kv_cache::KvCache` runs (a `slice_set` at the position, a view of the
 /// positions held), so its results are candle's bit for bit.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: a copy would share the storage that steps write in place.
+#[derive(Debug)]
 pub struct KvCache {
     max_seq: usize,
     /// `(keys, values)`, once allocated.
@@ -125,7 +127,12 @@ impl KvCache {
     }
 
     /// The cache's shape for `k`, `v`, checked against each other and the allocation.
-    fn check(&self, op: &'static str, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    fn check(
+        &self,
+        op: &'static str,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(usize, usize, usize, usize)> {
         let dims = k.dims4()?;
         if v.dims() != k.dims() || v.dtype() != k.dtype() || !v.device().same_device(k.device()) {
             return Err(Error::Shape {

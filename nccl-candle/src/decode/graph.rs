@@ -1,8 +1,8 @@
 //! A decode step captured once into a CUDA graph and replayed for every token.
 
-use candle_core::{DType, Device, Tensor};
 use candle_core::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use candle_core::cuda::cudarc::driver::CudaGraph;
+use candle_core::{DType, Device, Tensor};
 
 use super::StepInputs;
 use crate::tp::TpGroup;
@@ -104,7 +104,10 @@ pub fn capturable_device(ordinal: usize) -> Result<Device> {
 /// Why `device` cannot capture, if it cannot.
 fn capture_refusal(device: &Device) -> Option<String> {
     let Device::Cuda(cuda) = device else {
-        return Some(format!("the model is on {:?}, not a CUDA device", device.location()));
+        return Some(format!(
+            "the model is on {:?}, not a CUDA device",
+            device.location()
+        ));
     };
     if cuda.cuda_stream().cu_stream().is_null() {
         return Some(

@@ -85,7 +85,10 @@ impl StepInputs {
 
     /// The token ids, `[batch, 1]`.
     pub fn ids(&self) -> Result<Tensor> {
-        Ok(self.packed.narrow(0, 0, self.batch)?.reshape((self.batch, 1))?)
+        Ok(self
+            .packed
+            .narrow(0, 0, self.batch)?
+            .reshape((self.batch, 1))?)
     }
 
     /// The position, `[1]`.
@@ -174,7 +177,9 @@ impl InplaceOp1 for WriteHost {
                 data[start..end].copy_from_slice(&self.0);
                 Ok(())
             }
-            _ => Err(candle_core::Error::Msg("write_host: not the inputs' storage".into())),
+            _ => Err(candle_core::Error::Msg(
+                "write_host: not the inputs' storage".into(),
+            )),
         }
     }
 
@@ -183,7 +188,9 @@ impl InplaceOp1 for WriteHost {
             return Err(candle_core::Error::Msg("write_host: not contiguous".into()));
         };
         if end - start != self.0.len() || storage.dtype() != DType::U32 {
-            return Err(candle_core::Error::Msg("write_host: not the inputs' storage".into()));
+            return Err(candle_core::Error::Msg(
+                "write_host: not the inputs' storage".into(),
+            ));
         }
         let stream = storage.device.cuda_stream();
         let slice = storage.as_cuda_slice_mut::<u32>()?;

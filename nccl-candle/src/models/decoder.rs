@@ -511,9 +511,7 @@ impl CausalLm {
             rope,
             mask: mask.as_ref(),
         };
-        let last = self
-            .layers_forward(x, &positions)?
-            .narrow(1, seq - 1, 1)?;
+        let last = self.layers_forward(x, &positions)?.narrow(1, seq - 1, 1)?;
         self.broken = false;
         self.cached = offset + seq;
         self.logits(&last)

@@ -86,12 +86,32 @@ pub fn run(
     layout: &shape::Layout,
     body: impl Fn(Comm, &Device, &Barrier) + Sync,
 ) {
+    run_on(test, layout, |d| Ok(Device::new_cuda_with_stream(d)?), body)
+}
+
+/// [`run`] on devices a CUDA graph can capture on
+/// ([`nccl_candle::decode::capturable_device`]).
+#[allow(dead_code)]
+pub fn run_capturable(
+    test: &'static str,
+    layout: &shape::Layout,
+    body: impl Fn(Comm, &Device, &Barrier) + Sync,
+) {
+    run_on(test, layout, nccl_candle::decode::capturable_device, body)
+}
+
+fn run_on(
+    test: &'static str,
+    layout: &shape::Layout,
+    make: impl Fn(usize) -> nccl_candle::Result<Device>,
+    body: impl Fn(Comm, &Device, &Barrier) + Sync,
+) {
     let _deadline = threaded::Deadline::new(test, LIMIT);
     let barrier = Barrier::new(layout.size());
     let devices: Vec<Device> = layout
         .devices
         .iter()
-        .map(|&d| Device::new_cuda_with_stream(d).expect("a candle CUDA device"))
+        .map(|&d| make(d).expect("a candle CUDA device"))
         .collect();
     devices.iter().for_each(warm_up);
     let streams: Vec<_> = devices

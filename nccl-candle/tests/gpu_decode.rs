@@ -1,0 +1,309 @@
+//! `nccl_candle::decode` on real GPUs: the static decode step captured into a CUDA graph and
+//! replayed per token, in the shapes of the GPU suite (`common::run_capturable`: one rank
+//! per GPU where there are 2+, else two ranks sharing GPU 0 as one LSA team, NCCL 2.30+),
+//! after one rank alone on the GPU, on checkpoints the `hf_checkpoint` example writes:
+//!
+//! * replays equal the same step run eagerly, every logit bit for bit, over two sequences
+//!   through one graph (NCCL's all-reduce and all-gather inside it; the shipped kernels and
+//!   the fused epilogue with `LsaCollectives`);
+//! * replays match the host reference (one rank on the CPU in f32) within the tolerance of
+//!   `gpu_models`, tokens under the near-tie rule;
+//! * a device a capture cannot use, and a capture one rank refuses alone, are typed errors
+//!   on every rank, before any rank replays.
+//!
+//! Run on a GPU host: `cargo test --test gpu_decode -- --include-ignored --test-threads=1`.
+
+#[path = "../examples/hf_checkpoint/writer.rs"]
+mod writer;
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use nccl::Comm;
+use nccl_candle::decode::{DecodeGraph, StaticDecode};
+use nccl_candle::models::{CausalLm, Checkpoint};
+use nccl_candle::tp::{LsaCollectives, TpGroup};
+use nccl_candle::Error;
+
+/// Decode steps after the prompt.
+const STEPS: usize = 8;
+/// A prompt longer than Mistral's window (the step's mask then hides old keys too).
+const PROMPT_LEN: usize = 11;
+
+/// Each step's logits (the prompt's first) and choices.
+struct Run {
+    logits: Vec<Vec<f32>>,
+    tokens: Vec<u32>,
+}
+
+fn best(logits: &[f32]) -> (u32, f32) {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    (order[0] as u32, logits[order[0]] - logits[order[1]])
+}
+
+fn prompt(vocab: usize) -> Vec<u32> {
+    (0..PROMPT_LEN)
+        .map(|i| ((i * 7919 + 5) % vocab) as u32)
+        .collect()
+}
+
+/// The host reference: the host-driven pass of one rank on the CPU in f32, greedy.
+fn reference(checkpoint: &Checkpoint, prompt: &[u32]) -> Run {
+    let mut model = CausalLm::load(
+        checkpoint,
+        &TpGroup::single(),
+        DType::F32,
+        &Device::Cpu,
+        prompt.len() + STEPS,
+    )
+    .unwrap();
+    let mut run = Run {
+        logits: Vec::new(),
+        tokens: Vec::new(),
+    };
+    let mut input = prompt.to_vec();
+    for _ in 0..=STEPS {
+        let ids = Tensor::new(input.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let offset = model.cached();
+        let logits: Vec<f32> = model
+            .forward(&ids, offset)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let (token, _) = best(&logits);
+        run.logits.push(logits);
+        run.tokens.push(token);
+        input = vec![token];
+    }
+    run
+}
+
+/// Two sequences of the prompt and `STEPS` steps fed `feed`, through one graph (captured or
+/// eager): each sequence's logits.
+fn sequences(
+    model: &mut CausalLm,
+    device: &Device,
+    prompt: &[u32],
+    feed: &[u32],
+    captured: bool,
+) -> [Vec<Vec<f32>>; 2] {
+    let ids = Tensor::new(prompt, device).unwrap().unsqueeze(0).unwrap();
+    let host = |t: &Tensor| -> Vec<f32> {
+        device.synchronize().unwrap();
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let first = host(&model.prefill(&ids).unwrap());
+    let mut graph = match captured {
+        true => DecodeGraph::capture(model, 1).unwrap(),
+        false => DecodeGraph::eager(model, 1).unwrap(),
+    };
+    assert_eq!(graph.is_captured(), captured);
+    let mut out = [vec![first], Vec::new()];
+    for (round, logits) in out.iter_mut().enumerate() {
+        if round == 1 {
+            logits.push(host(&graph.prefill(&ids).unwrap()));
+        }
+        for &token in &feed[..STEPS] {
+            graph.step(&[token]).unwrap();
+            let tokens = graph.greedy_tokens().unwrap();
+            let step = host(graph.logits());
+            assert_eq!(
+                tokens[0],
+                best(&step).0,
+                "the graph's greedy token is not the best logit"
+            );
+            logits.push(step);
+        }
+    }
+    out
+}
+
+fn check(
+    what: &str,
+    model: &mut CausalLm,
+    device: &Device,
+    prompt: &[u32],
+    want: &Run,
+    dtype: DType,
+) -> f32 {
+    let eager = sequences(model, device, prompt, &want.tokens, false);
+    let replayed = sequences(model, device, prompt, &want.tokens, true);
+    for (round, (e, r)) in eager.iter().zip(&replayed).enumerate() {
+        let differ = e
+            .iter()
+            .flatten()
+            .zip(r.iter().flatten())
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{what}: sequence {round}: {differ} logits of the replays differ from the eager step's"
+        );
+        assert_eq!(e.len(), STEPS + 1);
+    }
+    assert_eq!(
+        replayed[0], replayed[1],
+        "{what}: the second sequence through the graph differs"
+    );
+    let relative = match dtype {
+        DType::F32 => 1e-4,
+        _ => 6e-2,
+    };
+    let mut worst_seen = 0f32;
+    for (step, (w, g)) in want.logits.iter().zip(&replayed[0]).enumerate() {
+        let scale = w.iter().fold(1f32, |m, x| m.max(x.abs()));
+        let worst = w
+            .iter()
+            .zip(g)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= relative * scale,
+            "{what}: step {step}: |logit difference| {worst} > {}",
+            relative * scale
+        );
+        let (want_token, gap) = best(w);
+        let (got_token, _) = best(g);
+        assert!(
+            want_token == got_token || gap <= 2.0 * relative * scale,
+            "{what}: step {step}: token {got_token}, reference {want_token} (lead {gap})"
+        );
+        worst_seen = worst_seen.max(worst / scale);
+    }
+    worst_seen
+}
+
+fn group(test: &str, comm: Comm, lsa: bool) -> Option<TpGroup> {
+    if !lsa {
+        return Some(TpGroup::new(comm).unwrap());
+    }
+    let rank = comm.rank();
+    match LsaCollectives::new(comm, 64 * 1024) {
+        Ok(lsa) => Some(TpGroup::new(lsa).unwrap()),
+        Err(e) if common::kernels_unavailable(test, rank, &e) => None,
+        Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn graph_replays_equal_the_eager_step_and_match_the_host() {
+    const TEST: &str = "graph_replays_equal_the_eager_step_and_match_the_host";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let n = layout.size();
+    // (preset, dtype on the GPU, through the shipped kernels and fused)
+    let runs = [
+        ("mistral-window-f32", DType::F32, false),
+        ("qwen3-headdim-f32", DType::F32, false),
+        ("llama-gqa-bf16", DType::BF16, false),
+        ("llama-gqa-bf16", DType::BF16, true),
+        ("qwen3-bf16", DType::BF16, true),
+    ];
+    for (name, dtype, lsa) in runs {
+        let spec = writer::preset(name).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        writer::write(&spec, dir.path()).unwrap();
+        let checkpoint = Checkpoint::open(dir.path()).unwrap();
+        let ids = prompt(checkpoint.config().vocab_size);
+        let want = reference(&checkpoint, &ids);
+        let max_seq = ids.len() + STEPS;
+        common::run_capturable(TEST, &layout, |comm, device, barrier| {
+            let rank = comm.rank();
+            let mut alone =
+                CausalLm::load(&checkpoint, &TpGroup::single(), dtype, device, max_seq).unwrap();
+            let what = format!("{name} {dtype:?}, one rank on the GPU");
+            let worst = check(&what, &mut alone, device, &ids, &want, dtype);
+            if rank == 0 {
+                eprintln!("NOTE {TEST}: {what}: replays bit-identical to the eager step; worst |logit difference| to the host {worst:.2e} of the largest");
+            }
+            drop(alone);
+            barrier.wait();
+            let Some(group) = group(TEST, comm, lsa) else {
+                return;
+            };
+            let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            model.set_fused(lsa);
+            let what = format!("{name} {dtype:?}, rank {rank} of {n}, lsa+fused {lsa}");
+            let worst = check(&what, &mut model, device, &ids, &want, dtype);
+            if rank == 0 {
+                eprintln!("NOTE {TEST}: {what}: replays bit-identical to the eager step; worst |logit difference| to the host {worst:.2e} of the largest");
+            }
+        });
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn captures_refused_on_any_rank_are_errors_on_every_rank() {
+    const TEST: &str = "captures_refused_on_any_rank_are_errors_on_every_rank";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let spec = writer::preset("llama-gqa-bf16").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let ids = prompt(checkpoint.config().vocab_size);
+    // Devices that track cross-stream events (candle's usual): refused by every rank.
+    common::run(TEST, &layout, |comm, device, _| {
+        let rank = comm.rank();
+        let group = TpGroup::new(comm).unwrap();
+        let mut model = CausalLm::load(&checkpoint, &group, DType::BF16, device, 32).unwrap();
+        model
+            .prefill(
+                &Tensor::new(ids.as_slice(), device)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap(),
+            )
+            .unwrap();
+        match DecodeGraph::capture(&mut model, 1) {
+            Err(Error::Graph { op: "check", why }) => {
+                assert!(why.contains("capturable_device"), "rank {rank}: {why}")
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    });
+    // The last rank asks for another batch than its caches': its own error, the others'
+    // PeerRefused, and nobody replays.
+    common::run_capturable(TEST, &layout, |comm, device, _| {
+        let (rank, last) = (comm.rank(), comm.size() - 1);
+        let group = TpGroup::new(comm).unwrap();
+        let mut model = CausalLm::load(&checkpoint, &group, DType::BF16, device, 32).unwrap();
+        model
+            .prefill(
+                &Tensor::new(ids.as_slice(), device)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap(),
+            )
+            .unwrap();
+        let batch = if rank == last { 2 } else { 1 };
+        let err = DecodeGraph::capture(&mut model, batch)
+            .err()
+            .unwrap_or_else(|| panic!("rank {rank} captured"));
+        match (rank == last, &err) {
+            (true, Error::Graph { op: "check", .. }) => {}
+            (false, Error::PeerRefused { ranks, .. }) if last > 0 && ranks == &[last] => {}
+            (false, Error::Graph { .. }) if last == 0 => {}
+            _ => panic!("rank {rank}: {err}"),
+        }
+        // The model is usable afterwards, by the host-driven pass.
+        let offset = model.cached();
+        model
+            .forward(
+                &Tensor::new(&[1u32], device).unwrap().unsqueeze(0).unwrap(),
+                offset,
+            )
+            .unwrap();
+    });
+}
