@@ -244,7 +244,15 @@ fn the_cache_keeps_its_memory_and_refuses_what_does_not_fit() {
     let inputs = StepInputs::new(2, 3, 4, &dev).unwrap();
     inputs.write(&[0, 0], 2).unwrap();
     let two = (Tensor::ones((2, 2, 1, 4), DType::F32, &dev).unwrap() * 2.0).unwrap();
-    let (keys, _) = cache.write_at(&two, &two, &inputs).unwrap();
+    let index = inputs.position_index((2, 2, 1, 4)).unwrap();
+    let (keys, _) = cache.write_at(&two, &two, &index).unwrap();
+    // An index made for longer inputs than the cache is refused.
+    let longer = StepInputs::new(2, 3, 5, &dev).unwrap();
+    let index = longer.position_index((2, 2, 1, 4)).unwrap();
+    assert!(matches!(
+        cache.write_at(&two, &two, &index),
+        Err(Error::Shape { .. })
+    ));
     let at: Vec<f32> = keys
         .narrow(2, 2, 1)
         .unwrap()

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use nccl_candle::decode::{DecodeGraph, StaticDecode};
+use nccl_candle::decode::{DecodeGraph, GraphNodes, StaticDecode};
 use nccl_candle::{Error, Result};
 
 use crate::model::{argmax, Llama};
@@ -29,6 +29,8 @@ pub struct Run {
     pub prefill: Duration,
     /// Each later step: its forward pass and choice, ready on the host.
     pub steps: Vec<Duration>,
+    /// What the captured step is made of (graph runs).
+    pub nodes: Option<GraphNodes>,
 }
 
 /// A prompt of `batch` rows of `len` tokens from `seed`, `[batch * len]` row by row.
@@ -142,6 +144,7 @@ pub fn decode_static(
         Steps::Graph => DecodeGraph::capture(model, batch)?,
         Steps::Eager => DecodeGraph::eager(model, batch)?,
     };
+    run.nodes = graph.nodes()?;
     for step in 1..new_tokens {
         let input = match feed {
             Feed::Greedy => run.tokens[step - 1].clone(),

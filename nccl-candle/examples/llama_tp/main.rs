@@ -360,13 +360,16 @@ fn check(
                     device,
                     Steps::Graph,
                 )?;
-                // The same step eagerly, fed the replays' own choices: bit for bit.
+                // What the replays were fed (the reference's tokens, or their own choices),
+                // fed again to the same step eagerly (bit for bit) and to the host-driven pass.
+                let own = &graph.tokens[..graph.tokens.len().saturating_sub(1)];
+                let fed = forced.as_deref().unwrap_or(own);
                 let eager = decode_static(
                     model,
                     &ids,
                     batch,
                     options.new_tokens,
-                    Feed::Forced(&graph.tokens[..graph.tokens.len().saturating_sub(1)]),
+                    Feed::Forced(fed),
                     record,
                     device,
                     Steps::Eager,
@@ -382,6 +385,9 @@ fn check(
                     let same_tokens = graph.tokens == eager.tokens;
                     let ok = differ == 0 && same_tokens;
                     passed &= ok;
+                    if let Some(nodes) = graph.nodes {
+                        println!("graph of batch {batch}: {nodes}");
+                    }
                     println!(
                         "check batch {batch}: graph replays vs the same step eager: {} logits, {differ} \
                          differ in any bit, tokens {}: {}",
@@ -398,7 +404,7 @@ fn check(
                     &ids,
                     batch,
                     options.new_tokens,
-                    Feed::Forced(&graph.tokens[..graph.tokens.len().saturating_sub(1)]),
+                    Feed::Forced(fed),
                     record,
                     device,
                 )?;

@@ -17,7 +17,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::var_builder::ShardedVarBuilder;
-use nccl_candle::decode::{attend, KvCache, StaticDecode, StepInputs};
+use nccl_candle::decode::{attend, KvCache, PositionIndex, StaticDecode, StepInputs};
 use nccl_candle::tp::{
     load_replicated, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
 };
@@ -216,12 +216,12 @@ impl Attention {
         let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
         let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        if let Some(inputs) = positions.inputs {
+        if let Some(index) = &positions.index {
             let mask = positions.mask.as_ref().ok_or_else(|| Error::Argument {
                 op: "Llama::decode_step",
                 why: "a device-positioned step without its mask".into(),
             })?;
-            let (keys, values) = self.cache.write_at(&k, &v, inputs)?;
+            let (keys, values) = self.cache.write_at(&k, &v, index)?;
             // Scores in the model's type, as the host-driven pass below.
             return attend(&q, &keys, &values, mask, scale, q.dtype());
         }
@@ -242,12 +242,12 @@ impl Attention {
 }
 
 /// A pass's positions: their rotary rows, the additive mask (`None`: nothing hidden), and,
-/// for a static decode step, the inputs holding the position on the device.
-struct Positions<'a> {
+/// for a static decode step, the position on the device as the caches' index.
+struct Positions {
     cos: Tensor,
     sin: Tensor,
     mask: Option<Tensor>,
-    inputs: Option<&'a StepInputs>,
+    index: Option<PositionIndex>,
 }
 
 /// This rank's MLP features: `down(silu(gate(x)) * up(x))`.
@@ -384,7 +384,7 @@ impl Llama {
                 1 => None,
                 _ => Some(causal_mask(seq, offset, self.dtype, ids.device())?),
             },
-            inputs: None,
+            index: None,
         };
         if offset != self.cached {
             return Err(Error::Argument {
@@ -514,11 +514,13 @@ unsafe impl StaticDecode for Llama {
             });
         }
         let (cos, sin) = inputs.rope_rows(&self.cos, &self.sin)?;
+        let kv_heads = self.blocks.first().map_or(1, |b| b.attention.kv_heads);
+        let head_dim = self.blocks.first().map_or(2, |b| b.attention.head_dim);
         let positions = Positions {
             cos,
             sin,
             mask: Some(inputs.mask(None, self.dtype)?),
-            inputs: Some(inputs),
+            index: Some(inputs.position_index((inputs.batch(), kv_heads, 1, head_dim))?),
         };
         let x = self.embed.forward(&inputs.ids()?)?;
         let logits = self.layers_and_head(x, &positions)?;

@@ -3,6 +3,8 @@
 
 use candle_core::{DType, Tensor};
 
+use super::PositionIndex;
+#[allow(unused_imports)] // for the docs
 use super::StepInputs;
 use crate::{Error, Result};
 
@@ -76,22 +78,30 @@ impl KvCache {
         Ok((keys.narrow(2, 0, self.len)?, values.narrow(2, 0, self.len)?))
     }
 
-    /// Writes `k` and `v` (`[b, kv_heads, 1, head_dim]`) at the position `inputs` holds on
-    /// the device and returns the whole cache (every position up to `max_seq`; attention
-    /// masks the later ones with [`StepInputs::mask`]). The cache must already be allocated
-    /// for this shape by an [`append`](Self::append) (the prompt's). Advances nothing on
-    /// the host: the owner counts positions ([`set_len`](Self::set_len)).
+    /// Writes `k` and `v` (`[b, kv_heads, 1, head_dim]`) at the step's position and returns
+    /// the whole cache (every position up to `max_seq`; attention masks the later ones with
+    /// [`StepInputs::mask`]). `index` is [`StepInputs::position_index`] of `k`'s shape (made
+    /// once a step for every layer). The cache must already be allocated for this shape by
+    /// an [`append`](Self::append) (the prompt's). Advances nothing on the host: the owner
+    /// counts positions ([`set_len`](Self::set_len)).
     pub fn write_at(
         &mut self,
         k: &Tensor,
         v: &Tensor,
-        inputs: &StepInputs,
+        index: &PositionIndex,
     ) -> Result<(Tensor, Tensor)> {
-        let (b, heads, seq, dim) = self.check("KvCache::write_at", k, v)?;
-        if seq != 1 {
+        let seq = self.check("KvCache::write_at", k, v)?.2;
+        if seq != 1 || index.dims() != k.dims() || index.max_seq() > self.max_seq {
             return Err(Error::Shape {
                 op: "KvCache::write_at",
-                why: format!("one position a step, not {seq}"),
+                why: format!(
+                    "keys {:?} and an index of {:?} below {} for a cache of {}: one position \
+                     a step, an index of the keys' shape made for this cache's length or less",
+                    k.dims(),
+                    index.dims(),
+                    index.max_seq(),
+                    self.max_seq
+                ),
             });
         }
         let Some((keys, values)) = &self.data else {
@@ -100,9 +110,8 @@ impl KvCache {
                 why: "the cache is not allocated yet (the prompt's append allocates it)".into(),
             });
         };
-        let index = inputs.position_index((b, heads, 1, dim))?;
-        keys.scatter_set(&index, &k.contiguous()?, 2)?;
-        values.scatter_set(&index, &v.contiguous()?, 2)?;
+        keys.scatter_set(index.tensor(), &k.contiguous()?, 2)?;
+        values.scatter_set(index.tensor(), &v.contiguous()?, 2)?;
         Ok((keys.clone(), values.clone()))
     }
 

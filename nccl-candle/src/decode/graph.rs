@@ -1,6 +1,8 @@
 //! A decode step captured once into a CUDA graph and replayed for every token.
 
-use candle_core::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use candle_core::cuda::cudarc::driver::sys::{
+    self, CUgraphInstantiate_flags, CUgraphNodeType, CUstreamCaptureMode,
+};
 use candle_core::cuda::cudarc::driver::CudaGraph;
 use candle_core::{DType, Device, Tensor};
 
@@ -82,6 +84,33 @@ impl<M: StaticDecode> std::fmt::Debug for DecodeGraph<'_, M> {
             .field("captured", &self.graph.is_some())
             .field("failed", &self.failed)
             .finish()
+    }
+}
+
+/// The nodes of a captured graph, by kind ([`DecodeGraph::nodes`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphNodes {
+    /// Kernels (candle's, cuBLAS's, NCCL's, the shipped collectives').
+    pub kernels: usize,
+    /// Memory sets (candle's zeros).
+    pub memsets: usize,
+    /// Copies.
+    pub memcpys: usize,
+    /// Allocations of the step's temporaries (stream-ordered allocation under capture).
+    pub allocs: usize,
+    /// Their frees.
+    pub frees: usize,
+    /// Anything else (NCCL's host or event nodes, empty nodes).
+    pub other: usize,
+}
+
+impl std::fmt::Display for GraphNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} kernels, {} memsets, {} copies, {} allocations, {} frees, {} other nodes",
+            self.kernels, self.memsets, self.memcpys, self.allocs, self.frees, self.other
+        )
     }
 }
 
@@ -306,6 +335,48 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
         self.model.set_cached(position + 1)?;
         self.failed = false;
         Ok(())
+    }
+
+    /// What the captured graph is made of (`None` for eager steps): the number of kernels a
+    /// replay runs is what bounds a small model's step.
+    pub fn nodes(&self) -> Result<Option<GraphNodes>> {
+        let Some(graph) = &self.graph else {
+            return Ok(None);
+        };
+        let failed = |call: &str, r: sys::CUresult| Error::Graph {
+            op: "nodes",
+            why: format!("{call}: {r:?}"),
+        };
+        let mut count = 0usize;
+        // SAFETY: the graph is alive (owned by `graph`); a null array asks for the count.
+        let r = unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut count) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(failed("cuGraphGetNodes", r));
+        }
+        let mut nodes = vec![std::ptr::null_mut(); count];
+        // SAFETY: `nodes` has room for `count` handles, which CUDA fills.
+        let r = unsafe { sys::cuGraphGetNodes(graph.cu_graph(), nodes.as_mut_ptr(), &mut count) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(failed("cuGraphGetNodes", r));
+        }
+        let mut kinds = GraphNodes::default();
+        for &node in nodes.iter().take(count) {
+            let mut kind = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` is a node of the live graph, `kind` a place for its type.
+            let r = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return Err(failed("cuGraphNodeGetType", r));
+            }
+            match kind {
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => kinds.kernels += 1,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => kinds.memsets += 1,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => kinds.memcpys += 1,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC => kinds.allocs += 1,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => kinds.frees += 1,
+                _ => kinds.other += 1,
+            }
+        }
+        Ok(Some(kinds))
     }
 
     /// The last step's logits, `[batch, vocab]` `f32`, in the graph's memory (the next step

@@ -91,9 +91,12 @@ impl StepInputs {
             .reshape((self.batch, 1))?)
     }
 
-    /// The position, `[1]`.
+    /// The position, `[1]`: a fresh tensor (a step's ops cannot change the inputs), clamped
+    /// below `max_seq` on the device, so that whatever the inputs' memory holds, an index
+    /// made of it stays inside tensors of `max_seq` rows.
     pub fn position(&self) -> Result<Tensor> {
-        Ok(self.packed.narrow(0, self.batch, 1)?)
+        let last = (self.max_seq - 1) as u32;
+        Ok(self.packed.narrow(0, self.batch, 1)?.minimum(last)?)
     }
 
     /// The position's rows of rotary tables `cos`, `sin` (`[max_seq, head_dim / 2]`):
@@ -121,14 +124,18 @@ impl StepInputs {
             .unsqueeze(0)?)
     }
 
-    /// An index tensor of `shape` holding the position everywhere (`u32`, contiguous), for
-    /// `scatter_set` along the positions' dimension.
-    pub fn position_index(&self, shape: (usize, usize, usize, usize)) -> Result<Tensor> {
-        Ok(self
+    /// The position as an index of `shape` (`[b, kv_heads, 1, head_dim]`, a step's keys),
+    /// for [`KvCache::write_at`](super::KvCache::write_at); one a step serves every layer.
+    pub fn position_index(&self, shape: (usize, usize, usize, usize)) -> Result<PositionIndex> {
+        let index = self
             .position()?
             .reshape((1, 1, 1, 1))?
             .broadcast_as(shape)?
-            .contiguous()?)
+            .contiguous()?;
+        Ok(PositionIndex {
+            index,
+            max_seq: self.max_seq,
+        })
     }
 
     /// Writes a step's logits (`[batch, vocab]`, any float type) into the outputs, as `f32`,
@@ -160,6 +167,33 @@ impl StepInputs {
     /// The last step's greedy tokens, `[batch]` `u32`.
     pub fn greedy(&self) -> &Tensor {
         &self.greedy
+    }
+}
+
+/// A step's position as a `scatter` index ([`StepInputs::position_index`]): below the
+/// inputs' `max_seq` whatever happened to their memory, and made only there, so that a
+/// cache's device-positioned write ([`KvCache::write_at`](super::KvCache::write_at)) cannot
+/// land outside it.
+#[derive(Debug)]
+pub struct PositionIndex {
+    index: Tensor,
+    max_seq: usize,
+}
+
+impl PositionIndex {
+    /// The index, `u32`, every element the position.
+    pub(crate) fn tensor(&self) -> &Tensor {
+        &self.index
+    }
+
+    /// The positions of the inputs it was made from: every element is below it.
+    pub fn max_seq(&self) -> usize {
+        self.max_seq
+    }
+
+    /// The keys' shape it indexes.
+    pub fn dims(&self) -> &[usize] {
+        self.index.dims()
     }
 }
 

@@ -19,5 +19,5 @@ mod inputs;
 
 pub use attend::attend;
 pub use cache::KvCache;
-pub use graph::{capturable_device, DecodeGraph, StaticDecode};
-pub use inputs::StepInputs;
+pub use graph::{capturable_device, DecodeGraph, GraphNodes, StaticDecode};
+pub use inputs::{PositionIndex, StepInputs};

@@ -11,7 +11,7 @@ use candle_nn::{Linear, Module};
 use super::checkpoint::Checkpoint;
 use super::config::{Llama3RopeScaling, ModelConfig};
 use super::plan::{column, expected_tensors, row_parallel, vocab_rows, whole, Blocks, Plan};
-use crate::decode::{attend, KvCache, StaticDecode, StepInputs};
+use crate::decode::{attend, KvCache, PositionIndex, StaticDecode, StepInputs};
 use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
 
@@ -107,10 +107,10 @@ impl Attention {
         let v = heads_first(v)?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let mask = match positions {
-            Positions::Device { mask, inputs, .. } => {
+            Positions::Device { mask, index, .. } => {
                 // Scores and softmax in f32 whatever the weights' type, as the reference
                 // models do.
-                let (keys, values) = self.cache.write_at(&k, &v, inputs)?;
+                let (keys, values) = self.cache.write_at(&k, &v, index)?;
                 return attend(&q, &keys, &values, mask, scale, DType::F32);
             }
             Positions::Host { mask, .. } => *mask,
@@ -145,7 +145,8 @@ enum Positions<'a> {
     Device {
         rope: Rope,
         mask: Tensor,
-        inputs: &'a StepInputs,
+        /// The position as the caches' index (one for every layer).
+        index: PositionIndex,
     },
 }
 
@@ -641,10 +642,11 @@ unsafe impl StaticDecode for CausalLm {
             });
         }
         let (cos, sin) = inputs.rope_rows(&self.cos, &self.sin)?;
+        let b = inputs.batch();
         let positions = Positions::Device {
             rope: Rope { cos, sin },
             mask: inputs.mask(self.config.sliding_window, DType::F32)?,
-            inputs,
+            index: inputs.position_index((b, self.plan.kv_heads, 1, self.config.head_dim))?,
         };
         let embedded = masked_lookup(&self.embed, &inputs.ids()?, self.vocab_start)?;
         let x = self.group.layer_sum(embedded)?;
