@@ -308,7 +308,7 @@ fn decode(
     if graph {
         return decode_graph(model, sampler, prompt, feed, record, device, shown);
     }
-    model.reset();
+    model.reset()?;
     let mut run = Run::default();
     let mut input = prompt.to_vec();
     loop {
@@ -543,14 +543,14 @@ fn decode_graph(
         graph.step(&[next])?;
         // The stream first, then the copy (ranks sharing a GPU share its staging buffer).
         device.synchronize()?;
+        let logits = graph.logits()?;
         token = *sampler
-            .sample(graph.logits())?
+            .sample(&logits)?
             .first()
             .ok_or("the sampler chose nothing")?;
         run.steps.push(start.elapsed());
         if record {
-            run.logits
-                .push(graph.logits().flatten_all()?.to_vec1::<f32>()?);
+            run.logits.push(logits.flatten_all()?.to_vec1::<f32>()?);
         }
         run.tokens.push(token);
         shown(&run.tokens);
@@ -915,7 +915,9 @@ fn run(options: &Options) -> Result<(), AnyError> {
     let joined = (|| -> Result<(), AnyError> {
         let device = match options.graph {
             // Its own stream and no cross-stream events: what a capture needs.
-            true => capturable_device(job.device()?)?,
+            // SAFETY: every use of this device's tensors here is candle's and nccl-candle's,
+            // on its one stream.
+            true => unsafe { capturable_device(job.device()?)? },
             false => Device::new_cuda_with_stream(job.device()?)?,
         };
         let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;

@@ -115,7 +115,8 @@ pub enum Error {
     /// (candle's own message names the operation that cannot be captured), `why` what failed.
     #[error("CUDA graph, {op}: {why}")]
     Graph {
-        /// The graph's step: `capture`, `instantiate`, `launch`, or the check before them.
+        /// The graph's step: `check` (before anything), `warm-up`, `capture`,
+        /// `instantiate`, `launch`, or `nodes`.
         op: &'static str,
         /// What failed.
         why: String,

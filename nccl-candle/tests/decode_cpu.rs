@@ -65,7 +65,7 @@ fn static_steps(model: &mut CausalLm, prompt: &[u32], feed: &[Vec<u32>]) -> Vec<
     let mut out = vec![flat(&graph.prefill(&ids).unwrap())];
     for tokens in feed {
         graph.step(tokens).unwrap();
-        let logits = flat(graph.logits());
+        let logits = flat(&graph.logits().unwrap());
         let greedy = graph.greedy_tokens().unwrap();
         let vocab = logits.len() / 2;
         for (row, &token) in greedy.iter().enumerate() {
@@ -129,7 +129,7 @@ fn the_static_step_matches_the_host_driven_pass_on_every_f32_preset() {
                 let first = host_driven(&mut reference, &ids, &[]);
                 // Fed the host-driven pass's own greedy tokens.
                 let mut tokens = greedy_feed(&first, vocab);
-                reference.reset();
+                reference.reset().unwrap();
                 let mut want = host_driven(&mut reference, &ids, &[]);
                 for step in 0..STEPS {
                     let next = host_driven_step(&mut reference, &tokens[step], len + step);
@@ -205,7 +205,7 @@ fn static_steps_are_refused_with_typed_errors() {
     assert!(matches!(graph.step(&[1]), Err(Error::Argument { .. })));
     drop(graph);
     // Inputs of another length or batch than the caches': refused by the model itself.
-    let longer = StepInputs::new(1, model.vocab(), 9, &Device::Cpu).unwrap();
+    let mut longer = StepInputs::new(1, model.vocab(), 9, &Device::Cpu).unwrap();
     longer.write(&[1], 8).unwrap();
     assert!(matches!(
         model.decode_step(&longer),
@@ -233,7 +233,14 @@ fn the_cache_keeps_its_memory_and_refuses_what_does_not_fit() {
         cache.append(&wide, &wide),
         Err(Error::Shape { .. })
     ));
-    cache.reset();
+    cache.reset().unwrap();
+    // Reset keeps the memory and clears it (a masked position must not hold a NaN).
+    let (cleared, _) = cache
+        .append(&k.narrow(2, 0, 1).unwrap(), &k.narrow(2, 0, 1).unwrap())
+        .unwrap();
+    let whole: Vec<f32> = cleared.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(whole.iter().all(|&x| x == 1.0));
+    cache.reset().unwrap();
     let (keys, values) = cache.append(&wide, &wide).unwrap();
     assert_eq!(
         (keys.dims(), values.dims()),
@@ -241,7 +248,7 @@ fn the_cache_keeps_its_memory_and_refuses_what_does_not_fit() {
     );
     assert!(matches!(cache.set_len(5), Err(Error::Argument { .. })));
     // The device-positioned write lands at the inputs' position.
-    let inputs = StepInputs::new(2, 3, 4, &dev).unwrap();
+    let mut inputs = StepInputs::new(2, 3, 4, &dev).unwrap();
     inputs.write(&[0, 0], 2).unwrap();
     let two = (Tensor::ones((2, 2, 1, 4), DType::F32, &dev).unwrap() * 2.0).unwrap();
     let index = inputs.position_index((2, 2, 1, 4)).unwrap();

@@ -47,7 +47,7 @@ fn decode(
     feed: Option<&[u32]>,
     steps: usize,
 ) -> Run {
-    model.reset();
+    model.reset().unwrap();
     let mut run = Run {
         logits: Vec::new(),
         tokens: Vec::new(),

@@ -339,7 +339,7 @@ fn a_window_shorter_than_the_prompt_gives_the_same_logits_step_by_step() {
     let mut near = ids.clone();
     let at = ids.len() - 2;
     near[at] = (near[at] + 1) % 300;
-    model.reset();
+    model.reset().unwrap();
     let close = last_logits(&mut model, &near, 0);
     assert_ne!(close, whole, "a token inside the window changed nothing");
 }
@@ -588,10 +588,10 @@ fn a_stale_offset_is_refused_and_reset_starts_over() {
         Err(Error::Argument { .. })
     ));
     assert_eq!(model.cached(), ids.len());
-    model.reset();
+    model.reset().unwrap();
     assert_eq!(last_logits(&mut model, &ids, 0), first);
     let long = Tensor::zeros((1, 17), DType::U32, &Device::Cpu).unwrap();
-    model.reset();
+    model.reset().unwrap();
     assert!(matches!(
         model.forward(&long, 0),
         Err(Error::Argument { .. })

@@ -59,7 +59,7 @@ pub fn decode(
     device: &Device,
 ) -> Result<Run> {
     let prompt_len = prompt.len() / batch.max(1);
-    model.reset();
+    model.reset()?;
     let mut run = Run::default();
     let keep = |run: &mut Run, logits: &Tensor| -> Result<()> {
         if record {
@@ -164,7 +164,7 @@ pub fn decode_static(
         run.steps.push(start.elapsed());
         if record {
             run.logits
-                .push(graph.logits().flatten_all()?.to_vec1::<f32>()?);
+                .push(graph.logits()?.flatten_all()?.to_vec1::<f32>()?);
         }
     }
     Ok(run)

@@ -544,7 +544,9 @@ fn run(options: &Options) -> Result<(), AnyError> {
     let launcher = job.placement().launcher;
     let device = match options.graph {
         // Its own stream and no cross-stream events: what a capture needs.
-        true => nccl_candle::decode::capturable_device(job.device()?)?,
+        // SAFETY: every use of this device's tensors here is candle's and nccl-candle's, on its
+        // one stream.
+        true => unsafe { nccl_candle::decode::capturable_device(job.device()?)? },
         false => Device::new_cuda_with_stream(job.device()?)?,
     };
     let comm = job.init_comm_on(device.as_cuda_device()?.cuda_stream())?;

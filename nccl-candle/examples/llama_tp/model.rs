@@ -17,6 +17,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::var_builder::ShardedVarBuilder;
+use candle_nn::{Linear, Module};
 use nccl_candle::decode::{attend, KvCache, PositionIndex, StaticDecode, StepInputs};
 use nccl_candle::tp::{
     load_replicated, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
@@ -166,12 +167,43 @@ fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
         .reshape((b, heads * n, seq, dim))?)
 }
 
+/// Column-parallel projections of one input, loaded apart and run as one product: this rank's
+/// rows of each weight stacked, so a decode step reads them in one kernel instead of one each
+/// (the outputs are views of the one result).
+#[derive(Debug)]
+struct Stacked {
+    linear: Linear,
+    /// Each projection's output width on this rank.
+    widths: Vec<usize>,
+}
+
+impl Stacked {
+    fn new(parts: &[ColumnParallelLinear]) -> Result<Self> {
+        let weights: Vec<&Tensor> = parts.iter().map(|p| p.weight()).collect();
+        Ok(Self {
+            linear: Linear::new(Tensor::cat(&weights, 0)?, None),
+            widths: parts.iter().map(|p| p.local_out_features()).collect(),
+        })
+    }
+
+    /// Each projection of `x` (`[b, seq, in]`), `[b, seq, width]` views of one product.
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let all = self.linear.forward(x)?;
+        let mut start = 0;
+        let mut out = Vec::with_capacity(self.widths.len());
+        for &width in &self.widths {
+            out.push(all.narrow(D::Minus1, start, width)?);
+            start += width;
+        }
+        Ok(out)
+    }
+}
+
 /// This rank's attention heads.
 #[derive(Debug)]
 struct Attention {
-    q: ColumnParallelLinear,
-    k: ColumnParallelLinear,
-    v: ColumnParallelLinear,
+    /// q, k and v.
+    qkv: Stacked,
     o: RowParallelLinear,
     heads: usize,
     kv_heads: usize,
@@ -184,9 +216,11 @@ impl Attention {
         let (hidden, head_dim) = (cfg.hidden, cfg.head_dim());
         let kv = cfg.kv_heads * head_dim;
         Ok(Self {
-            q: ColumnParallelLinear::load(&vb.pp("q_proj"), group, hidden, hidden, false)?,
-            k: ColumnParallelLinear::load(&vb.pp("k_proj"), group, hidden, kv, false)?,
-            v: ColumnParallelLinear::load(&vb.pp("v_proj"), group, hidden, kv, false)?,
+            qkv: Stacked::new(&[
+                ColumnParallelLinear::load(&vb.pp("q_proj"), group, hidden, hidden, false)?,
+                ColumnParallelLinear::load(&vb.pp("k_proj"), group, hidden, kv, false)?,
+                ColumnParallelLinear::load(&vb.pp("v_proj"), group, hidden, kv, false)?,
+            ])?,
             o: RowParallelLinear::load(&vb.pp("o_proj"), group, hidden, hidden, false)?,
             heads: cfg.heads / group.size(),
             kv_heads: cfg.kv_heads / group.size(),
@@ -209,9 +243,16 @@ impl Attention {
                 .transpose(1, 2)?
                 .contiguous()?)
         };
-        let q = heads(self.q.forward(x)?, self.heads)?;
-        let k = heads(self.k.forward(x)?, self.kv_heads)?;
-        let v = heads(self.v.forward(x)?, self.kv_heads)?;
+        let mut qkv = self.qkv.forward(x)?.into_iter();
+        let mut next = || {
+            qkv.next().ok_or_else(|| Error::Argument {
+                op: "Llama::forward",
+                why: "q, k and v: fewer than three projections".into(),
+            })
+        };
+        let q = heads(next()?, self.heads)?;
+        let k = heads(next()?, self.kv_heads)?;
+        let v = heads(next()?, self.kv_heads)?;
         let (cos, sin) = (&positions.cos, &positions.sin);
         let q = candle_nn::rotary_emb::rope(&q, cos, sin)?;
         let k = candle_nn::rotary_emb::rope(&k, cos, sin)?;
@@ -251,10 +292,10 @@ struct Positions {
 }
 
 /// This rank's MLP features: `down(silu(gate(x)) * up(x))`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Mlp {
-    gate: ColumnParallelLinear,
-    up: ColumnParallelLinear,
+    /// gate and up.
+    gate_up: Stacked,
     down: RowParallelLinear,
 }
 
@@ -262,8 +303,10 @@ impl Mlp {
     fn load(vb: &ShardedVarBuilder, group: &TpGroup, cfg: &Config) -> Result<Self> {
         let (h, i) = (cfg.hidden, cfg.intermediate);
         Ok(Self {
-            gate: ColumnParallelLinear::load(&vb.pp("gate_proj"), group, h, i, false)?,
-            up: ColumnParallelLinear::load(&vb.pp("up_proj"), group, h, i, false)?,
+            gate_up: Stacked::new(&[
+                ColumnParallelLinear::load(&vb.pp("gate_proj"), group, h, i, false)?,
+                ColumnParallelLinear::load(&vb.pp("up_proj"), group, h, i, false)?,
+            ])?,
             down: RowParallelLinear::load(&vb.pp("down_proj"), group, i, h, false)?,
         })
     }
@@ -274,7 +317,14 @@ impl Mlp {
 
     /// This rank's `silu(gate(x)) * up(x)`: down_proj's input.
     fn gated(&self, x: &Tensor) -> Result<Tensor> {
-        Ok((candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?)
+        let parts = self.gate_up.forward(x)?;
+        let [gate, up] = parts.as_slice() else {
+            return Err(Error::Argument {
+                op: "Llama::forward",
+                why: "gate and up: not two projections".into(),
+            });
+        };
+        Ok((candle_nn::ops::silu(gate)? * up)?)
     }
 }
 
@@ -457,11 +507,12 @@ impl Llama {
     }
 
     /// Forgets every position (empties the KV caches, keeping their memory).
-    pub fn reset(&mut self) {
-        for block in &mut self.blocks {
-            block.attention.cache.reset();
-        }
+    pub fn reset(&mut self) -> Result<()> {
         self.cached = 0;
+        for block in &mut self.blocks {
+            block.attention.cache.reset()?;
+        }
+        Ok(())
     }
 }
 
@@ -496,8 +547,23 @@ unsafe impl StaticDecode for Llama {
     }
 
     fn prefill(&mut self, ids: &Tensor) -> Result<Tensor> {
-        self.reset();
+        self.reset()?;
         self.forward(ids, 0)
+    }
+
+    fn check_step(&self, batch: usize) -> Result<u64> {
+        if self.cached == 0 || self.cache_batch() != Some(batch) {
+            return Err(Error::Argument {
+                op: "Llama::decode_step",
+                why: format!(
+                    "{} positions of batch {:?} held: a step of batch {batch} needs a prompt \
+                     of that batch first",
+                    self.cached,
+                    self.cache_batch()
+                ),
+            });
+        }
+        Ok(nccl_candle::fingerprint(&(self.fused, self.vocab)))
     }
 
     fn decode_step(&mut self, inputs: &StepInputs) -> Result<()> {
@@ -528,6 +594,12 @@ unsafe impl StaticDecode for Llama {
     }
 
     fn set_cached(&mut self, cached: usize) -> Result<()> {
+        if cached > self.max_seq {
+            return Err(Error::Argument {
+                op: "Llama::set_cached",
+                why: format!("{cached} positions with room for {}", self.max_seq),
+            });
+        }
         for block in &mut self.blocks {
             block.attention.cache.set_len(cached)?;
         }

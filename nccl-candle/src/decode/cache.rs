@@ -1,7 +1,8 @@
 //! A key/value cache allocated once for its longest sequence, written at positions the host
 //! knows (prefill, eager decode) or that the device holds (a step replayed from a CUDA graph).
 
-use candle_core::{DType, Tensor};
+use candle_core::cuda::CudaStorageSlice;
+use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Tensor};
 
 use super::PositionIndex;
 #[allow(unused_imports)] // for the docs
@@ -129,10 +130,16 @@ impl KvCache {
     }
 
     /// Forgets every position, keeping the memory (a graph that captured a step still
-    /// points at it). Later positions keep an earlier sequence's values: attention gives
-    /// them a weight of exactly zero.
-    pub fn reset(&mut self) {
+    /// points at it) and clearing it: a device-positioned step attends over every position
+    /// with the later ones masked, and an earlier sequence's infinity or NaN there would
+    /// still poison it (masking adds minus infinity, and zero times NaN is NaN).
+    pub fn reset(&mut self) -> Result<()> {
         self.len = 0;
+        if let Some((keys, values)) = &self.data {
+            keys.inplace_op1(&Zero)?;
+            values.inplace_op1(&Zero)?;
+        }
+        Ok(())
     }
 
     /// The cache's shape for `k`, `v`, checked against each other and the allocation.
@@ -194,5 +201,37 @@ impl KvCache {
     /// The element type, once allocated.
     pub fn dtype(&self) -> Option<DType> {
         self.data.as_ref().map(|(k, _)| k.dtype())
+    }
+}
+
+/// Sets a float tensor's whole storage to zero in place (one memset on the device's stream).
+struct Zero;
+
+impl InplaceOp1 for Zero {
+    fn name(&self) -> &'static str {
+        "zero"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        match storage {
+            CpuStorage::BF16(v) => v.fill(half::bf16::ZERO),
+            CpuStorage::F16(v) => v.fill(half::f16::ZERO),
+            CpuStorage::F32(v) => v.fill(0.0),
+            CpuStorage::F64(v) => v.fill(0.0),
+            _ => return Err(candle_core::Error::Msg("zero: not a float cache".into())),
+        }
+        Ok(())
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
+        let stream = storage.device.cuda_stream();
+        let done = match &mut storage.slice {
+            CudaStorageSlice::BF16(v) => stream.memset_zeros(v),
+            CudaStorageSlice::F16(v) => stream.memset_zeros(v),
+            CudaStorageSlice::F32(v) => stream.memset_zeros(v),
+            CudaStorageSlice::F64(v) => stream.memset_zeros(v),
+            _ => return Err(candle_core::Error::Msg("zero: not a float cache".into())),
+        };
+        done.map_err(|e| candle_core::Error::Msg(format!("zero: {e}")))
     }
 }

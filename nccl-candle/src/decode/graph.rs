@@ -3,7 +3,7 @@
 use candle_core::cuda::cudarc::driver::sys::{
     self, CUgraphInstantiate_flags, CUgraphNodeType, CUstreamCaptureMode,
 };
-use candle_core::cuda::cudarc::driver::CudaGraph;
+use candle_core::cuda::cudarc::driver::{CudaGraph, CudaStream};
 use candle_core::{DType, Device, Tensor};
 
 use super::StepInputs;
@@ -39,6 +39,10 @@ pub unsafe trait StaticDecode {
     fn cached(&self) -> usize;
     /// The batch the caches are allocated for (`None` before the first prompt).
     fn cache_batch(&self) -> Option<usize>;
+    /// Whether this rank can take a step of `batch` rows now (the caches hold a prompt of
+    /// that batch, nothing failed): a fingerprint of what its step does (the settings every
+    /// rank must share, e.g. a fused epilogue), or why not.
+    fn check_step(&self, batch: usize) -> Result<u64>;
     /// Starts a sequence: empties the caches (keeping their memory for the same batch) and
     /// runs the prompt `ids` (`[batch, seq]`, `u32`) from position 0 with the host-driven
     /// path; returns the last position's logits, `[batch, vocab]`.
@@ -57,14 +61,30 @@ pub unsafe trait StaticDecode {
 ///
 /// It borrows the model mutably for its whole life, so nothing the graph reads or writes
 /// (weights, caches, the group's collectives and their scratch) can be dropped, replaced or
-/// used by other code meanwhile; its inputs and outputs are its own. Dropping it leaves
-/// running replays to finish on the stream: every later use of the model's memory, frees
-/// included, is ordered after them on that stream.
+/// used through the model meanwhile; its inputs and outputs are its own, and only copies of
+/// them are handed out. Dropping it leaves running replays to finish on the stream: every
+/// later use of the model's memory, frees included, is ordered after them on that stream.
+/// It is not `Send`: candle keeps the small host uploads the captured kernels read in a
+/// cache of the capturing thread (for the thread's life: each capture adds a few KiB that
+/// candle never frees).
+///
+/// The group is shared ([`TpGroup`] is cheap to clone): collectives other code runs on a
+/// clone of it go on the same stream, in the order the host enqueued them, as with eager
+/// passes. A [`Watchdog`](nccl::Watchdog) on the communicator probes its streams from its
+/// own thread; a probe it records just as a capture begins is captured too, which
+/// invalidates the capture (an error on every rank) or trips the watchdog on its next query
+/// (the communicator aborted, an error): never wrong data.
 ///
 /// Every rank of the group makes it and steps it alike, as with any collective: capture
-/// agrees on the arguments first, runs one step eagerly (the warm-up that loads kernels and
-/// fills candle's cache of host data, every rank's collectives included), captures, and
-/// agrees on the outcome, so a rank whose capture failed leaves no peer replaying alone.
+/// agrees on the arguments first (each rank's [`StaticDecode::check_step`] and settings),
+/// runs one step eagerly (the warm-up that loads kernels and fills candle's cache of host
+/// data, every rank's collectives included: a failure inside it is an eager pass's failure,
+/// its peers' collectives wait for the watchdog or an abort), captures, and agrees on the
+/// outcome, so a rank whose capture failed leaves no peer replaying alone. A capture runs
+/// nothing, so a failed one leaves the model as it was; with
+/// [`LsaCollectives`](crate::tp::LsaCollectives), a shipped kernel's refusal while capturing
+/// puts its instance out of step on that rank as a refused launch does (its `status` says
+/// so; drop the group on every rank).
 /// A step refused on one rank alone (ids of another batch, a sequence at `max_seq`) leaves
 /// its peers' replay waiting in its collectives, as with an eager pass: the communicator's
 /// watchdog or abort ends the wait (NCCL's kernels), the shipped kernels' timeout theirs.
@@ -117,17 +137,34 @@ impl std::fmt::Display for GraphNodes {
 /// A CUDA device for models captured into graphs: its own stream (candle's
 /// `Device::new_cuda_with_stream`; the legacy default stream cannot be captured) and no
 /// cross-stream event tracking (cudarc waits on events recorded outside a capture, which
-/// invalidates it). Its tensors are ordered by that one stream only: work on another stream
-/// that touches them synchronises itself.
-pub fn capturable_device(ordinal: usize) -> Result<Device> {
+/// invalidates it).
+///
+/// # Safety
+///
+/// cudarc no longer orders this device's tensors between streams: every use of them on
+/// another stream (a `to_device` onto another device, which copies on that device's stream;
+/// raw cudarc work on a stream of one's own) must be ordered with this device's stream by
+/// the caller, before it reads them and before they are dropped. candle's ops on this device
+/// and this crate's collectives all run on its one stream.
+pub unsafe fn capturable_device(ordinal: usize) -> Result<Device> {
     let device = Device::new_cuda_with_stream(ordinal)?;
     if let Device::Cuda(cuda) = &device {
-        // SAFETY: no tensor of this device exists yet, every candle op on it runs on its one
-        // stream and this crate's collectives enqueue on that stream; the caveat for other
-        // streams is documented above.
+        // SAFETY: no tensor of this device exists yet; the caller takes on the ordering of
+        // other streams (the function's contract).
         unsafe { cuda.disable_event_tracking() };
     }
     Ok(device)
+}
+
+/// Ends a capture left open by a panic; the graph, if any, is dropped.
+struct CaptureGuard<'a>(Option<&'a std::sync::Arc<CudaStream>>);
+
+impl Drop for CaptureGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(stream) = self.0.take() {
+            drop(stream.end_capture(CUgraphInstantiate_flags(0)));
+        }
+    }
 }
 
 /// Why `device` cannot capture, if it cannot.
@@ -177,31 +214,35 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
     pub fn capture(model: &'m mut M, batch: usize) -> Result<Self> {
         let device = model.device().clone();
         let group = model.group().clone();
-        let inputs = StepInputs::new(batch, model.vocab(), model.max_seq(), &device);
         let position = model.cached();
-        let local = match (&inputs, capture_refusal(&device)) {
-            (Err(_), _) => inputs.as_ref().map(|_| ()).map_err(|e| Error::Graph {
+        let checked = || -> Result<(StepInputs, u64)> {
+            let inputs = StepInputs::new(batch, model.vocab(), model.max_seq(), &device)?;
+            if let Some(why) = capture_refusal(&device) {
+                return Err(Error::Graph { op: "check", why });
+            }
+            let settings = model.check_step(batch).map_err(|e| Error::Graph {
                 op: "check",
                 why: e.to_string(),
-            }),
-            (_, Some(why)) => Err(Error::Graph { op: "check", why }),
-            _ if model.cache_batch() != Some(batch) || position == 0 => Err(Error::Graph {
-                op: "check",
-                why: format!(
-                    "the caches hold {position} positions of batch {:?}, not a prompt of \
-                     batch {batch} (prefill first)",
-                    model.cache_batch()
-                ),
-            }),
-            _ if position >= model.max_seq() => Err(Error::Graph {
-                op: "check",
-                why: format!("no room after {position} positions"),
-            }),
-            _ => Ok(()),
+            })?;
+            if position >= model.max_seq() {
+                return Err(Error::Graph {
+                    op: "check",
+                    why: format!("no room after {position} positions"),
+                });
+            }
+            Ok((inputs, settings))
         };
-        let fp = fingerprint(&(batch, position, model.max_seq(), model.vocab()));
-        group.agree_checked("decode graph arguments", fp, local, &device)?;
-        let inputs = inputs?;
+        let (inputs, local) = match checked() {
+            Ok((inputs, settings)) => (Some(inputs), Ok(settings)),
+            Err(err) => (None, Err(err)),
+        };
+        let settings = *local.as_ref().unwrap_or(&0);
+        let fp = fingerprint(&(batch, position, model.max_seq(), model.vocab(), settings));
+        group.agree_checked("decode graph arguments", fp, local.map(|_| ()), &device)?;
+        let mut inputs = inputs.ok_or_else(|| Error::Graph {
+            op: "check",
+            why: "no inputs after the agreement".into(),
+        })?;
         let Device::Cuda(cuda) = &device else {
             return Err(Error::Graph {
                 op: "check",
@@ -231,7 +272,11 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
                         op: "capture",
                         why: e.to_string(),
                     })?;
+                // Ends the capture should the step panic (in candle or cudarc), so that the
+                // stream stays usable.
+                let mut guard = CaptureGuard(Some(&stream));
                 let step = model.decode_step(&inputs);
+                guard.0 = None;
                 // Always ended, so that the stream is usable whatever the step did.
                 let ended = stream.end_capture(CUgraphInstantiate_flags(0));
                 step.map_err(|e| Error::Graph {
@@ -379,15 +424,11 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
         Ok(Some(kinds))
     }
 
-    /// The last step's logits, `[batch, vocab]` `f32`, in the graph's memory (the next step
-    /// overwrites them: copy what must outlive it).
-    pub fn logits(&self) -> &Tensor {
-        self.inputs.logits()
-    }
-
-    /// The last step's greedy tokens, `[batch]` `u32`, in the graph's memory.
-    pub fn greedy(&self) -> &Tensor {
-        self.inputs.greedy()
+    /// A copy of the last step's logits, `[batch, vocab]` `f32` (one device copy: the
+    /// graph's own buffer is never handed out, since an in-place op on it could replace the
+    /// memory the graph writes).
+    pub fn logits(&self) -> Result<Tensor> {
+        Ok(self.inputs.logits().copy()?)
     }
 
     /// The last step's greedy tokens on the host, read after the stream is synchronised (a

@@ -1,6 +1,7 @@
 //! What a static decode step reads from device memory (its token ids and position) and where
 //! it leaves its result, so that one captured graph serves every step of a sequence.
 
+use candle_core::cuda::cudarc::driver::{CudaEvent, PinnedHostSlice};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor,
 };
@@ -14,7 +15,6 @@ use crate::{Error, Result};
 /// step made of candle ops reads them through [`ids`](Self::ids),
 /// [`rope_rows`](Self::rope_rows), [`mask`](Self::mask) and
 /// [`position_index`](Self::position_index) and ends with [`finish`](Self::finish).
-#[derive(Debug)]
 pub struct StepInputs {
     batch: usize,
     vocab: usize,
@@ -28,6 +28,20 @@ pub struct StepInputs {
     shown: Tensor,
     logits: Tensor,
     greedy: Tensor,
+    /// CUDA: page-locked memory the inputs are uploaded from, and the event after the last
+    /// upload (a copy from pageable memory can hold the context's staging buffer while the
+    /// stream waits in a collective for a peer that shares the GPU and needs that buffer).
+    staged: Option<(PinnedHostSlice<u32>, CudaEvent)>,
+}
+
+impl std::fmt::Debug for StepInputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepInputs")
+            .field("batch", &self.batch)
+            .field("vocab", &self.vocab)
+            .field("max_seq", &self.max_seq)
+            .finish()
+    }
 }
 
 impl StepInputs {
@@ -40,7 +54,18 @@ impl StepInputs {
                 why: format!("batch {batch}, vocab {vocab}, max_seq {max_seq}"),
             });
         }
+        let staged = match device {
+            Device::Cuda(cuda) => {
+                let ctx = cuda.cuda_stream().context().clone();
+                // SAFETY: u32 has no invalid bits, and every upload writes all `batch + 1`
+                // values before copying them.
+                let pinned = unsafe { ctx.alloc_pinned::<u32>(batch + 1) }.map_err(cuda_error)?;
+                Some((pinned, ctx.new_event(None).map_err(cuda_error)?))
+            }
+            _ => None,
+        };
         Ok(Self {
+            staged,
             batch,
             vocab,
             max_seq,
@@ -64,8 +89,9 @@ impl StepInputs {
     }
 
     /// Writes the step's token ids (`batch` of them) and position (below `max_seq`) into
-    /// device memory, on the device's stream (ordered after the previous step).
-    pub fn write(&self, ids: &[u32], position: usize) -> Result<()> {
+    /// device memory, on the device's stream (ordered after the previous step), from
+    /// page-locked memory on a CUDA device (waiting first for the previous upload from it).
+    pub fn write(&mut self, ids: &[u32], position: usize) -> Result<()> {
         if ids.len() != self.batch || position >= self.max_seq {
             return Err(Error::Argument {
                 op: "StepInputs::write",
@@ -79,7 +105,20 @@ impl StepInputs {
         }
         let mut values = ids.to_vec();
         values.push(position as u32);
-        self.packed.inplace_op1(&WriteHost(values))?;
+        let Some((pinned, uploaded)) = &mut self.staged else {
+            self.packed.inplace_op1(&WriteHost::Pageable(values))?;
+            return Ok(());
+        };
+        // The previous upload has left the page-locked buffer before it is overwritten.
+        uploaded.synchronize().map_err(cuda_error)?;
+        pinned
+            .as_mut_slice()
+            .map_err(cuda_error)?
+            .copy_from_slice(&values);
+        self.packed.inplace_op1(&WriteHost::Pinned(pinned))?;
+        if let Device::Cuda(cuda) = self.packed.device() {
+            uploaded.record(&cuda.cuda_stream()).map_err(cuda_error)?;
+        }
         Ok(())
     }
 
@@ -197,18 +236,41 @@ impl PositionIndex {
     }
 }
 
-/// Copies host values into a `u32` tensor's storage on its device's stream.
-struct WriteHost(Vec<u32>);
+fn cuda_error(e: impl std::fmt::Display) -> Error {
+    Error::Argument {
+        op: "StepInputs",
+        why: format!("CUDA: {e}"),
+    }
+}
 
-impl InplaceOp1 for WriteHost {
+/// Copies host values into a `u32` tensor's storage on its device's stream.
+enum WriteHost<'a> {
+    /// From a vector (the CPU).
+    Pageable(Vec<u32>),
+    /// From page-locked memory (ordered by the caller's event).
+    Pinned(&'a PinnedHostSlice<u32>),
+}
+
+impl WriteHost<'_> {
+    fn len(&self) -> usize {
+        match self {
+            WriteHost::Pageable(v) => v.len(),
+            WriteHost::Pinned(p) => p.len(),
+        }
+    }
+}
+
+impl InplaceOp1 for WriteHost<'_> {
     fn name(&self) -> &'static str {
         "write_host"
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        match (storage, layout.contiguous_offsets()) {
-            (CpuStorage::U32(data), Some((start, end))) if end - start == self.0.len() => {
-                data[start..end].copy_from_slice(&self.0);
+        match (self, storage, layout.contiguous_offsets()) {
+            (WriteHost::Pageable(v), CpuStorage::U32(data), Some((start, end)))
+                if end - start == v.len() =>
+            {
+                data[start..end].copy_from_slice(v);
                 Ok(())
             }
             _ => Err(candle_core::Error::Msg(
@@ -221,7 +283,7 @@ impl InplaceOp1 for WriteHost {
         let Some((start, end)) = layout.contiguous_offsets() else {
             return Err(candle_core::Error::Msg("write_host: not contiguous".into()));
         };
-        if end - start != self.0.len() || storage.dtype() != DType::U32 {
+        if end - start != self.len() || storage.dtype() != DType::U32 {
             return Err(candle_core::Error::Msg(
                 "write_host: not the inputs' storage".into(),
             ));
@@ -231,8 +293,10 @@ impl InplaceOp1 for WriteHost {
         let mut view = slice
             .try_slice_mut(start..end)
             .ok_or_else(|| candle_core::Error::Msg("write_host: outside the storage".into()))?;
-        stream
-            .memcpy_htod(&self.0, &mut view)
-            .map_err(|e| candle_core::Error::Msg(format!("write_host: {e}")))
+        match self {
+            WriteHost::Pageable(v) => stream.memcpy_htod(v, &mut view),
+            WriteHost::Pinned(p) => stream.memcpy_htod(*p, &mut view),
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("write_host: {e}")))
     }
 }

@@ -567,13 +567,15 @@ impl CausalLm {
         Ok(h)
     }
 
-    /// Forgets every position (empties the KV caches, keeping their memory).
-    pub fn reset(&mut self) {
-        for layer in &mut self.layers {
-            layer.attention.cache.reset();
-        }
+    /// Forgets every position (empties the KV caches, keeping their memory, cleared).
+    pub fn reset(&mut self) -> Result<()> {
         self.cached = 0;
+        self.broken = true;
+        for layer in &mut self.layers {
+            layer.attention.cache.reset()?;
+        }
         self.broken = false;
+        Ok(())
     }
 
     /// The bytes of the checkpoint's data this rank read, in the files' types: its part of
@@ -620,8 +622,28 @@ unsafe impl StaticDecode for CausalLm {
     }
 
     fn prefill(&mut self, ids: &Tensor) -> Result<Tensor> {
-        self.reset();
+        self.reset()?;
         self.forward(ids, 0)
+    }
+
+    fn check_step(&self, batch: usize) -> Result<u64> {
+        if self.broken || self.cached == 0 || self.cache_batch() != Some(batch) {
+            return Err(Error::Argument {
+                op: "CausalLm::decode_step",
+                why: format!(
+                    "{} positions of batch {:?} held{}: a step of batch {batch} needs a \
+                     prompt of that batch first",
+                    self.cached,
+                    self.cache_batch(),
+                    if self.broken {
+                        " after a failed pass"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        Ok(fingerprint(&(self.fused, self.local_sizes())))
     }
 
     fn decode_step(&mut self, inputs: &StepInputs) -> Result<()> {
@@ -632,12 +654,17 @@ unsafe impl StaticDecode for CausalLm {
             return Err(Error::Argument {
                 op: "CausalLm::decode_step",
                 why: format!(
-                    "inputs of batch {} and {} positions for caches of batch {:?} and {}                      positions{}",
+                    "inputs of batch {} and {} positions for caches of batch {:?} and {} \
+                     positions{}",
                     inputs.batch(),
                     inputs.max_seq(),
                     self.cache_batch(),
                     self.max_seq,
-                    if self.broken { ", after a failed pass (reset first)" } else { "" }
+                    if self.broken {
+                        ", after a failed pass (reset first)"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
@@ -649,15 +676,20 @@ unsafe impl StaticDecode for CausalLm {
             index: inputs.position_index((b, self.plan.kv_heads, 1, self.config.head_dim))?,
         };
         let embedded = masked_lookup(&self.embed, &inputs.ids()?, self.vocab_start)?;
+        // A step that fails midway leaves nothing inconsistent: its position is counted
+        // only after it (set_cached), and the next step writes that position again.
         let x = self.group.layer_sum(embedded)?;
-        self.broken = true;
         let last = self.layers_forward(x, &positions)?;
-        inputs.finish(&self.logits(&last)?)?;
-        self.broken = false;
-        Ok(())
+        inputs.finish(&self.logits(&last)?)
     }
 
     fn set_cached(&mut self, cached: usize) -> Result<()> {
+        if cached > self.max_seq {
+            return Err(Error::Argument {
+                op: "CausalLm::set_cached",
+                why: format!("{cached} positions with room for {}", self.max_seq),
+            });
+        }
         for layer in &mut self.layers {
             layer.attention.cache.set_len(cached)?;
         }

@@ -97,7 +97,14 @@ pub fn run_capturable(
     layout: &shape::Layout,
     body: impl Fn(Comm, &Device, &Barrier) + Sync,
 ) {
-    run_on(test, layout, nccl_candle::decode::capturable_device, body)
+    // SAFETY: the tests use these devices' tensors through candle and nccl-candle only, on
+    // each device's one stream.
+    run_on(
+        test,
+        layout,
+        |d| unsafe { nccl_candle::decode::capturable_device(d) },
+        body,
+    )
 }
 
 fn run_on(
