@@ -348,7 +348,8 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
 
     /// Runs one step with token ids `ids` (one per row) at the next position: writes the
     /// inputs, then replays the graph (or runs the step eagerly). Its outputs are
-    /// [`logits`](Self::logits) and [`greedy`](Self::greedy) until the next step.
+    /// [`logits`](Self::logits) and [`greedy_tokens`](Self::greedy_tokens) until the next
+    /// step.
     pub fn step(&mut self, ids: &[u32]) -> Result<()> {
         if self.failed {
             return Err(Error::Argument {
