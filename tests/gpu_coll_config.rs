@@ -7,7 +7,7 @@
 //!
 //! Run on a GPU host with
 //! `cargo test --test gpu_coll_config -- --include-ignored --test-threads=1`, once per NCCL
-//! (2.28.3 and 2.32.3: `../shared/gpu/nccl 2.32.3`).
+//! (2.28.3 and 2.32.3: `tests/gpu/nccl 2.32.3`).
 
 mod common;
 

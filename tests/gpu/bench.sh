@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/bench.sh: 8-byte all-reduce, safe/raw per-round ratio, this tree vs $BASELINE's, alternating
-# Run from the repository root on a GPU host, after ../shared/gpu/bundle (and ../shared/gpu/nccl
+# Run from the repository root on a GPU host, after tests/gpu/bundle (and tests/gpu/nccl
 # VERSION) here and with the tree carried there (.gpu included). Logs go to $OUT (default /tmp).
 eval "$(.gpu/run env 2>/dev/null | sed 's/^/export /')"
 new=$(.gpu/run path examples/bench); old=${BASELINE:?set BASELINE to the bench binary of the tree to compare with}

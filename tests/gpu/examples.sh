@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/examples.sh LABEL: the examples and the bench on one GPU, logged to ${OUT:-/tmp}/examples-LABEL.log
-# Run from the repository root on a GPU host, after ../shared/gpu/bundle (and ../shared/gpu/nccl
+# Run from the repository root on a GPU host, after tests/gpu/bundle (and tests/gpu/nccl
 # VERSION) here and with the tree carried there (.gpu included). Logs go to $OUT (default /tmp).
 label=$1
 log=${OUT:-/tmp}/examples-$label.log

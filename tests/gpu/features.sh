@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/gpu/features.sh LABEL [NCCL_LIBRARY]: the GPU checks of the 2.32 parity and device-API
 # features, each step bounded, logged to ${OUT:-/tmp}/features-LABEL.log. Run from the repository
-# root on a GPU host after ../shared/gpu/bundle (and ../shared/gpu/nccl VERSION); a second argument
+# root on a GPU host after tests/gpu/bundle (and tests/gpu/nccl VERSION); a second argument
 # picks another library (e.g. the system NCCL) over the packed one.
 label=$1
 [[ -n ${2:-} ]] && export NCCL_LIBRARY=$2

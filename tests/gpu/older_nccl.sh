@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/gpu/older_nccl.sh VERSION: the parity tests against an older NCCL whose library ../shared/gpu/nccl
+# tests/gpu/older_nccl.sh VERSION: the parity tests against an older NCCL whose library tests/gpu/nccl
 # (or its cu12 variant) packed into .carry/nccl-VERSION; .carry/gpu_parity-fix is a newer
 # gpu_parity test binary to use in place of the bundled one (drop that line if the bundle is current).
 # old.sh VERSION: the parity tests against an older NCCL packed in .carry/nccl-VERSION

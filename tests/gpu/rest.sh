@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/gpu/rest.sh LABEL BINARY[:FILTER]...: chosen test binaries (and tests), each bounded, logged to
 # ${OUT:-/tmp}/rest-LABEL.log with output uncaptured (a rank thread's panic shows even if the
-# process is then aborted). Run from the repository root on a GPU host after ../shared/gpu/bundle.
+# process is then aborted). Run from the repository root on a GPU host after tests/gpu/bundle.
 label=$1; shift
 log=${OUT:-/tmp}/rest-$label.log; : > "$log"
 eval "$(.gpu/run env 2>/dev/null | sed 's/^/export /')"

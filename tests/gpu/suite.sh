@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/suite.sh LABEL [extra test args]: the GPU suite, logged to ${OUT:-/tmp}/suite-LABEL.log
-# Run from the repository root on a GPU host, after ../shared/gpu/bundle (and ../shared/gpu/nccl
+# Run from the repository root on a GPU host, after tests/gpu/bundle (and tests/gpu/nccl
 # VERSION) here and with the tree carried there (.gpu included). Logs go to $OUT (default /tmp).
 set -o pipefail
 label=$1; shift
