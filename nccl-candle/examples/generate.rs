@@ -33,6 +33,10 @@
 //!
 //! Past 600 lines: the example is one program a reader follows from the options to the
 //! check (launch, agreement, loading, sampling, streaming text, timing, memory, `--check`).
+//!
+//! Why one file past 600 lines: an example is read top to bottom, and each part (options,
+//! opening and agreeing, loading and the memory report, the eager and graph decode loops, the
+//! check, the streamed text) is a step of the one program a user copies.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -51,6 +51,10 @@
 //!    of it the collectives take: (latency - latency without them) / latency. Without them
 //!    `lsa+fused` still adds and normalises, with candle's kernels, so its share also counts
 //!    what fusing the add and the norm saves.
+//!
+//! Why past 600 lines: the program's steps in order (options, weights, loading, the check with
+//! its graph comparisons, the timing table); the model, the decode loops and the weights are
+//! modules of their own.
 
 mod decode;
 mod model;

@@ -14,6 +14,9 @@
 //! model, the same roundings; only the norms' sums of squares may go in another order.
 //!
 //! Tensor names follow Hugging Face's Llama (`model.layers.0.self_attn.q_proj.weight`, ...).
+//!
+//! Why past 600 lines: one model, its two ways of taking positions (host-driven and the static
+//! step a graph captures) side by side, so that what differs between them is seen at once.
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::var_builder::ShardedVarBuilder;

@@ -34,6 +34,7 @@ mod checkpoint;
 mod config;
 mod decoder;
 mod plan;
+mod rope;
 mod sampling;
 
 pub use checkpoint::{

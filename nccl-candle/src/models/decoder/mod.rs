@@ -9,11 +9,14 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{Linear, Module};
 
 use super::checkpoint::Checkpoint;
-use super::config::{Llama3RopeScaling, ModelConfig};
+use super::config::ModelConfig;
 use super::plan::{column, expected_tensors, row_parallel, vocab_rows, whole, Blocks, Plan};
-use crate::decode::{attend, KvCache, PositionIndex, StaticDecode, StepInputs};
+use super::rope::inverse_frequencies;
+use crate::decode::{attend, KvCache, PositionIndex};
 use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
+
+mod static_step;
 
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)?)
@@ -196,38 +199,6 @@ struct Layer {
 struct Rope {
     cos: Tensor,
     sin: Tensor,
-}
-
-/// The rotary frequencies, `theta^(-2i/head_dim)`, with Llama 3's scaling when set (long
-/// wavelengths divided by `factor`, short ones kept, a smooth blend between).
-fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
-    let hd = cfg.head_dim;
-    (0..hd / 2)
-        .map(|i| {
-            let freq = cfg.rope_theta.powf(-2.0 * i as f64 / hd as f64);
-            match cfg.rope_scaling {
-                None => freq,
-                Some(Llama3RopeScaling {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_max_position_embeddings,
-                }) => {
-                    let original = original_max_position_embeddings as f64;
-                    let wavelen = 2.0 * std::f64::consts::PI / freq;
-                    if wavelen < original / high_freq_factor {
-                        freq
-                    } else if wavelen > original / low_freq_factor {
-                        freq / factor
-                    } else {
-                        let smooth = (original / wavelen - low_freq_factor)
-                            / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * freq / factor + smooth * freq
-                    }
-                }
-            }
-        })
-        .collect()
 }
 
 /// The model's output on a batch, this rank's part of a tensor-parallel decoder of the
@@ -588,113 +559,6 @@ impl CausalLm {
     pub fn local_sizes(&self) -> (usize, usize, usize, usize) {
         let p = &self.plan;
         (p.heads, p.kv_heads, p.intermediate, p.vocab_rows)
-    }
-}
-
-// SAFETY: a step touches the weights, the rotary tables, the layers' caches (allocated by
-// the prompt's append and kept by `reset` and by a prompt of the same batch, which
-// `DecodeGraph::prefill` requires), the inputs and the group's collectives, all owned here
-// or by the inputs; it enqueues candle ops and the group's collectives on the device's
-// stream only, keeps no tensor it makes, and refuses inputs of another `max_seq` or batch.
-unsafe impl StaticDecode for CausalLm {
-    fn device(&self) -> &Device {
-        self.embed.device()
-    }
-
-    fn group(&self) -> &TpGroup {
-        &self.group
-    }
-
-    fn vocab(&self) -> usize {
-        self.config.vocab_size
-    }
-
-    fn max_seq(&self) -> usize {
-        self.max_seq
-    }
-
-    fn cached(&self) -> usize {
-        self.cached
-    }
-
-    fn cache_batch(&self) -> Option<usize> {
-        self.layers.first().and_then(|l| l.attention.cache.batch())
-    }
-
-    fn prefill(&mut self, ids: &Tensor) -> Result<Tensor> {
-        self.reset()?;
-        self.forward(ids, 0)
-    }
-
-    fn check_step(&self, batch: usize) -> Result<u64> {
-        if self.broken || self.cached == 0 || self.cache_batch() != Some(batch) {
-            return Err(Error::Argument {
-                op: "CausalLm::decode_step",
-                why: format!(
-                    "{} positions of batch {:?} held{}: a step of batch {batch} needs a \
-                     prompt of that batch first",
-                    self.cached,
-                    self.cache_batch(),
-                    if self.broken {
-                        " after a failed pass"
-                    } else {
-                        ""
-                    }
-                ),
-            });
-        }
-        Ok(fingerprint(&(self.fused, self.local_sizes())))
-    }
-
-    fn decode_step(&mut self, inputs: &StepInputs) -> Result<()> {
-        if self.broken
-            || inputs.max_seq() != self.max_seq
-            || self.cache_batch() != Some(inputs.batch())
-        {
-            return Err(Error::Argument {
-                op: "CausalLm::decode_step",
-                why: format!(
-                    "inputs of batch {} and {} positions for caches of batch {:?} and {} \
-                     positions{}",
-                    inputs.batch(),
-                    inputs.max_seq(),
-                    self.cache_batch(),
-                    self.max_seq,
-                    if self.broken {
-                        ", after a failed pass (reset first)"
-                    } else {
-                        ""
-                    }
-                ),
-            });
-        }
-        let (cos, sin) = inputs.rope_rows(&self.cos, &self.sin)?;
-        let b = inputs.batch();
-        let positions = Positions::Device {
-            rope: Rope { cos, sin },
-            mask: inputs.mask(self.config.sliding_window, DType::F32)?,
-            index: inputs.position_index((b, self.plan.kv_heads, 1, self.config.head_dim))?,
-        };
-        let embedded = masked_lookup(&self.embed, &inputs.ids()?, self.vocab_start)?;
-        // A step that fails midway leaves nothing inconsistent: its position is counted
-        // only after it (set_cached), and the next step writes that position again.
-        let x = self.group.layer_sum(embedded)?;
-        let last = self.layers_forward(x, &positions)?;
-        inputs.finish(&self.logits(&last)?)
-    }
-
-    fn set_cached(&mut self, cached: usize) -> Result<()> {
-        if cached > self.max_seq {
-            return Err(Error::Argument {
-                op: "CausalLm::set_cached",
-                why: format!("{cached} positions with room for {}", self.max_seq),
-            });
-        }
-        for layer in &mut self.layers {
-            layer.attention.cache.set_len(cached)?;
-        }
-        self.cached = cached;
-        Ok(())
     }
 }
 
