@@ -19,10 +19,9 @@ mod writer;
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use nccl::Comm;
 use nccl_candle::decode::{DecodeGraph, StaticDecode};
 use nccl_candle::models::{CausalLm, Checkpoint};
-use nccl_candle::tp::{LsaCollectives, TpGroup};
+use nccl_candle::tp::TpGroup;
 use nccl_candle::Error;
 
 /// Decode steps after the prompt.
@@ -179,18 +178,6 @@ fn check(
     worst_seen
 }
 
-fn group(test: &str, comm: Comm, lsa: bool) -> Option<TpGroup> {
-    if !lsa {
-        return Some(TpGroup::new(comm).unwrap());
-    }
-    let rank = comm.rank();
-    match LsaCollectives::new(comm, 64 * 1024) {
-        Ok(lsa) => Some(TpGroup::new(lsa).unwrap()),
-        Err(e) if common::kernels_unavailable(test, rank, &e) => None,
-        Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
-    }
-}
-
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn graph_replays_equal_the_eager_step_and_match_the_host() {
@@ -226,7 +213,7 @@ fn graph_replays_equal_the_eager_step_and_match_the_host() {
             }
             drop(alone);
             barrier.wait();
-            let Some(group) = group(TEST, comm, lsa) else {
+            let Some(group) = common::group(TEST, comm, lsa) else {
                 return;
             };
             let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)

@@ -18,9 +18,8 @@ mod writer;
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use nccl::Comm;
 use nccl_candle::models::{CausalLm, Checkpoint};
-use nccl_candle::tp::{LsaCollectives, TpGroup};
+use nccl_candle::tp::TpGroup;
 use nccl_candle::{CheckpointFault, Error};
 
 /// Greedy steps after the prompt.
@@ -125,20 +124,6 @@ fn reference(checkpoint: &Checkpoint, prompt: &[u32]) -> Run {
     decode(&mut model, &Device::Cpu, prompt, None, STEPS)
 }
 
-/// The group of `comm`, plain NCCL or the shipped kernels (`None`: these ranks cannot have
-/// them, said once).
-fn group(test: &str, comm: Comm, lsa: bool) -> Option<TpGroup> {
-    if !lsa {
-        return Some(TpGroup::new(comm).unwrap());
-    }
-    let rank = comm.rank();
-    match LsaCollectives::new(comm, 64 * 1024) {
-        Ok(lsa) => Some(TpGroup::new(lsa).unwrap()),
-        Err(e) if common::kernels_unavailable(test, rank, &e) => None,
-        Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
-    }
-}
-
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn ranks_on_gpus_match_the_host_reference() {
@@ -183,7 +168,7 @@ fn ranks_on_gpus_match_the_host_reference() {
             );
             drop(alone);
             barrier.wait();
-            let Some(group) = group(TEST, comm, lsa) else {
+            let Some(group) = common::group(TEST, comm, lsa) else {
                 return;
             };
             let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)

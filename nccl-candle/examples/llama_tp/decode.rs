@@ -18,6 +18,24 @@ pub enum Feed<'a> {
     Forced(&'a [Vec<u32>]),
 }
 
+impl Feed<'_> {
+    /// The ids step `step` (after the prompt's pass, step 0) is fed, one per row: the run's
+    /// last choice, or the forced row (refused, naming `op`, when there is none of `batch`).
+    fn input(&self, run: &Run, step: usize, batch: usize, op: &'static str) -> Result<Vec<u32>> {
+        let row = match self {
+            Feed::Greedy => run.tokens.get(step - 1),
+            Feed::Forced(tokens) => tokens.get(step - 1),
+        };
+        match row {
+            Some(row) if row.len() == batch => Ok(row.clone()),
+            _ => Err(Error::Argument {
+                op,
+                why: format!("no tokens to feed step {step} of {batch} rows"),
+            }),
+        }
+    }
+}
+
 /// One decode of a batch.
 #[derive(Debug, Clone, Default)]
 pub struct Run {
@@ -78,18 +96,7 @@ pub fn decode(
     run.prefill = start.elapsed();
     keep(&mut run, &logits)?;
     for step in 1..new_tokens {
-        let input = match feed {
-            Feed::Greedy => run.tokens[step - 1].clone(),
-            Feed::Forced(tokens) => match tokens.get(step - 1) {
-                Some(row) if row.len() == batch => row.clone(),
-                _ => {
-                    return Err(Error::Argument {
-                        op: "decode",
-                        why: format!("no forced tokens for step {step} of {batch} rows"),
-                    })
-                }
-            },
-        };
+        let input = feed.input(&run, step, batch, "decode")?;
         let start = Instant::now();
         let ids = Tensor::from_vec(input, (batch, 1), device)?;
         let logits = model.forward(&ids, prompt_len + step - 1)?;
@@ -146,18 +153,7 @@ pub fn decode_static(
     };
     run.nodes = graph.nodes()?;
     for step in 1..new_tokens {
-        let input = match feed {
-            Feed::Greedy => run.tokens[step - 1].clone(),
-            Feed::Forced(tokens) => match tokens.get(step - 1) {
-                Some(row) if row.len() == batch => row.clone(),
-                _ => {
-                    return Err(Error::Argument {
-                        op: "decode_static",
-                        why: format!("no forced tokens for step {step} of {batch} rows"),
-                    })
-                }
-            },
-        };
+        let input = feed.input(&run, step, batch, "decode_static")?;
         let start = Instant::now();
         graph.step(&input)?;
         run.tokens.push(graph.greedy_tokens()?);

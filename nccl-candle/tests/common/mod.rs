@@ -275,3 +275,19 @@ pub fn host_add_rms_norm(
         .collect();
     (h.iter().map(|&v| v as f32).collect(), normed)
 }
+
+/// The tensor-parallel group of `comm`: plain NCCL, or (`lsa`) the shipped kernels through
+/// `LsaCollectives` (`None` where these ranks cannot have them, said once).
+#[allow(dead_code)]
+pub fn group(test: &str, comm: Comm, lsa: bool) -> Option<nccl_candle::tp::TpGroup> {
+    use nccl_candle::tp::{LsaCollectives, TpGroup};
+    if !lsa {
+        return Some(TpGroup::new(comm).unwrap());
+    }
+    let rank = comm.rank();
+    match LsaCollectives::new(comm, 64 * 1024) {
+        Ok(lsa) => Some(TpGroup::new(lsa).unwrap()),
+        Err(e) if kernels_unavailable(test, rank, &e) => None,
+        Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
+    }
+}
