@@ -152,7 +152,7 @@ pub mod window;
 
 pub use coll_config::CollConfig;
 pub use collectives::{Construction, Layout, Operation, VOperation};
-pub use comm::{Comm, CommStatus, DestroyInFlight, MemStats};
+pub use comm::{Comm, CommStatus, MemStats, Release, ReleaseInFlight};
 pub use config::CommConfig;
 pub use dtype::{DataType, NcclType};
 pub use encryption::{set_encryption, EncryptionKey};

@@ -200,9 +200,11 @@ impl Comm {
             .map(|&color| split_color(color))
             .collect::<Result<Vec<_>>>()?;
         let mut children: Vec<ncclComm_t> = vec![ptr::null_mut(); comms.len()];
-        let mut group = thread_group::RawGroup::start(lib)?;
-        // Aborts from other threads wait until the group has ended (see `crate::fault`).
+        // Aborts from other threads wait until the group has ended (see `crate::fault`):
+        // entered before it starts, so it is left after the group ended, also on an early
+        // return.
         let _entered = Membership::enter(comms.iter());
+        let mut group = thread_group::RawGroup::start(lib)?;
         // Every parent must be live before the first split joins the group: with aborts
         // deferred from here on, none can be released below, so no split is left out of a
         // group whose other splits wait for it (a blocking group end would never return).

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::in_flight::Registration;
+use super::in_flight::{release_on_thread, Release};
 use super::state::{Actor, Cause, Failure, FailureState};
 use super::Comm;
 use crate::calls;
@@ -21,6 +21,10 @@ impl Comm {
     /// first, for at most [`Comm::drop_timeout`] (as [`Comm::synchronize_all_timeout`]).
     /// Work not done by then fails the call with [`Error::Timeout`] before NCCL sees it: the
     /// communicator is as it was (abort it, or drop it, which aborts).
+    ///
+    /// NCCL's finalize also waits until every CUDA graph that captured this communicator's
+    /// operations is destroyed (see the [module docs](super#end-of-life)): destroy such
+    /// graphs first.
     pub fn finalize(&self) -> Result<()> {
         self.lib.require_call(&calls::ncclCommFinalize)?;
         thread_group::ensure_outside("Comm::finalize")?;
@@ -53,12 +57,17 @@ impl Comm {
     /// aborted the communicator, nothing is left to free and the error says why it was
     /// aborted.
     ///
+    /// A CUDA graph that captured this communicator's operations and is still alive holds
+    /// NCCL's destroy until it is destroyed, and on the last rank of this process to end the
+    /// communicator every rank's graphs do (see the [module docs](super#end-of-life)):
+    /// destroy such graphs first.
+    ///
     /// The call into NCCL itself is not bounded: as an intra-node collective it waits for the
     /// other ranks of the node to end the communicator the orderly way, and one that aborted
     /// instead (a peer whose own destroy refused, or whose watchdog fired) leaves it waiting
     /// indefinitely (seen on 4×H100, NCCL 2.32.3). Where a peer may fail, end the
     /// communicator by dropping it: a drop bounds the same destroy by
-    /// [`Comm::drop_timeout`] and goes on (see [`Comm::destroys_in_flight`]).
+    /// [`Comm::drop_timeout`] and goes on (see [`Comm::releases_in_flight`]).
     // The pair is rusqlite's shape; destroy is called once per communicator, so its size
     // costs nothing.
     #[allow(clippy::result_large_err)]
@@ -97,12 +106,16 @@ impl Comm {
     /// it without waiting for peers. After a failure every rank should abort.
     ///
     /// Aborting a communicator that an [`AbortHandle`](crate::AbortHandle) or a
-    /// [`Watchdog`](crate::Watchdog) already aborted is a no-op that returns `Ok`.
+    /// [`Watchdog`](crate::Watchdog) already aborted is a no-op that returns `Ok`. Where
+    /// CUDA graphs that captured it are still alive, NCCL's abort goes on past 1 s on a
+    /// thread of its own until they are destroyed, its kernels stopped (see the
+    /// [module docs](super#end-of-life)).
     pub fn abort(self) -> Result<()> {
         // Already released means another thread did it: `self` is still owned here.
         self.shared.lock().abort(
             self.lib,
             self.stream.context(),
+            &self.who(),
             Failure::owner(FailureState::Released),
         )
     }
@@ -134,6 +147,7 @@ impl Comm {
         let aborted = self.shared.lock().abort(
             self.lib,
             self.stream.context(),
+            &self.who(),
             Failure {
                 state: FailureState::Released,
                 by: Actor::Owner,
@@ -213,6 +227,7 @@ impl Drop for Comm {
         let _ = self.shared.lock().abort(
             self.lib,
             self.stream.context(),
+            &self.who(),
             Failure::owner(FailureState::Released),
         );
     }
@@ -237,7 +252,7 @@ impl Comm {
     /// connected). It cannot be interrupted, so it runs on a thread of its own; past `limit`
     /// that thread keeps the handle and finishes the destroy (or, if NCCL refuses it, the
     /// abort) whenever NCCL returns, and the drop goes on. The thread is listed meanwhile
-    /// ([`Comm::destroys_in_flight`]). It waits for none of the kernels the communicator's
+    /// ([`Comm::releases_in_flight`]). It waits for none of the kernels the communicator's
     /// operations enqueued: the drop hands over only a communicator whose work finished on
     /// every stream it used (work captured into CUDA graphs aside; see `in_flight.rs` for
     /// what is left and why no abort may follow).
@@ -248,55 +263,16 @@ impl Comm {
         if raw.is_null() {
             return;
         }
-        let handle = OwnedHandle(raw);
-        let (lib, ctx) = (self.lib, self.stream.context().clone());
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
-        // Listed until NCCL returns (or the thread never starts), for a process that wants
-        // to see or wait for the destroys its drops left running.
-        let registration = Registration::new(self.rank, self.size, self.device);
-        let spawned = std::thread::Builder::new()
-            .name(format!("nccl-rs destroy rank {}", self.rank))
-            .spawn(move || {
-                let _registration = registration;
-                let raw = handle.into_raw();
-                // Best effort: NCCL finds its device itself, but its cleanup may use the
-                // current context.
-                let _ = ctx.bind_to_thread();
-                // SAFETY: the handle was taken out of the state under its lock, so this thread
-                // is its only user; its work is complete (every stream it used was waited
-                // for).
-                let status = unsafe { lib.api().ncclCommDestroy(raw) };
-                if lib.check(calls::ncclCommDestroy.name, status).is_err() {
-                    // A refused destroy leaves the handle allocated: free it the other way.
-                    // SAFETY: as above; NCCL did not free it.
-                    let _ = unsafe { lib.api().ncclCommAbort(raw) };
-                }
-                let _ = done_tx.send(());
-            });
-        match spawned {
-            // Done or not, the handle is the thread's now.
-            Ok(_) => {
-                let _ = done_rx.recv_timeout(limit);
-            }
-            // No thread: the closure was dropped unrun, so the handle is still only ours.
-            Err(_) => {
-                // SAFETY: taken out of the state above, and no thread ever received it.
-                let _ = unsafe { self.lib.api().ncclCommAbort(raw) };
-            }
-        }
-    }
-}
-
-/// A raw handle moving to the thread that destroys it.
-struct OwnedHandle(nccl_sys::ncclComm_t);
-
-// SAFETY: the handle is taken out of its communicator's state before it moves, so exactly one
-// thread uses it, and NCCL allows a communicator to be ended from any thread.
-unsafe impl Send for OwnedHandle {}
-
-impl OwnedHandle {
-    fn into_raw(self) -> nccl_sys::ncclComm_t {
-        self.0
+        // Done or not, the handle is NCCL's (or the release thread's) now; errors have
+        // nowhere to go from a drop.
+        let _ = release_on_thread(
+            self.lib,
+            self.stream.context(),
+            &self.who(),
+            Release::Destroy,
+            raw,
+            limit,
+        );
     }
 }
 

@@ -7,8 +7,9 @@
 //! * it borrows the communicator, so it cannot outlive it;
 //! * it is given back under the communicator's lock, where an abort from another thread
 //!   cannot run at the same time;
-//! * a communicator that was aborted or destroyed freed it with itself, so giving it back
-//!   then calls nothing (calling would be a use after free) and succeeds;
+//! * a communicator that was aborted or destroyed frees it with itself (NCCL's release may
+//!   still be running, see `in_flight.rs`), so giving it back then calls nothing (calling
+//!   would be a use after free) and succeeds;
 //! * if NCCL fails to take it back, it stays lent: the owner may try again, and leaks what
 //!   NCCL may still use (a registered buffer) rather than freeing it.
 
@@ -78,8 +79,8 @@ impl<'c, H: Copy> Lease<'c, H> {
     }
 
     /// Gives the handle back, once: `settle` first (waiting out the work that uses it),
-    /// then the call under the communicator's lock. A communicator released meanwhile freed
-    /// it: `Ok` without a call. On an error it stays held.
+    /// then the call under the communicator's lock. A communicator released meanwhile frees
+    /// it with itself: `Ok` without a call. On an error it stays held.
     pub(crate) fn give_back(&mut self, settle: impl FnOnce() -> Result<()>) -> Result<()> {
         if !self.held {
             return Ok(());
@@ -93,7 +94,7 @@ impl<'c, H: Copy> Lease<'c, H> {
         });
         match outcome {
             Ok(status) => lib.check(self.call.name, status)?,
-            // Aborted or destroyed, possibly from another thread: NCCL freed the handle with
+            // Aborted or destroyed, possibly from another thread: NCCL frees the handle with
             // the communicator, so there is nothing left to give back.
             Err(_) if self.comm.shared().lock().ptr.is_null() => {}
             Err(err) => return Err(err),

@@ -106,7 +106,7 @@ impl Comm {
                     .cloned()
                     .unwrap_or_else(|| Failure::owner(action.state()));
                 // Errors have nowhere to go: the communicator is marked failed either way.
-                let _ = state.run(self.library(), self.context(), action, failure);
+                let _ = state.run(self.library(), self.context(), &self.who(), action, failure);
             }
         }
         state.check_failure(call, self.rank()).err()

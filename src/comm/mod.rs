@@ -11,7 +11,8 @@
 //! waits on them, `streams.rs` tracks the other streams their operations ran on,
 //! `suspend.rs` releases and restores their memory, `status.rs` describes them (`Debug`,
 //! `Display`), `flight_record.rs` copies their flight recorder's ring, `close.rs` ends them
-//! and `in_flight.rs` lists the destroys that outlived a drop. Failure handling (abort
+//! and `in_flight.rs` runs destroys and aborts on threads of their own and lists those still
+//! running. Failure handling (abort
 //! handles, the watchdog, revoke/shrink/grow) lives in [`crate::fault`].
 //!
 //! # End of life
@@ -29,16 +30,17 @@
 //! sends off and fail the peer's operation ("Connection closed by remote peer"). Destroy
 //! cannot be interrupted and waits for ranks of this node that are connected to this rank's
 //! proxy to end the communicator too, so it runs on a thread of its own; past the time left,
-//! the drop returns and that thread finishes the destroy whenever NCCL does. Such destroys
-//! are listed by [`Comm::destroys_in_flight`] and can be waited for with
-//! [`Comm::wait_for_destroys`]; they cannot be aborted (NCCL forbids aborting a
-//! communicator being destroyed), but they hold no GPU work, only a thread and NCCL's host
+//! the drop returns and that thread finishes the destroy whenever NCCL does. Such releases
+//! are listed by [`Comm::releases_in_flight`] and can be waited for with
+//! [`Comm::wait_for_releases`]; a destroy cannot be aborted (NCCL forbids aborting a
+//! communicator being destroyed), but it holds no GPU work, only a thread and NCCL's host
 //! resources. A communicator
 //! that failed (see [`crate::fault`]), or whose work on any of its streams did not finish in
 //! time, is aborted at once (`ncclCommAbort`, which stops its kernels on every stream and
 //! never waits for peers); one already aborted from another
 //! thread is left alone. So a drop never panics and never blocks for longer than its
-//! timeout, also when a peer has died. For an orderly shutdown in which all ranks take part
+//! timeout (and, where CUDA graphs that captured the communicator are alive, the abort's
+//! second; see below), also when a peer has died. For an orderly shutdown in which all ranks take part
 //! and errors are reported, call [`Comm::finalize`] and then [`Comm::destroy`]; each first
 //! waits for the same work within the same bound and fails with [`Error::Timeout`] (the
 //! communicator as it was) where it does not finish, instead of blocking in NCCL forever.
@@ -49,10 +51,24 @@
 //! [`Comm::destroy`] that fails gives the communicator back with the error (as rusqlite's
 //! `Connection::close` does), so it is never left neither destroyed nor aborted.
 //!
+//! CUDA graphs that captured a communicator's operations hold NCCL's release of it: both
+//! `ncclCommDestroy` and `ncclCommAbort` wait until every such graph (and its instances) is
+//! destroyed (`commDestroySync` in `src/init.cc`, 2.28 to 2.32), and with several ranks in
+//! one process the last rank to end the communicator waits for every rank's graphs. The
+//! thread that would destroy the graph is often the one ending the communicator, so every
+//! abort (by its owner, a drop, an [`AbortHandle`](crate::AbortHandle) or a
+//! [`Watchdog`](crate::Watchdog)) runs on a thread of its own: it sets the flags the
+//! communicator's kernels watch at once (replays of those graphs stop too) and is waited for
+//! 1 s, past which it goes on there, listed by [`Comm::releases_in_flight`], until the
+//! graphs are gone. [`Comm::finalize`] and [`Comm::destroy`] wait for them in NCCL, holding
+//! the communicator (no abort can interrupt them): destroy such graphs first, or drop the
+//! communicator, which bounds the wait.
+//!
 //! With several ranks of one communicator in one process (threads, or [`Comm::init_all`]),
 //! NCCL frees them together: `ncclCommDestroy` and `ncclCommAbort` (`commReclaim` in
 //! `src/init.cc`, 2.28 to 2.30.7) return at once on every rank but the last to call, which
-//! then frees all of them, windows included, with frees that synchronise each rank's GPU.
+//! then frees all of them, windows included, with frees that synchronise each rank's GPU
+//! (once the CUDA graphs that captured any of them are destroyed, see above).
 //! So until every rank in the process has ended (destroyed, aborted or dropped) a
 //! communicator, no rank may enqueue work that waits for a peer, such as a collective on
 //! another communicator: the last rank's cleanup would wait for that work, and the work for
@@ -104,7 +120,7 @@ use parking_lot::MutexGuard;
 
 pub(crate) use close::Siblings;
 pub(crate) use flight_record::record_of;
-pub use in_flight::DestroyInFlight;
+pub use in_flight::{Release, ReleaseInFlight};
 pub(crate) use init::rank_and_size;
 pub(crate) use job_slot::JobSlot;
 pub(crate) use lease::Lease;

@@ -14,9 +14,10 @@ use cudarc::driver::{CudaContext, DriverError};
 use nccl_sys::ncclComm_t;
 use parking_lot::{Mutex, MutexGuard};
 
+use super::in_flight::{release_on_thread, Release, ABORT_WAIT, ABORT_WAIT_IN_PROGRESS};
 use super::streams::ForeignStreams;
 use crate::calls::{self, Call};
-use crate::diagnostics::flight::{FlightRing, RawOp};
+use crate::diagnostics::flight::{FlightRing, RawOp, Who};
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
 
@@ -203,32 +204,55 @@ impl State {
     }
 
     /// Aborts the communicator (`ncclCommAbort`): takes the raw handle out, recording
-    /// `failure` as its release, and hands it to NCCL, which frees it without waiting for
-    /// peers. Does nothing if it was already released. The one place a live communicator is
-    /// aborted (owner, drop, abort handle, watchdog).
+    /// `failure` as its release, stops this crate's kernels, and hands it to NCCL, which
+    /// sets the flags its kernels watch and frees it without waiting for peers. Does
+    /// nothing if it was already released. The one place a live communicator is aborted
+    /// (owner, drop, abort handle, watchdog). NCCL's abort runs on a thread of its own,
+    /// waited for at most [`ABORT_WAIT`]: it also waits for the CUDA graphs that captured
+    /// the communicator to be destroyed, which may be this caller's to do (see
+    /// `in_flight.rs`); an abort still running then is `Ok` (its kernels are stopped) and
+    /// listed by [`Comm::releases_in_flight`](super::Comm::releases_in_flight).
     pub(crate) fn abort(
         &mut self,
-        lib: &Library,
-        ctx: &CudaContext,
+        lib: &'static Library,
+        ctx: &Arc<CudaContext>,
+        who: &Who,
         failure: Failure,
     ) -> Result<()> {
+        if self.ptr.is_null() {
+            self.take(Failure {
+                state: FailureState::Released,
+                ..failure
+            });
+            return Ok(());
+        }
+        // A nonblocking call still in progress: NCCL's abort first joins its job, which may
+        // still be enqueuing kernels on the caller's streams, and only then waits for graphs;
+        // the caller records its buffers' events there once the abort returns, so it is given
+        // longer.
+        let mut code = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: live handle under its lock; `code` is a valid out-pointer.
+        let queried = unsafe { lib.api().ncclCommGetAsyncError(self.ptr, &mut code) };
+        let in_progress = lib
+            .check(calls::ncclCommGetAsyncError.name, queried)
+            .is_ok()
+            && ResultCode::from_raw(code) == ResultCode::InProgress;
+        let wait = if in_progress {
+            ABORT_WAIT_IN_PROGRESS
+        } else {
+            ABORT_WAIT
+        };
         let raw = self.take(Failure {
             state: FailureState::Released,
             ..failure
         });
-        if raw.is_null() {
-            return Ok(());
-        }
-        // Best effort: NCCL finds its device itself, but its cleanup may use the current
-        // context.
+        // Best effort, for the stops below.
         let _ = ctx.bind_to_thread();
         // This crate's own kernels first: NCCL's abort stops only NCCL's.
         self.stop_kernels();
-        // SAFETY: the handle was taken out of the state under its lock, so no other call can
-        // use it. An abort from another thread additionally needs a nonblocking communicator
-        // that no group holds, which its callers check (see `crate::fault`).
-        let status = unsafe { lib.api().ncclCommAbort(raw) };
-        lib.check(calls::ncclCommAbort.name, status)
+        // An abort from another thread than the owner's needs a nonblocking communicator
+        // that no group holds, which the callers check (see `crate::fault`).
+        release_on_thread(lib, ctx, who, Release::Abort, raw, wait).unwrap_or(Ok(()))
     }
 
     /// Stops every registered kernel of this crate (see [`KernelStop`]), then gives the
@@ -266,8 +290,9 @@ impl State {
     /// Carries out `action` now (no group holds the communicator), recording `failure`.
     pub(crate) fn run(
         &mut self,
-        lib: &Library,
-        ctx: &CudaContext,
+        lib: &'static Library,
+        ctx: &Arc<CudaContext>,
+        who: &Who,
         action: Action,
         failure: Failure,
     ) -> Result<()> {
@@ -276,7 +301,7 @@ impl State {
                 self.record(FailureState::Failed, failure);
                 Ok(())
             }
-            Action::Abort => self.abort(lib, ctx, failure),
+            Action::Abort => self.abort(lib, ctx, who, failure),
             Action::Revoke => {
                 // NCCL's revoke quiesces only its own kernels, and waits for the stream work
                 // queued before its last launch (a shipped kernel waiting for its peers).

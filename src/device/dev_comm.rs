@@ -240,9 +240,11 @@ impl<'c> DevComm<'c> {
         comms.iter().try_for_each(|comm| precheck(comm))?;
         let local = comms.iter().map(|comm| prepare(comm, reqs, abi)).collect();
         let raws = agreement::agree(comms, reqs, abi, local)?;
-        let mut group = RawGroup::start(first.library())?;
-        // Aborts from other threads wait until the group has ended (see `crate::fault`).
+        // Aborts from other threads wait until the group has ended (see `crate::fault`):
+        // entered before it starts, so it is left after the group ended, also on an early
+        // return.
         let mut membership = Membership::enter(comms.iter().copied());
+        let mut group = RawGroup::start(first.library())?;
         let slots: Vec<Slot> = comms
             .iter()
             .map(|_| JobSlot::new(Image([0; DEV_COMM_ROOM])))

@@ -65,8 +65,9 @@ fn plan(state: &mut State, action: Action, failure: &Failure) -> Step {
 /// `failure`.
 pub(crate) fn act(
     state: &mut State,
-    lib: &Library,
-    ctx: &CudaContext,
+    lib: &'static Library,
+    ctx: &Arc<CudaContext>,
+    who: &Who,
     action: Action,
     failure: Failure,
 ) -> Result<AbortOutcome> {
@@ -75,7 +76,7 @@ pub(crate) fn act(
         Step::Deferred => Ok(AbortOutcome::Deferred),
         Step::Recorded => Ok(AbortOutcome::Aborted),
         Step::Run => {
-            state.run(lib, ctx, action, failure)?;
+            state.run(lib, ctx, who, action, failure)?;
             Ok(AbortOutcome::Aborted)
         }
     }
@@ -110,7 +111,10 @@ impl AbortHandle {
     ///
     /// If its owner has it in a [`Group`](crate::Group) that is still open, the abort is
     /// [deferred](AbortOutcome::Deferred) to the end of that group. An error means NCCL
-    /// reported one while aborting; the communicator is released either way.
+    /// reported one while aborting; the communicator is released either way. Where CUDA
+    /// graphs that captured it are still alive, NCCL's abort goes on past 1 s on a thread of
+    /// its own until they are destroyed, its kernels stopped (see
+    /// [`Comm::releases_in_flight`]).
     ///
     /// Where `NCCL_RS_FLIGHT_RECORDER_DIR` is set and the communicator was still live, its
     /// flight record (taken just before the abort) is written there after it (see
@@ -131,6 +135,7 @@ impl AbortHandle {
                 &mut state,
                 self.lib,
                 &self.ctx,
+                &self.who,
                 Action::Abort,
                 Failure {
                     state: FailureState::Released,
@@ -189,6 +194,7 @@ impl Comm {
             &mut state,
             self.library(),
             self.context(),
+            &self.who(),
             Action::Abort,
             Failure {
                 state: FailureState::Released,

@@ -135,6 +135,7 @@ impl Comm {
                 state.run(
                     self.library(),
                     self.context(),
+                    &self.who(),
                     Action::Revoke,
                     Failure::owner(FailureState::Revoked),
                 )?;

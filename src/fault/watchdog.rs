@@ -449,7 +449,14 @@ impl Worker {
             .to_string();
         // Before acting, as the communicator was when it hung.
         let flight_record = record_of(state, self.who.clone(), &format!("watchdog: {reason}"));
-        let result = act(state, self.lib, self.stream.context(), action, failure);
+        let result = act(
+            state,
+            self.lib,
+            self.stream.context(),
+            &self.who,
+            action,
+            failure,
+        );
         let action_error = match result {
             Err(err) if action == Action::Revoke => {
                 // Revoking failed: fall back to aborting, which always releases.
@@ -462,6 +469,7 @@ impl Worker {
                     state,
                     self.lib,
                     self.stream.context(),
+                    &self.who,
                     Action::Abort,
                     fallback,
                 );

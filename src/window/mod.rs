@@ -72,8 +72,10 @@
 //! * The window borrows the communicator, so the communicator cannot be destroyed or
 //!   aborted by value while a window lives. An [`AbortHandle`](crate::AbortHandle) or a
 //!   [`Watchdog`](crate::Watchdog) can still abort it from another thread; NCCL then frees the
-//!   window itself (`ncclDevrFinalize`, when the communicator's resources are freed: at once
-//!   with one rank per process, else when the process's last rank of it ends it), and the
+//!   window itself (`ncclDevrFinalize`, when the communicator's resources are freed: with
+//!   the abort with one rank per process, else when the process's last rank of it ends it,
+//!   and in either case only once the CUDA graphs that captured it are destroyed; NCCL holds
+//!   its own reference to the memory meanwhile), and the
 //!   window checks, under the communicator's lock, that the communicator is still alive
 //!   before deregistering. It never deregisters after an abort or destroy.
 //! * Deregistration is local and must not race work that uses the buffer: closing or
@@ -413,7 +415,8 @@ impl<'c, T: NcclType> Window<'c, T> {
     /// using the buffer has finished (see the [module docs](self)). On a timeout or an NCCL
     /// failure the window comes back with the error, still registered; dropping it then
     /// tries again and leaks the buffer if that fails too. A window whose communicator was
-    /// aborted meanwhile was freed by NCCL: its buffer comes back without a call.
+    /// aborted meanwhile is NCCL's to free (it holds its own reference to the memory): its
+    /// buffer comes back without a call.
     // The error gives the window back (as rusqlite's `close` does); it is the rare path.
     #[allow(clippy::result_large_err)]
     pub fn close(mut self) -> std::result::Result<NcclBuffer<T>, (Self, Error)> {
@@ -429,7 +432,7 @@ impl<'c, T: NcclType> Window<'c, T> {
         Ok(unsafe { ManuallyDrop::take(&mut this.buffer) })
     }
 
-    /// Waits for the buffer's work, then deregisters, unless NCCL already freed the window
+    /// Waits for the buffer's work, then deregisters, unless NCCL owns the window's end
     /// with its communicator (aborted or destroyed from another thread: 2.29.7 release
     /// notes, `ncclDevrFinalize` in dev_runtime.cc).
     fn release(&mut self) -> Result<()> {

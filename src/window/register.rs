@@ -288,12 +288,14 @@ impl Comm {
             Ok(agreed) => agreed,
             Err(err) => return Err(RegisterError::returning(err, buffers)),
         };
+        // Aborts from other threads wait until the group has ended (see `crate::fault`):
+        // entered before it starts, so it is left after the group ended, also on an early
+        // return.
+        let mut membership = Membership::enter(comms.iter());
         let mut raw_group = match RawGroup::start(first.library()) {
             Ok(group) => group,
             Err(err) => return Err(RegisterError::returning(err, buffers)),
         };
-        // Aborts from other threads wait until the group has ended (see `crate::fault`).
-        let mut membership = Membership::enter(comms.iter());
         let slots: Vec<Slot> = comms.iter().map(|_| new_slot()).collect();
         let mut issued = 0;
         let mut failure = None;

@@ -356,8 +356,10 @@ pub(crate) fn set_up(comms: &[&Comm]) -> Result<()> {
         return Ok(());
     };
     let lib = first.library();
-    let mut group = RawGroup::start(lib)?;
+    // Entered before the group starts, so it is left (running an abort deferred meanwhile)
+    // only after the group has ended, also on an early return.
     let mut membership = Membership::enter(comms.iter().copied());
+    let mut group = RawGroup::start(lib)?;
     let mut failure = None;
     for comm in comms {
         let (r, n) = (comm.rank(), comm.size());
