@@ -95,6 +95,10 @@ fn cuda(err: DriverError) -> Error {
 fn all_gather_row(comm: &Comm, row: &[u64]) -> Result<Vec<u64>> {
     let stream = comm.stream();
     comm.context().bind_to_thread().map_err(cuda)?;
+    // The stream first, then the upload: a pageable copy queued behind a collective that
+    // waits for a peer holds the context's staging buffer, which a peer sharing the context
+    // (ranks on one GPU in one process) needs for its own upload before it can join.
+    comm.synchronize()?;
     let send = stream.clone_htod(row).map_err(cuda)?;
     let mut recv = stream
         .alloc_zeros::<u64>(row.len() * comm.size())

@@ -9,7 +9,10 @@
 //! * replays match the host reference (one rank on the CPU in f32) within the tolerance of
 //!   `gpu_models`, tokens under the near-tie rule;
 //! * a device a capture cannot use, and a capture one rank refuses alone, are typed errors
-//!   on every rank, before any rank replays.
+//!   on every rank, before any rank replays;
+//! * a replay whose peers never replay again is ended by an abort of the communicator from
+//!   another thread, and the ranks' aborts with their graphs still alive return (NCCL's
+//!   release waits for the graphs; nccl-rs leaves that to a thread of its own).
 //!
 //! Run on a GPU host: `cargo test --test gpu_decode -- --include-ignored --test-threads=1`.
 
@@ -19,6 +22,7 @@ mod writer;
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use nccl::Comm;
 use nccl_candle::decode::{DecodeGraph, StaticDecode};
 use nccl_candle::models::{CausalLm, Checkpoint};
 use nccl_candle::tp::TpGroup;
@@ -292,5 +296,92 @@ fn captures_refused_on_any_rank_are_errors_on_every_rank() {
                 offset,
             )
             .unwrap();
+    });
+}
+
+/// A replay whose peer never replays again waits in its all-reduce, as an eager pass would,
+/// until the communicator is aborted (from another thread, as a watchdog does): then the
+/// replay ends and the stream can be synchronised, within seconds of the abort.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn a_replay_left_alone_is_ended_by_an_abort() {
+    const TEST: &str = "a_replay_left_alone_is_ended_by_an_abort";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let spec = writer::preset("llama-gqa-bf16").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let ids = prompt(checkpoint.config().vocab_size);
+    let hold = std::time::Duration::from_secs(2);
+    common::run_capturable(TEST, &layout, |comm, device, barrier| {
+        let rank = comm.rank();
+        // Abort handles need a nonblocking communicator: a child of the harness's.
+        let stream = device.as_cuda_device().unwrap().cuda_stream();
+        let config = nccl::CommConfig::new().blocking(false);
+        let child = comm
+            .split_with(Some(0), rank as i32, Some(&config), stream)
+            .unwrap()
+            .unwrap();
+        let mut handle = Some(child.abort_handle().unwrap());
+        let group = TpGroup::new(child).unwrap();
+        let mut model = CausalLm::load(&checkpoint, &group, DType::BF16, device, 32).unwrap();
+        let prompt = Tensor::new(ids.as_slice(), device)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        model.prefill(&prompt).unwrap();
+        let mut graph = DecodeGraph::capture(&mut model, 1).unwrap();
+        // One step together.
+        graph.step(&[1]).unwrap();
+        graph.greedy_tokens().unwrap();
+        barrier.wait();
+        if rank == 0 {
+            let mine = handle.take().unwrap();
+            let aborter = std::thread::spawn(move || {
+                std::thread::sleep(hold);
+                mine.abort()
+            });
+            let start = std::time::Instant::now();
+            // Launched alone: its collectives wait for peers that never come.
+            graph.step(&[2]).unwrap();
+            // Whatever the read gives after the abort (the step's output is not a result).
+            let _ = graph.greedy_tokens();
+            let waited = start.elapsed();
+            aborter.join().unwrap().unwrap();
+            assert!(
+                waited >= hold / 2 && waited < hold * 15,
+                "the lone replay ended after {waited:?} (abort after {hold:?})"
+            );
+            eprintln!("NOTE {TEST}: a lone replay ended {waited:?} after its launch, the abort at {hold:?}");
+        }
+        barrier.wait();
+        // The peer's child too, and both parents: aborted, not destroyed (a destroy waits for
+        // the peers' destroys, which an aborted child's rank cannot promise). The graph is
+        // still alive: NCCL's release of the child waits for it (on the last rank of the
+        // process, for every rank's), so this abort returns after its bounded wait and goes
+        // on on a thread of its own until the graphs are dropped.
+        let start = std::time::Instant::now();
+        if let Some(handle) = handle {
+            handle.abort().unwrap();
+        }
+        let took = start.elapsed();
+        assert!(
+            took < std::time::Duration::from_secs(8),
+            "rank {rank}: an abort with the graph alive took {took:?}"
+        );
+        comm.abort().unwrap();
+        drop(graph);
+        drop(model);
+        drop(group);
+        barrier.wait();
+        if rank == 0 {
+            Comm::wait_for_releases(std::time::Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("after every graph was dropped: {e}"));
+        }
+        eprintln!(
+            "NOTE {TEST}: rank {rank} released everything (its abort returned after {took:?})"
+        );
     });
 }

@@ -88,6 +88,8 @@ pub unsafe trait StaticDecode {
 /// A step refused on one rank alone (ids of another batch, a sequence at `max_seq`) leaves
 /// its peers' replay waiting in its collectives, as with an eager pass: the communicator's
 /// watchdog or abort ends the wait (NCCL's kernels), the shipped kernels' timeout theirs.
+/// NCCL's release of the communicator waits until the graph is dropped (see
+/// [`nccl::Comm::releases_in_flight`]): an abort returns anyway, its kernels stopped.
 pub struct DecodeGraph<'m, M: StaticDecode> {
     model: &'m mut M,
     inputs: StepInputs,

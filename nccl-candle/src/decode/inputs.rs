@@ -1,7 +1,9 @@
 //! What a static decode step reads from device memory (its token ids and position) and where
 //! it leaves its result, so that one captured graph serves every step of a sequence.
 
-use candle_core::cuda::cudarc::driver::{CudaEvent, PinnedHostSlice};
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda::cudarc::driver::{CudaContext, CudaEvent, PinnedHostSlice};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor,
 };
@@ -31,7 +33,67 @@ pub struct StepInputs {
     /// CUDA: page-locked memory the inputs are uploaded from, and the event after the last
     /// upload (a copy from pageable memory can hold the context's staging buffer while the
     /// stream waits in a collective for a peer that shares the GPU and needs that buffer).
-    staged: Option<(PinnedHostSlice<u32>, CudaEvent)>,
+    staged: Option<(Staging, CudaEvent)>,
+}
+
+/// Page-locked buffers given back by dropped inputs, by device, kept for the next inputs of
+/// the same length and never freed: freeing page-locked memory (`cuMemFreeHost`) waits for
+/// the whole context, and ranks of one process sharing a GPU share one context, so a rank
+/// freeing it while its peer has already launched the next collective (a capture refused
+/// after the agreement, then an eager pass) waits for a collective that waits for this rank.
+/// A few buffers of a batch's ids and a position each, per process.
+static STAGING_POOL: Mutex<Vec<(usize, PinnedHostSlice<u32>)>> = Mutex::new(Vec::new());
+
+/// A page-locked buffer of the pool, given back to it when dropped.
+struct Staging {
+    ordinal: usize,
+    pinned: Option<PinnedHostSlice<u32>>,
+}
+
+impl Staging {
+    /// A buffer of `len` values on `ctx`'s device: one given back earlier, else a new one.
+    fn take(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        let ordinal = ctx.ordinal();
+        let reused = {
+            let mut pool = STAGING_POOL
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            pool.iter()
+                .position(|(o, p)| *o == ordinal && p.len() == len)
+                .map(|i| pool.swap_remove(i).1)
+        };
+        let pinned = match reused {
+            Some(pinned) => pinned,
+            // SAFETY: u32 has no invalid bits, and every upload writes all `len` values
+            // before copying them.
+            None => unsafe { ctx.alloc_pinned::<u32>(len) }.map_err(cuda_error)?,
+        };
+        Ok(Self {
+            ordinal,
+            pinned: Some(pinned),
+        })
+    }
+
+    /// The buffer (held from `take` until the drop gives it back).
+    fn get(&mut self) -> Result<&mut PinnedHostSlice<u32>> {
+        self.pinned.as_mut().ok_or_else(|| Error::Argument {
+            op: "StepInputs::write",
+            why: "its page-locked buffer was given back".into(),
+        })
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // A copy still reading it is waited for by the next user (the buffer's own event,
+        // which every copy records and `as_mut_slice` waits for).
+        if let Some(pinned) = self.pinned.take() {
+            STAGING_POOL
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push((self.ordinal, pinned));
+        }
+    }
 }
 
 impl std::fmt::Debug for StepInputs {
@@ -57,9 +119,7 @@ impl StepInputs {
         let staged = match device {
             Device::Cuda(cuda) => {
                 let ctx = cuda.cuda_stream().context().clone();
-                // SAFETY: u32 has no invalid bits, and every upload writes all `batch + 1`
-                // values before copying them.
-                let pinned = unsafe { ctx.alloc_pinned::<u32>(batch + 1) }.map_err(cuda_error)?;
+                let pinned = Staging::take(&ctx, batch + 1)?;
                 Some((pinned, ctx.new_event(None).map_err(cuda_error)?))
             }
             _ => None,
@@ -105,12 +165,13 @@ impl StepInputs {
         }
         let mut values = ids.to_vec();
         values.push(position as u32);
-        let Some((pinned, uploaded)) = &mut self.staged else {
+        let Some((staging, uploaded)) = &mut self.staged else {
             self.packed.inplace_op1(&WriteHost::Pageable(values))?;
             return Ok(());
         };
         // The previous upload has left the page-locked buffer before it is overwritten.
         uploaded.synchronize().map_err(cuda_error)?;
+        let pinned = staging.get()?;
         pinned
             .as_mut_slice()
             .map_err(cuda_error)?

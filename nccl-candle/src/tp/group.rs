@@ -257,7 +257,13 @@ impl TpGroup {
             i64::from_ne_bytes(fingerprint.to_ne_bytes()),
             i64::from(local.is_err()),
         ];
-        let exchanged = Tensor::new(&row, device)
+        // The stream first, then the upload, as for the copy back below: a pageable copy
+        // queued behind a collective that waits for a peer holds the context's staging
+        // buffer, which a peer sharing the context needs for its own upload before it can
+        // join (the prefill's all-reduce before a capture's agreement, hung on one H200).
+        let exchanged = device
+            .synchronize()
+            .and_then(|()| Tensor::new(&row, device))
             .map_err(Error::from)
             .and_then(|row| ranks.all_gather(&row));
         // This rank's own error says more than the exchange's or the peers'.
