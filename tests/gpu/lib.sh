@@ -1,4 +1,4 @@
-# tests/gpu/lib.sh: what every round script shares (sourced). Sets up NCCL from .gpu, and
+# tests/gpu/lib.sh: what the suites share (sourced). Sets up NCCL from .gpu, and
 # run LABEL LIMIT CMD...: runs CMD with a time limit into $OUT/LABEL.log, prints its exit
 # status and the lines that matter (tests' results, NOTEs, SKIPs, panics; $HEAD of them).
 # pack_logs: all logs into $OUT/all-logs.txt (the device returns only a few files).

@@ -8,8 +8,9 @@ use super::{LsaAlgorithm, FLAGS_MAX_CTAS, FLAGS_MIN_THREADS, THREADS, VECTOR};
 /// to its bound (inclusive) past the previous one's; past the last, NCCL. Measured on 4×H100
 /// (NV18, NCCL 2.32.3, NVLS off, CUDA graphs, one process per GPU, against NCCL on symmetric
 /// windows; f32 and bf16), the fastest of NCCL and the three kernels at each size.
-/// Fewer than four ranks (measured at two, `tests/gpu/round33.sh`): the one-shot flags kernel
-/// ahead from 8 B (1.1×) to 4 MiB (1.25×), level with NCCL and the two-shot at 8 MiB.
+/// Fewer than four ranks (measured at two, `git show b6dda68:tests/gpu/round33.sh`): the
+/// one-shot flags kernel ahead from 8 B (1.1×) to 4 MiB (1.25×), level with NCCL and the
+/// two-shot at 8 MiB.
 const AUTO_FEW_RANKS: &[(usize, LsaAlgorithm)] = &[(4 << 20, LsaAlgorithm::OneShotFlags)];
 /// Four ranks or more (measured at four, the same run): one-shot ahead from 8 B (1.04-1.06×)
 /// to 64 KiB (2.05×); two-shot ahead of both from 128 KiB (1.8×) to 2 MiB (1.06×); NCCL

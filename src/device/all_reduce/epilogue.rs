@@ -35,7 +35,7 @@ pub(super) const SPLIT_ROWS: usize = 8;
 
 /// The vectors of a row a CTA of the fused kernel aims at where rows are split: 128 was the
 /// fastest of 64, 128, 256 and unsplit rows (4×H100, bf16, hidden 4096 and 8192, at 4 and 2
-/// ranks: `tests/gpu/round30.sh`).
+/// ranks: `git show b6dda68:tests/gpu/round30.sh`).
 const SPLIT_TARGET: usize = 128;
 
 /// A launch of a norm kernel: CTAs, threads a CTA, CTAs a row.

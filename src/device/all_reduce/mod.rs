@@ -1,6 +1,12 @@
 //! [`LsaAllReduce`]: the all-reduce this crate ships as device code, for small messages
 //! inside one LSA team (all ranks on one host's NVLink or one GPU), where NCCL's own kernels
 //! spend most of their time on synchronisation.
+//!
+//! Past 600 lines on purpose: an instance's life (creation agreed on every rank, each
+//! launch's checks and flight entry, the out-of-step state, the stop every owner path runs,
+//! the drop) keeps one set of invariants on one lock, which this file states once; the
+//! epilogue, the all-gather, the setup, the stop word and the choice of kernel have rooms of
+//! their own.
 
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;

@@ -4,6 +4,10 @@
 
 //!
 //! How the weights split over the ranks: see [`plan`](super::plan).
+//!
+//! Just past 600 lines: the layers' host-driven pass and their loading from a checkpoint
+//! read the same shapes; the static step (`static_step.rs`) and the rotary frequencies
+//! (`rope.rs`) are apart.
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::{Linear, Module};
