@@ -232,6 +232,17 @@ fn graph_replays_equal_the_eager_step_and_match_the_host() {
     }
 }
 
+/// The `llama-gqa-bf16` preset written to a temporary directory (kept while the first value
+/// lives), opened, and its prompt.
+fn llama_gqa_bf16() -> (tempfile::TempDir, Checkpoint, Vec<u32>) {
+    let spec = writer::preset("llama-gqa-bf16").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let ids = prompt(checkpoint.config().vocab_size);
+    (dir, checkpoint, ids)
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn captures_refused_on_any_rank_are_errors_on_every_rank() {
@@ -239,11 +250,7 @@ fn captures_refused_on_any_rank_are_errors_on_every_rank() {
     let Some(layout) = common::layout(TEST) else {
         return;
     };
-    let spec = writer::preset("llama-gqa-bf16").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    writer::write(&spec, dir.path()).unwrap();
-    let checkpoint = Checkpoint::open(dir.path()).unwrap();
-    let ids = prompt(checkpoint.config().vocab_size);
+    let (_dir, checkpoint, ids) = llama_gqa_bf16();
     // Devices that track cross-stream events (candle's usual): refused by every rank.
     common::run(TEST, &layout, |comm, device, _| {
         let rank = comm.rank();
@@ -309,11 +316,7 @@ fn a_replay_left_alone_is_ended_by_an_abort() {
     let Some(layout) = common::layout(TEST) else {
         return;
     };
-    let spec = writer::preset("llama-gqa-bf16").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    writer::write(&spec, dir.path()).unwrap();
-    let checkpoint = Checkpoint::open(dir.path()).unwrap();
-    let ids = prompt(checkpoint.config().vocab_size);
+    let (_dir, checkpoint, ids) = llama_gqa_bf16();
     let hold = std::time::Duration::from_secs(2);
     common::run_capturable(TEST, &layout, |comm, device, barrier| {
         let rank = comm.rank();
