@@ -62,8 +62,9 @@ const STATE_PARTIAL_WORDS: usize = 3 * epilogue::SPLIT_ROWS * NORM_CHUNKS / 2;
 const NORM_CHUNKS: usize = 64;
 /// The barrier inboxes' bytes per rank: a 4-byte flag per CTA per peer.
 const INBOX_BYTES: usize = MAX_CTAS as usize * 4;
-/// The first NCCL whose device communicator the shipped kernels can read.
-const SINCE: Version = Version::new(2, 29, 2);
+/// The first NCCL whose device communicator the shipped kernels can read: the headers they
+/// were compiled against.
+const SINCE: Version = shipped::ABI.version();
 /// How long a kernel waits for its peers by default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 

@@ -11,13 +11,13 @@ use parking_lot::Mutex;
 use cudarc::driver::CudaContext;
 
 use super::kernel::DeviceModule;
-use super::DeviceAbi;
+use super::{DeviceAbi, DEV_COMM_SINCE};
 use crate::error::{Error, Result};
-use crate::release::Version;
 
-/// The NCCL headers the shipped kernels were compiled against: 2.29.2, the first versioned
-/// device communicator, whose LSA layout every later library keeps.
-pub(crate) const ABI: DeviceAbi = DeviceAbi::new(Version::new(2, 29, 2));
+/// The NCCL headers the shipped kernels were compiled against: the first versioned device
+/// communicator ([`DEV_COMM_SINCE`], 2.29.2), whose LSA layout every later library keeps; so
+/// it is also the oldest library they run on.
+pub(crate) const ABI: DeviceAbi = DeviceAbi::new(DEV_COMM_SINCE);
 
 /// The cubin for Hopper (sm_90), loaded as is.
 const CUBIN_SM_90: &[u8] = include_bytes!("allreduce.sm_90.cubin");
