@@ -262,19 +262,17 @@ pub fn presets() -> Vec<Spec> {
 /// Checkpoints the size of a small real model, for a GPU host's memory and load-speed runs;
 /// not among [`presets`], which every CPU test writes and runs. `llama-1b-bf16`: 1.04 G
 /// parameters, 2.1 GB in four shards; 24 query and 6 key/value heads of 96, so it splits
-/// over 1, 2, 3 and 6 ranks.
+/// over 1, 2, 3 and 6 ranks. `qwen3-1b-bf16`: 1.34 G parameters, 2.7 GB in four shards; 16
+/// query and 8 key/value heads of 128 (Qwen3's query/key norms), so it splits over 1, 2, 4
+/// and 8 ranks.
+#[rustfmt::skip] // A table: one preset a line.
 pub fn large_presets() -> Vec<Spec> {
     use DType::BF16;
     use Family::*;
-    vec![spec(
-        "llama-1b-bf16",
-        Llama,
-        [32000, 2304, 6144, 16, 24, 6],
-        BF16,
-        4,
-        false,
-        19,
-    )]
+    vec![
+        spec("llama-1b-bf16", Llama, [32000, 2304, 6144, 16, 24, 6], BF16, 4, false, 19),
+        spec("qwen3-1b-bf16", Qwen3, [32000, 2048, 6144, 24, 16, 8], BF16, 4, false, 20),
+    ]
 }
 
 /// The preset called `name`, of [`presets`] or [`large_presets`].
