@@ -1,11 +1,14 @@
-//! A communicator's flight record on demand ([`Comm::flight_record`]), and the record of the
-//! communicator behind a locked state, as the watchdog and abort handles take it
-//! (see [`crate::diagnostics::flight`]).
+//! A communicator's flight record on demand ([`Comm::flight_record`]), the record of the
+//! communicator behind a locked state, as the watchdog and abort handles take it, and the
+//! hooks through which the owner of a CUDA graph tells the recorder about the graph
+//! ([`Comm::graph_capture_mark`], [`Comm::record_graph`]; see
+//! [CUDA graphs](crate::diagnostics::flight#cuda-graphs)).
 
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use super::{Comm, State};
-use crate::diagnostics::flight::{FlightRecord, Who};
+use crate::diagnostics::flight::{nccl_tag, FlightRecord, GraphCaptureMark, RecordedGraph, Who};
 
 /// The flight record of the communicator behind `state` (its lock held), taken because of
 /// `reason`; `None` where its recorder is off.
@@ -29,6 +32,55 @@ impl Comm {
     pub fn flight_record(&self) -> Option<FlightRecord> {
         let state = self.shared().lock();
         record_of(&state, self.who(), "on demand")
+    }
+
+    /// Marks the recorder's counters at one end of a CUDA stream capture that may take this
+    /// communicator's operations: on every rank, right before the capture begins
+    /// (`cuStreamBeginCapture`) and right after it ends (`cuStreamEndCapture`), then
+    /// [`Comm::record_graph`] with both once the ranks agreed on the capture. Records
+    /// nothing; briefly takes the communicator's lock. Where the recorder is off the mark
+    /// holds nothing and the graph recorded with it gets no number.
+    pub fn graph_capture_mark(&self) -> GraphCaptureMark {
+        let state = self.shared().lock();
+        GraphCaptureMark {
+            raw: state.flight.as_deref().map(|ring| ring.graph_mark()),
+        }
+    }
+
+    /// Records a CUDA graph captured on `stream` (the raw `cudaStream_t` that was capturing)
+    /// between the marks `began` and `ended` ([`Comm::graph_capture_mark`]): it gets the next
+    /// graph number on the communicator (from 1, in the order graphs are recorded), and the
+    /// operations recorded on `stream` between the marks (NCCL's and the shipped kernels',
+    /// refused ones excepted) are its captured operations, run at each of its replays; what
+    /// came after `ended` (the ranks' agreement on the capture, say) is not. Returns the
+    /// handle that records the graph's launches ([`RecordedGraph::record_replay`]); keep it
+    /// as long as the graph (its drop marks the graph's counters dropped). Where the recorder
+    /// is off the handle has no number and records nothing. Briefly takes the communicator's
+    /// lock, and reads the ring's entries recorded between the marks.
+    ///
+    /// The caller's rule: record a graph only once every rank's capture succeeded and the
+    /// ranks agreed on it, on every rank, in the same order, so that the same number is the
+    /// same graph on every rank (as creating shipped-kernel instances collectively numbers
+    /// them alike). A capture that failed on one rank is recorded on none (drop the marks).
+    /// A graph that captured operations of several communicators is recorded on each, with
+    /// marks of each. A `began` of another communicator captures nothing here (the graph is
+    /// still numbered); an `ended` of another means now.
+    pub fn record_graph(
+        &self,
+        began: GraphCaptureMark,
+        ended: GraphCaptureMark,
+        stream: u64,
+    ) -> RecordedGraph {
+        let number = self
+            .shared()
+            .lock()
+            .flight
+            .as_deref_mut()
+            .map(|ring| ring.new_graph(began.raw, ended.raw, stream, nccl_tag));
+        RecordedGraph {
+            shared: Arc::clone(self.shared()),
+            number,
+        }
     }
 
     /// Whose records this communicator's are.

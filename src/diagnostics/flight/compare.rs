@@ -2,17 +2,18 @@
 //! diverge, and which rank is to blame
 //! (the rules are in the [flight module docs](super#comparing-ranks)).
 //!
-//! The rules compare numbered operations of any one sequence ([`compare_sequence`], in
-//! `sequence.rs`): NCCL's collectives here, each shipped instance's calls in
-//! `compare_shipped.rs`.
+//! The rules compare numbered operations of any one sequence (`compare_sequence`, in
+//! `sequence.rs`, through [`compare_numbered`]): NCCL's collectives here, each shipped
+//! instance's calls in `compare_shipped.rs`, each CUDA graph's replays in `compare_graph.rs`.
 
 use std::fmt;
 use std::path::Path;
 
+use super::compare_graph::{compare_graphs, GraphComparison};
 use super::compare_shipped::{compare_shipped, ShippedComparison};
 use super::finding::Finding;
 use super::record::FlightRecord;
-use super::sequence::{compare_sequence, RankOps};
+use super::sequence::compare_numbered;
 use crate::error::{Error, Result};
 
 /// What [`compare`] found; `Display` writes it for people.
@@ -33,28 +34,32 @@ pub struct FlightComparison {
     /// The shipped kernels' calls, compared per instance (see the
     /// [module docs](super#shipped-kernels)), by ascending instance number.
     pub shipped: Vec<ShippedComparison>,
+    /// The CUDA graphs' replays, compared per graph (see the
+    /// [module docs](super#cuda-graphs)), by ascending graph number.
+    pub graphs: Vec<GraphComparison>,
 }
 
 impl FlightComparison {
-    /// The ranks the findings blame (about NCCL's collectives and the shipped calls),
-    /// ascending, each once.
+    /// The ranks the findings blame (about NCCL's collectives, the shipped calls and the
+    /// graphs' replays), ascending, each once.
     pub fn culprits(&self) -> Vec<usize> {
-        let shipped = self.shipped.iter().flat_map(|s| &s.findings);
-        let mut ranks: Vec<usize> = self
-            .findings
-            .iter()
-            .chain(shipped)
-            .filter_map(Finding::rank)
-            .collect();
+        let mut ranks: Vec<usize> = self.all_findings().filter_map(Finding::rank).collect();
         ranks.sort_unstable();
         ranks.dedup();
         ranks
     }
 
-    /// Whether nothing is amiss: the ranks agree, every collective and shipped call was seen
-    /// complete, and no shipped kernel gave up.
+    /// Whether nothing is amiss: the ranks agree, every collective, shipped call and graph
+    /// replay was seen complete, and no shipped kernel gave up.
     pub fn is_consistent(&self) -> bool {
-        self.findings.is_empty() && self.shipped.iter().all(|s| s.findings.is_empty())
+        self.all_findings().next().is_none()
+    }
+
+    /// Every finding: NCCL's collectives', then each shipped instance's, then each graph's.
+    fn all_findings(&self) -> impl Iterator<Item = &Finding> {
+        let shipped = self.shipped.iter().flat_map(|s| &s.findings);
+        let graphs = self.graphs.iter().flat_map(|g| &g.findings);
+        self.findings.iter().chain(shipped).chain(graphs)
     }
 }
 
@@ -105,20 +110,11 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
         sorted.push(record);
     }
     sorted.sort_by_key(|r| r.rank);
-    let ranks: Vec<RankOps<'_>> = sorted
-        .iter()
-        .map(|record| {
-            let ops = record
-                .collectives()
-                .filter_map(|e| e.collective_seq.map(|seq| (seq, e)));
-            RankOps::new(record.rank, ops, record.collectives)
-        })
-        .collect();
     let mut findings: Vec<Finding> = (0..size)
         .filter(|rank| !sorted.iter().any(|r| r.rank == *rank))
         .map(|rank| Finding::NoRecord { rank })
         .collect();
-    let verdict = compare_sequence(&ranks);
+    let verdict = compare_numbered(&sorted, |e| e.collective_seq, |r| Some(r.collectives));
     findings.extend(verdict.findings);
     Ok(FlightComparison {
         size,
@@ -128,6 +124,7 @@ pub fn compare(records: &[FlightRecord]) -> Result<FlightComparison> {
         diverged_at: verdict.diverged_at,
         findings,
         shipped: compare_shipped(&sorted),
+        graphs: compare_graphs(&sorted),
     })
 }
 
@@ -180,6 +177,9 @@ impl fmt::Display for FlightComparison {
         }
         for instance in &self.shipped {
             write!(f, "{instance}")?;
+        }
+        for graph in &self.graphs {
+            write!(f, "{graph}")?;
         }
         Ok(())
     }

@@ -1,13 +1,13 @@
 //! The shipped kernels' calls compared across ranks, one instance at a time, by the rules
-//! NCCL's collectives are compared by ([`compare_sequence`]), with the instances' ends (see
-//! the [module docs](super#shipped-kernels)).
+//! NCCL's collectives are compared by (`compare_sequence`, through [`compare_numbered`]),
+//! with the instances' ends (see the [module docs](super#shipped-kernels)).
 
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::finding::{Finding, Words};
-use super::record::{FlightEntry, FlightRecord};
-use super::sequence::{compare_sequence, RankOps};
+use super::finding::{write_verdict, Finding, Words};
+use super::record::FlightRecord;
+use super::sequence::compare_numbered;
 use super::shipped::ShippedEnd;
 
 /// What [`compare`](super::compare) found about one instance of shipped kernels: its calls
@@ -56,22 +56,15 @@ pub(super) fn compare_shipped(records: &[&FlightRecord]) -> Vec<ShippedCompariso
 }
 
 fn compare_instance(records: &[&FlightRecord], instance: u32) -> ShippedComparison {
-    let ranks: Vec<RankOps<'_>> = records
-        .iter()
-        .map(|record| {
-            let ops: Vec<(u64, &FlightEntry)> = record
-                .shipped_calls(instance)
-                .filter_map(|e| e.shipped.and_then(|s| s.seq).map(|seq| (seq, e)))
-                .collect();
-            // The counters where the record keeps them, else what its ring holds.
-            let last = record.shipped_instance(instance).map_or_else(
-                || ops.iter().map(|(seq, _)| *seq).max().unwrap_or(0),
-                |i| i.calls,
-            );
-            RankOps::new(record.rank, ops, last)
-        })
-        .collect();
-    let verdict = compare_sequence(&ranks);
+    let verdict = compare_numbered(
+        records,
+        |e| {
+            e.shipped
+                .filter(|s| s.instance == instance)
+                .and_then(|s| s.seq)
+        },
+        |r| r.shipped_instance(instance).map(|i| i.calls),
+    );
     let ends: Vec<(usize, ShippedEnd)> = records
         .iter()
         .filter_map(|r| {
@@ -106,15 +99,6 @@ fn compare_instance(records: &[&FlightRecord], instance: u32) -> ShippedComparis
     }
 }
 
-/// A finding written in a shipped instance's calls.
-struct InCalls<'f>(&'f Finding);
-
-impl fmt::Display for InCalls<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.write(f, &Words::SHIPPED)
-    }
-}
-
 impl fmt::Display for ShippedComparison {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
@@ -122,25 +106,13 @@ impl fmt::Display for ShippedComparison {
             "LSA instance {} (shipped kernels, by its own call numbers, from call #{}):",
             self.instance, self.compared_from
         )?;
-        match self.diverged_at {
-            Some(seq) => writeln!(
-                f,
-                "  the ranks agree through call #{}; they diverge at call #{seq}:",
-                self.agreed_through
-            )?,
-            None => writeln!(
-                f,
-                "  the ranks agree on every call (through #{})",
-                self.agreed_through
-            )?,
-        }
-        for finding in &self.findings {
-            writeln!(f, "    {}", InCalls(finding))?;
-        }
-        if self.findings.is_empty() {
-            writeln!(f, "    nothing amiss: every call was seen complete")?;
-        }
-        Ok(())
+        write_verdict(
+            f,
+            &Words::SHIPPED,
+            self.agreed_through,
+            self.diverged_at,
+            &self.findings,
+        )
     }
 }
 

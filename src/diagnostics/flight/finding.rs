@@ -1,5 +1,6 @@
 //! What [`compare`](super::compare) finds about a rank ([`Finding`]), and how a finding is
-//! written, in the words of NCCL's collectives or of a shipped instance's calls.
+//! written, in the words of NCCL's collectives, of a shipped instance's calls or of a CUDA
+//! graph's replays, with the verdict on one sequence that holds them ([`write_verdict`]).
 
 use std::fmt;
 
@@ -119,13 +120,15 @@ impl Finding {
 
 impl fmt::Display for Finding {
     /// In the words of NCCL's collectives; a [`ShippedComparison`](super::ShippedComparison)
-    /// writes its findings in its instance's calls.
+    /// writes its findings in its instance's calls, a
+    /// [`GraphComparison`](super::GraphComparison) in its graph's replays.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.write(f, &Words::COLLECTIVES)
     }
 }
 
-/// The words a finding is written in: NCCL's collectives, or a shipped instance's calls.
+/// The words a finding is written in: NCCL's collectives, a shipped instance's calls, or a
+/// CUDA graph's replays.
 pub(super) struct Words {
     /// One of the compared operations: `collective`, `call`.
     pub(super) one: &'static str,
@@ -146,6 +149,50 @@ impl Words {
         many: "calls",
         outside: "the instance's kernels",
     };
+    pub(super) const REPLAYS: Words = Words {
+        one: "replay",
+        many: "replays",
+        outside: "the graph",
+    };
+}
+
+/// A finding written in some words.
+struct InWords<'f>(&'f Finding, &'f Words);
+
+impl fmt::Display for InWords<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.write(f, self.1)
+    }
+}
+
+/// Writes, under a heading the caller wrote, the verdict on one sequence compared apart (a
+/// shipped instance's calls, a graph's replays): where the ranks agree and diverge, then the
+/// findings in `words`, or that nothing is amiss.
+pub(super) fn write_verdict(
+    f: &mut fmt::Formatter<'_>,
+    words: &Words,
+    agreed_through: u64,
+    diverged_at: Option<u64>,
+    findings: &[Finding],
+) -> fmt::Result {
+    let one = words.one;
+    match diverged_at {
+        Some(seq) => writeln!(
+            f,
+            "  the ranks agree through {one} #{agreed_through}; they diverge at {one} #{seq}:"
+        )?,
+        None => writeln!(
+            f,
+            "  the ranks agree on every {one} (through #{agreed_through})"
+        )?,
+    }
+    for finding in findings {
+        writeln!(f, "    {}", InWords(finding, words))?;
+    }
+    if findings.is_empty() {
+        writeln!(f, "    nothing amiss: every {one} was seen complete")?;
+    }
+    Ok(())
 }
 
 impl Finding {

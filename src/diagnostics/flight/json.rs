@@ -9,8 +9,9 @@
 //!   "entries": [ { "seq": 1, "collective_seq": 1, "kind": "AllReduce", "dtype": "ncclFloat32",
 //!                  "count": 1024, "root": null, "peer": null, "reduction": "sum",
 //!                  "stream": 94000000, "group": null, "enqueued_at_us": 1767225599000000,
-//!                  "state": "completed", "shipped": null }, ... ],
-//!   "shipped": [] }
+//!                  "state": "completed", "shipped": null, "replay": null,
+//!                  "captured_in": null }, ... ],
+//!   "shipped": [], "graphs": [] }
 //! ```
 //!
 //! A launch of a shipped kernel has `"shipped": { "instance": 1, "seq": 3, "kernel":
@@ -20,6 +21,18 @@
 //! when read, so records written before shipped kernels were recorded read as before; a
 //! reader from before them refuses a record holding a shipped call (its kind is unknown
 //! there) and reads any other.
+//!
+//! A CUDA graph's replay has `"replay": { "graph": 2, "seq": 117 }` (`seq` null where the
+//! launch failed), an operation a recorded graph captured `"captured_in": 2`, and the
+//! record's `"graphs"` lists the graphs' counters: `{ "graph": 2, "captured_from": 12,
+//! "captured_through": 40, "stream": 94000000, "operations": 14, "collectives": 12,
+//! "replays": 117, "dropped": false }`. All three are optional when read (records written
+//! before graphs were recorded read with none), and none changes what another field means,
+//! so [`FLIGHT_RECORD_FORMAT`] stays: a reader from before them refuses a record holding a
+//! replay (its kind is unknown there) and reads any other, ignoring `"captured_in"`. The
+//! graphs' fields are read and written in `json/graphs.rs`.
+
+mod graphs;
 
 use serde_json::{Map, Value};
 
@@ -62,6 +75,8 @@ impl FlightRecord {
         map.insert("entries".into(), Value::Array(entries));
         let shipped = self.shipped.iter().map(instance_value).collect();
         map.insert("shipped".into(), Value::Array(shipped));
+        let graphs = self.graphs.iter().map(graphs::graph_value).collect();
+        map.insert("graphs".into(), Value::Array(graphs));
         Value::Object(map)
     }
 
@@ -99,6 +114,16 @@ impl FlightRecord {
                 .map(|(i, value)| instance_from(value, i))
                 .collect::<Result<Vec<_>>>()?,
         };
+        let graphs = match at.optional("graphs") {
+            None => Vec::new(),
+            Some(list) => list
+                .as_array()
+                .ok_or_else(|| at.wrong("graphs", "an array"))?
+                .iter()
+                .enumerate()
+                .map(|(i, value)| graphs::graph_from(value, i))
+                .collect::<Result<Vec<_>>>()?,
+        };
         let record = FlightRecord {
             rank: at.usize("rank")?,
             size: at.usize("size")?,
@@ -111,6 +136,7 @@ impl FlightRecord {
             collectives: at.u64("collectives")?,
             completed_through: at.u64("completed_through")?,
             shipped,
+            graphs,
             taken_at_us: at.u64("taken_at_us")?,
             reason: at.string("reason")?.to_owned(),
             entries,
@@ -126,7 +152,8 @@ const MOST_OPERATIONS: u64 = 1 << 62;
 
 /// A record read from a file holds together: a rank of its size, counters no larger than
 /// [`MOST_OPERATIONS`] and ordered (`completed_through` ≤ `collectives` ≤ `recorded`), no more
-/// entries than its capacity or its count, entries' numbers within the counters.
+/// entries than its capacity or its count, entries' numbers within the counters, and its
+/// replays and graphs likewise (`graphs::consistent`).
 fn consistent(r: &FlightRecord) -> Result<()> {
     let bad = |why: String| Err(Error::FlightRecordFormat(why));
     if r.size == 0 || r.rank >= r.size {
@@ -191,7 +218,7 @@ fn consistent(r: &FlightRecord) -> Result<()> {
         }
         last = i.instance;
     }
-    Ok(())
+    graphs::consistent(r).map_err(Error::FlightRecordFormat)
 }
 
 fn entry_value(entry: &FlightEntry) -> Value {
@@ -223,6 +250,8 @@ fn entry_value(entry: &FlightEntry) -> Value {
         Value::Object(map)
     });
     map.insert("shipped".into(), shipped);
+    map.insert("replay".into(), graphs::replay_value(entry.replay));
+    map.insert("captured_in".into(), opt(entry.captured_in.map(u64::from)));
     Value::Object(map)
 }
 
@@ -259,10 +288,7 @@ fn instance_from(value: &Value, index: usize) -> Result<ShippedInstance> {
         instance: at.u32("instance")?,
         calls: at.u64("calls")?,
         ended,
-        dropped: at
-            .get("dropped")?
-            .as_bool()
-            .ok_or_else(|| at.wrong("dropped", "a boolean"))?,
+        dropped: at.bool("dropped")?,
     })
 }
 
@@ -304,14 +330,20 @@ fn entry_from(value: &Value, index: usize) -> Result<FlightEntry> {
     };
     let state =
         OpState::from_name(at.string("state")?).ok_or_else(|| at.wrong("state", "a state"))?;
-    let group = match at.optional_u64("group")? {
-        None => None,
-        Some(g) => Some(u32::try_from(g).map_err(|_| at.wrong("group", "a group number"))?),
+    let number = |key: &str| -> Result<Option<u32>> {
+        match at.optional_u64(key)? {
+            None => Ok(None),
+            Some(n) => Ok(Some(
+                u32::try_from(n).map_err(|_| at.wrong(key, "a 32-bit number"))?,
+            )),
+        }
     };
+    let group = number("group")?;
     Ok(FlightEntry {
         seq: at.u64("seq")?,
         collective_seq: at.optional_u64("collective_seq")?,
         shipped: shipped_from(&at)?,
+        replay: graphs::replay_from(&at)?,
         kind,
         dtype,
         count: at.u64("count")?,
@@ -320,6 +352,7 @@ fn entry_from(value: &Value, index: usize) -> Result<FlightEntry> {
         reduction,
         stream: at.u64("stream")?,
         group,
+        captured_in: number("captured_in")?,
         enqueued_at_us: at.u64("enqueued_at_us")?,
         state,
     })
@@ -349,11 +382,17 @@ impl<'v> Fields<'v> {
     }
 
     fn u32(&self, key: &str) -> Result<u32> {
-        u32::try_from(self.u64(key)?).map_err(|_| self.wrong(key, "an instance number"))
+        u32::try_from(self.u64(key)?).map_err(|_| self.wrong(key, "a 32-bit number"))
     }
 
     fn usize(&self, key: &str) -> Result<usize> {
         usize::try_from(self.u64(key)?).map_err(|_| self.wrong(key, "a size"))
+    }
+
+    fn bool(&self, key: &str) -> Result<bool> {
+        self.get(key)?
+            .as_bool()
+            .ok_or_else(|| self.wrong(key, "a boolean"))
     }
 
     fn string(&self, key: &str) -> Result<&'v str> {

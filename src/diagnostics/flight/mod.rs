@@ -12,7 +12,9 @@
 //! refused the call. Operations of a simulated group ([`Group::simulate`](crate::Group::simulate))
 //! run nothing and are not recorded; calls refused by this crate's validation never reach
 //! NCCL and are not recorded either. The kernels this crate ships are recorded too, with
-//! their own numbering (see [Shipped kernels](#shipped-kernels)).
+//! their own numbering (see [Shipped kernels](#shipped-kernels)), and so is each launch of a
+//! CUDA graph that captured the communicator's operations, which its owner reports (see
+//! [CUDA graphs](#cuda-graphs)).
 //!
 //! # Cost
 //!
@@ -30,8 +32,11 @@
 //! operation recorded before that probe complete once the probe is, and a successful
 //! [`Comm::synchronize`](crate::Comm::synchronize) (or its `_timeout` and `_all` forms)
 //! marks every operation before it. Operations on other streams stay
-//! [`OpState::Enqueued`]. Operations captured into a CUDA graph are recorded when captured,
-//! and a later probe marks them complete even though they run only when the graph does.
+//! [`OpState::Enqueued`]. An operation captured into a CUDA graph is recorded once, when
+//! captured, and a later probe marks it complete though nothing of it ran: its state says
+//! only that the capture passed it. What runs is the graph's replays: each is an entry of its
+//! own ([`OpKind::GraphReplay`]), completed by the probes and synchronizes like any other
+//! entry on the communicator's stream (see [CUDA graphs](#cuda-graphs)).
 //!
 //! # Size and off-switch
 //!
@@ -58,7 +63,9 @@
 //!
 //! [`compare`] takes the records of the ranks of one communicator and names the first
 //! collective where they diverge and what each odd rank did; `examples/flight_compare.rs` is
-//! a command that compares dump files.
+//! a command that compares dump files. The shipped kernels' calls and the CUDA graphs'
+//! replays are compared apart, by the same rules (see [Shipped kernels](#shipped-kernels)
+//! and [CUDA graphs](#cuda-graphs)).
 //!
 //! Ranks are compared by their collectives, in order ([`FlightEntry::collective_seq`]):
 //! every rank must issue the same collectives in the same order, while sends and receives
@@ -145,10 +152,68 @@
 //! was descheduled past the timeout. A rank whose kernel gave up refuses the instance's later
 //! calls, so it is not also named stalled before them; a stop, being an abort's doing after
 //! a hang, excuses nothing.
+//!
+//! # CUDA graphs
+//!
+//! An operation captured into a CUDA graph is recorded once, when captured; what a hang
+//! needs is which graph ran how often, and a decode job replays one captured step thousands
+//! of times. The graph is launched outside this crate (`cuGraphLaunch`, cudarc's
+//! `CudaGraph::launch`), so its owner tells the communicator, on every rank:
+//!
+//! 1. right before the stream capture begins and right after it ends,
+//!    [`Comm::graph_capture_mark`](crate::Comm::graph_capture_mark) (it remembers the ring's
+//!    counters and records nothing);
+//! 2. once the capture succeeded on every rank and the ranks agreed on it,
+//!    [`Comm::record_graph`](crate::Comm::record_graph) with both marks and the stream that
+//!    captured; it returns the graph's [`RecordedGraph`], kept as long as the graph;
+//! 3. right after each launch, [`RecordedGraph::record_replay`] with the stream and whether
+//!    the launch failed.
+//!
+//! * **Graphs.** Each recorded graph gets a number on its communicator, from 1 in the order
+//!   graphs are recorded ([`RecordedGraph::number`]): ranks that record theirs collectively,
+//!   in the same order, number them alike, so the same number is the same graph on every
+//!   rank (a capture that failed on one rank must be recorded on none). Its captured
+//!   operations are those recorded on the capturing stream between the two marks
+//!   (NCCL's and the shipped kernels'; refused ones excepted): each that the ring still holds
+//!   says so ([`FlightEntry::captured_in`]), and [`FlightRecord::graphs`] keeps each graph's
+//!   counters ([`CapturedGraph`]: the operations and collectives it captured, its replays,
+//!   whether its owner dropped it), which outlive what the ring keeps. A graph that captured
+//!   operations of several communicators is recorded on each.
+//! * **Replays.** Every launch is one entry, in the same ring and the same per-communicator
+//!   numbering ([`FlightEntry::seq`]) as everything else, of kind [`OpKind::GraphReplay`],
+//!   with its graph and its own number among the graph's replays
+//!   ([`FlightEntry::replay`], [`GraphReplay::seq`], from 1), never among NCCL's
+//!   collectives, and the number of operations the graph captured as its count. A launch
+//!   that failed takes no number (it never ran, so it pairs with nothing). A launch not
+//!   reported is not seen.
+//! * **Cost.** Recording a replay costs what an NCCL operation does, under the
+//!   communicator's lock (which the report takes, the launch being outside the crate): one
+//!   slot written, one counter of the graph found by a binary search among the kept graphs
+//!   and incremented, one clock read; no allocation, no CUDA call. A mark copies three
+//!   counters; recording a graph adds a row to the communicator's table of graphs and reads
+//!   the ring's entries between the marks. The table keeps every live graph and forgets the
+//!   oldest dropped ones past 64 rows (their entries in the ring remain).
+//! * **Completion.** A replay launched on the communicator's own stream is marked complete
+//!   by the watchdog's probes and synchronizes as any operation is, once they pass it (so
+//!   report a launch after making it, never before); one on another stream stays
+//!   [`OpState::Enqueued`].
+//!
+//! [`compare`](compare()) compares each graph's replays across the ranks by their own
+//! numbers, by the same rules as NCCL's collectives, apart from the collectives, the shipped
+//! instances and the other graphs ([`FlightComparison::graphs`], one [`GraphComparison`] per
+//! graph some rank replayed): a rank that replayed a graph fewer times than the others is
+//! **stalled** (stuck inside its last replay if that was not seen complete, else before
+//! launching the next), a few ranks that replayed it more while the many are idle are
+//! **ahead**, ranks whose graph captured other operations (another count) **mismatch**, and
+//! a last replay not seen complete everywhere is **not completed**. Every replay of a graph
+//! is the same operation, so a rank that skipped a replay looks like one that stalled
+//! before the last.
 
 mod compare;
+mod compare_graph;
 mod compare_shipped;
 mod finding;
+mod graph;
 mod json;
 mod op_kind;
 mod record;
@@ -161,15 +226,17 @@ pub(crate) mod synthetic;
 use std::path::{Path, PathBuf};
 
 pub use compare::{compare, read_flight_records, FlightComparison};
+pub use compare_graph::GraphComparison;
 pub use compare_shipped::ShippedComparison;
 pub use finding::Finding;
+pub(crate) use graph::nccl_tag;
+pub use graph::{CapturedGraph, GraphCaptureMark, GraphReplay, RecordedGraph};
 pub use json::FLIGHT_RECORD_FORMAT;
 pub use op_kind::OpKind;
 pub(crate) use record::Who;
 pub use record::{FlightEntry, FlightRecord, OpState, RecordedReduction};
-pub(crate) use ring::RawShipped;
 pub use ring::MAX_FLIGHT_ENTRIES;
-pub(crate) use ring::{FlightRing, RawKind, RawOp, NO_RANK};
+pub(crate) use ring::{FlightRing, RawKind, RawOp, RawShipped, NO_RANK};
 pub use shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
 
 use crate::error::{Error, Result};

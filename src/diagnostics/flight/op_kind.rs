@@ -1,8 +1,9 @@
-//! The kind of operation a flight entry records ([`OpKind`]), shared by the records and
-//! the shipped kernels' calls.
+//! The kind of operation a flight entry records ([`OpKind`]), shared by the records, the
+//! shipped kernels' calls and the CUDA graphs' replays.
 
-/// The kind of operation an entry records: one NCCL call, or one launch of a kernel this
-/// crate ships (the `Lsa` kinds, see [Shipped kernels](super#shipped-kernels)).
+/// The kind of operation an entry records: one NCCL call, one launch of a kernel this
+/// crate ships (the `Lsa` kinds, see [Shipped kernels](super#shipped-kernels)), or one
+/// launch of a CUDA graph ([`OpKind::GraphReplay`], see [CUDA graphs](super#cuda-graphs)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OpKind {
     /// `ncclAllReduce`
@@ -34,11 +35,17 @@ pub enum OpKind {
     /// [`LsaAllReduce::all_reduce_add_rms_norm`](crate::device::LsaAllReduce::all_reduce_add_rms_norm)
     /// (or `_to`): fused with its all-reduce, or after it.
     LsaAddRmsNorm,
+    /// A launch of a CUDA graph that captured operations of the communicator
+    /// ([`RecordedGraph::record_replay`](super::RecordedGraph::record_replay)): one replay
+    /// of them all, numbered among its graph's replays
+    /// ([`FlightEntry::replay`](super::FlightEntry::replay)); its count is the number of
+    /// operations the graph captured.
+    GraphReplay,
 }
 
 impl OpKind {
     /// Every kind, in the order of their raw tags.
-    pub const ALL: [OpKind; 13] = [
+    pub const ALL: [OpKind; 14] = [
         OpKind::AllReduce,
         OpKind::Broadcast,
         OpKind::Reduce,
@@ -52,6 +59,7 @@ impl OpKind {
         OpKind::LsaAllReduce,
         OpKind::LsaAllGather,
         OpKind::LsaAddRmsNorm,
+        OpKind::GraphReplay,
     ];
 
     /// The name in records and dumps, e.g. `"AllReduce"`.
@@ -70,6 +78,7 @@ impl OpKind {
             OpKind::LsaAllReduce => "LsaAllReduce",
             OpKind::LsaAllGather => "LsaAllGather",
             OpKind::LsaAddRmsNorm => "LsaAddRmsNorm",
+            OpKind::GraphReplay => "GraphReplay",
         }
     }
 
@@ -78,7 +87,8 @@ impl OpKind {
         OpKind::ALL.into_iter().find(|kind| kind.name() == name)
     }
 
-    /// Whether every rank takes part (a collective), rather than one peer (send, receive).
+    /// Whether every rank takes part (a collective, a shipped kernel's launch, a graph's
+    /// replay), rather than one peer (send, receive).
     pub fn is_collective(self) -> bool {
         !matches!(self, OpKind::Send | OpKind::Recv)
     }
@@ -91,6 +101,12 @@ impl OpKind {
             self,
             OpKind::LsaAllReduce | OpKind::LsaAllGather | OpKind::LsaAddRmsNorm
         )
+    }
+
+    /// Whether it is an NCCL call (numbered among NCCL's collectives where it is one), not
+    /// a shipped kernel's launch or a CUDA graph's replay, which are numbered apart.
+    pub fn is_nccl(self) -> bool {
+        !self.is_shipped() && self != OpKind::GraphReplay
     }
 
     /// Whether the operation has a root.

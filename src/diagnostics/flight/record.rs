@@ -4,8 +4,9 @@
 use std::fmt;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use super::graph::{captured_operations, CapturedGraph, GraphReplay};
 use super::op_kind::OpKind;
-use super::ring::{RingSnapshot, Slot, NO_GROUP, NO_RANK};
+use super::ring::{GraphRow, RingSnapshot, Slot, NO_GROUP, NO_RANK};
 use super::shipped::{ShippedCall, ShippedInstance, ShippedKernel};
 use crate::dtype::DataType;
 
@@ -98,13 +99,18 @@ pub struct FlightEntry {
     /// Sequence number among all of the communicator's recorded operations, from 1.
     pub seq: u64,
     /// Sequence number among its collectives only, from 1; `None` for send and receive,
-    /// and for a shipped kernel's call (see [`FlightEntry::shipped`]). Ranks issue the same
-    /// collectives in the same order, so this is what ranks are compared by (their sends and
-    /// receives legitimately differ).
+    /// for a shipped kernel's call (see [`FlightEntry::shipped`]) and for a CUDA graph's
+    /// replay (see [`FlightEntry::replay`]). Ranks issue the same collectives in the same
+    /// order, so this is what ranks are compared by (their sends and receives legitimately
+    /// differ).
     pub collective_seq: Option<u64>,
     /// For a launch of a shipped kernel (the `Lsa` kinds): its instance, its number among
     /// the instance's calls (what ranks compare it by) and the kernel.
     pub shipped: Option<ShippedCall>,
+    /// For a launch of a CUDA graph ([`OpKind::GraphReplay`]): its graph and its number
+    /// among the graph's replays (what ranks compare it by). See
+    /// [CUDA graphs](super#cuda-graphs).
+    pub replay: Option<GraphReplay>,
     /// What NCCL was asked to do.
     pub kind: OpKind,
     /// The element type; `None` for a raw type this crate does not know.
@@ -121,6 +127,10 @@ pub struct FlightEntry {
     pub stream: u64,
     /// The communicator's group it was part of (numbered from 1), if any.
     pub group: Option<u32>,
+    /// The CUDA graph that captured it, if a recorded one did (its number; see
+    /// [`FlightRecord::graphs`]): it runs at each of that graph's replays, not when recorded.
+    /// Known while the record keeps the graph's counters.
+    pub captured_in: Option<u32>,
     /// When it was handed to NCCL, in microseconds since the Unix epoch (this host's clock).
     pub enqueued_at_us: u64,
     /// What is known of it.
@@ -129,21 +139,45 @@ pub struct FlightEntry {
 
 impl FlightEntry {
     /// Whether `other` is the same operation as far as ranks must agree: kind, element
-    /// type, count, root and reduction, and a shipped call's instance and kernel (not the
-    /// peer, stream, group, times or sequence numbers).
+    /// type, count, root and reduction, a shipped call's instance and kernel, and a replay's
+    /// graph (whose count is the operations the graph captured). Not the peer, stream,
+    /// group, the graph that captured it, times or sequence numbers.
     pub fn same_operation(&self, other: &FlightEntry) -> bool {
         let shipped = |e: &FlightEntry| e.shipped.map(|s| (s.instance, s.kernel));
+        let graph = |e: &FlightEntry| e.replay.map(|r| r.graph);
         self.kind == other.kind
             && self.dtype == other.dtype
             && self.count == other.count
             && self.root == other.root
             && self.reduction == other.reduction
             && shipped(self) == shipped(other)
+            && graph(self) == graph(other)
     }
 
     /// The operation in a few words, e.g. `AllReduce ncclFloat32 x 1024 sum`,
-    /// `Broadcast ncclInt8 x 16 root 0` or `LsaAllReduce ncclBfloat16 x 4096 two-shot-flags`.
+    /// `Broadcast ncclInt8 x 16 root 0`, `LsaAllReduce ncclBfloat16 x 4096 two-shot-flags`,
+    /// `GraphReplay graph #2 (14 captured operations) replay #117`; an operation a graph
+    /// captured ends with `, captured in graph #2`.
     pub fn describe(&self) -> String {
+        let mut text = self.describe_operation();
+        if let Some(graph) = self.captured_in {
+            text.push_str(&format!(", captured in graph #{graph}"));
+        }
+        text
+    }
+
+    fn describe_operation(&self) -> String {
+        if let Some(replay) = self.replay {
+            let number = replay
+                .seq
+                .map_or_else(|| "without a number".to_owned(), |n| format!("#{n}"));
+            return format!(
+                "{} graph #{} ({}) replay {number}",
+                self.kind.name(),
+                replay.graph,
+                captured_operations(self.count)
+            );
+        }
         let dtype = self.dtype.map_or("unknown type", DataType::name);
         let mut text = format!("{} {dtype} x {}", self.kind.name(), self.count);
         if let Some(op) = self.reduction {
@@ -201,6 +235,10 @@ pub struct FlightRecord {
     /// ascending number: every live one, and the last dropped ones (see the
     /// [module docs](super#shipped-kernels)). Empty where none was created.
     pub shipped: Vec<ShippedInstance>,
+    /// The counters of the CUDA graphs recorded on the communicator, by ascending number:
+    /// every live one, and the last dropped ones (see the [module docs](super#cuda-graphs)).
+    /// Empty where none was recorded.
+    pub graphs: Vec<CapturedGraph>,
     /// When the record was taken, in microseconds since the Unix epoch.
     pub taken_at_us: u64,
     /// Why it was taken: `"on demand"`, the watchdog's reason, `"AbortHandle::abort"`...
@@ -230,6 +268,18 @@ impl FlightRecord {
     /// The counters of instance `instance`, if the record keeps them.
     pub fn shipped_instance(&self, instance: u32) -> Option<&ShippedInstance> {
         self.shipped.iter().find(|i| i.instance == instance)
+    }
+
+    /// The entries of graph `graph`'s replays, oldest first.
+    pub fn graph_replays(&self, graph: u32) -> impl Iterator<Item = &FlightEntry> {
+        self.entries
+            .iter()
+            .filter(move |e| e.replay.is_some_and(|r| r.graph == graph))
+    }
+
+    /// The counters of graph `graph`, if the record keeps them.
+    pub fn captured_graph(&self, graph: u32) -> Option<&CapturedGraph> {
+        self.graphs.iter().find(|g| g.graph == graph)
     }
 
     /// The last collective seen complete, by collective sequence number (0 if none).
@@ -262,7 +312,11 @@ impl FlightRecord {
         let entries = snapshot
             .slots
             .iter()
-            .map(|slot| entry_of(slot, completed_before, own_stream, &wall_us))
+            .map(|slot| {
+                let mut entry = entry_of(slot, completed_before, own_stream, &wall_us);
+                entry.captured_in = captured_in(&snapshot.graphs, &entry);
+                entry
+            })
             .collect();
         FlightRecord {
             rank: who.rank,
@@ -279,6 +333,11 @@ impl FlightRecord {
                 .instances
                 .iter()
                 .map(ShippedInstance::from_row)
+                .collect(),
+            graphs: snapshot
+                .graphs
+                .iter()
+                .map(CapturedGraph::from_row)
                 .collect(),
             taken_at_us: micros_since_epoch(wall_now),
             reason,
@@ -303,6 +362,17 @@ fn micros_since_epoch(at: SystemTime) -> u64 {
         .unwrap_or(u64::MAX)
 }
 
+/// The first of the kept graphs that captured `entry` (one NCCL refused was never captured).
+fn captured_in(graphs: &[GraphRow], entry: &FlightEntry) -> Option<u32> {
+    if entry.state == OpState::Refused {
+        return None;
+    }
+    graphs
+        .iter()
+        .find(|row| row.holds(entry.seq, entry.stream))
+        .map(|row| row.graph)
+}
+
 fn entry_of(
     slot: &Slot,
     completed_before: u64,
@@ -313,13 +383,18 @@ fn entry_of(
         .get(usize::from(slot.kind.tag))
         .copied()
         .unwrap_or(OpKind::AllReduce);
+    let own_number = (slot.coll_seq != 0).then_some(slot.coll_seq);
     let shipped = kind.is_shipped().then(|| ShippedCall {
         instance: slot.kind.rank,
-        seq: (slot.coll_seq != 0).then_some(slot.coll_seq),
+        seq: own_number,
         kernel: ShippedKernel::from_raw(slot.op).unwrap_or(ShippedKernel::OneShotFlags),
     });
-    // A shipped call's `rank` is its instance's number.
-    let rank = (slot.kind.rank != NO_RANK && shipped.is_none()).then_some(slot.kind.rank as usize);
+    let replay = (kind == OpKind::GraphReplay).then_some(GraphReplay {
+        graph: slot.kind.rank,
+        seq: own_number,
+    });
+    // A shipped call's `rank` is its instance's number, a replay's its graph's.
+    let rank = (slot.kind.rank != NO_RANK && kind.is_nccl()).then_some(slot.kind.rank as usize);
     let reduces = matches!(
         kind,
         OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter
@@ -333,16 +408,23 @@ fn entry_of(
     };
     FlightEntry {
         seq: slot.seq,
-        collective_seq: (slot.coll_seq != 0 && shipped.is_none()).then_some(slot.coll_seq),
+        collective_seq: own_number.filter(|_| kind.is_nccl()),
         shipped,
+        replay,
         kind,
-        dtype: DataType::ALL.get(usize::from(slot.dtype)).copied(),
+        // A replay has no element type: its count is of operations.
+        dtype: DataType::ALL
+            .get(usize::from(slot.dtype))
+            .copied()
+            .filter(|_| replay.is_none()),
         count: slot.count,
         root: rank.filter(|_| kind.has_root()),
         peer: rank.filter(|_| !kind.is_collective()),
         reduction: reduces.then(|| RecordedReduction::from_raw(slot.op)),
         stream: slot.stream,
         group: (slot.group != NO_GROUP).then_some(slot.group),
+        // Filled by the caller, which holds the graphs' counters.
+        captured_in: None,
         enqueued_at_us: wall_us(slot.enqueued),
         state,
     }
@@ -350,15 +432,14 @@ fn entry_of(
 
 impl fmt::Display for FlightEntry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let coll = match (self.shipped, self.collective_seq) {
+        let number = |n: Option<u64>| n.map_or_else(|| "-".to_owned(), |n| n.to_string());
+        let coll = match (self.shipped, self.replay, self.collective_seq) {
             // Instance 2's call 3: `L2.3`; a launch that failed: `L2.-`.
-            (Some(s), _) => format!(
-                "L{}.{}",
-                s.instance,
-                s.seq.map_or_else(|| "-".to_owned(), |n| n.to_string())
-            ),
-            (None, Some(c)) => format!("c{c}"),
-            (None, None) => "p2p".to_owned(),
+            (Some(s), _, _) => format!("L{}.{}", s.instance, number(s.seq)),
+            // Graph 2's replay 117: `G2.117`; a launch that failed: `G2.-`.
+            (None, Some(r), _) => format!("G{}.{}", r.graph, number(r.seq)),
+            (None, None, Some(c)) => format!("c{c}"),
+            (None, None, None) => "p2p".to_owned(),
         };
         let group = self
             .group
@@ -399,6 +480,9 @@ impl fmt::Display for FlightRecord {
         )?;
         for instance in &self.shipped {
             writeln!(f, "  {instance}")?;
+        }
+        for graph in &self.graphs {
+            writeln!(f, "  {graph}")?;
         }
         let start = self.entries.first().map_or(0, |e| e.enqueued_at_us);
         for entry in &self.entries {

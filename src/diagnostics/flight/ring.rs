@@ -3,10 +3,18 @@
 //! call. So recording takes no lock of its own, allocates nothing (the array is made with
 //! the communicator) and writes one cache line per operation.
 //!
-//! Imports nothing above it: the communicator's state owns a ring, never the reverse.
+//! Imports nothing above it: the communicator's state owns a ring, never the reverse. The
+//! hooks of the shipped kernels (`ring/shipped.rs`) and of CUDA graphs (`ring/graphs.rs`)
+//! live beside it, with the tables of counters they keep next to the slots.
+
+mod graphs;
+mod shipped;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+
+pub(crate) use graphs::{GraphRow, RawMark, RawReplay};
+pub(crate) use shipped::{InstanceRow, RawEnd, RawShipped};
 
 /// What kind of NCCL operation an entry records, as the enqueue path knows it: the raw tag
 /// of [`super::OpKind`] and the root or peer where the operation has one.
@@ -38,52 +46,6 @@ pub(crate) struct RawOp {
     pub(crate) refused: bool,
 }
 
-/// One launch of a kernel this crate ships (see [`super::shipped`]) as its owner hands it to
-/// [`FlightRing::record_shipped`], under the communicator's lock that the launch holds.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RawShipped {
-    /// The instance's number on the communicator ([`FlightRing::new_shipped_instance`]).
-    pub(crate) instance: u32,
-    /// [`super::OpKind`] as a number: which call of the instance.
-    pub(crate) tag: u8,
-    /// [`super::ShippedKernel`] as a number: which kernel it launched.
-    pub(crate) kernel: u8,
-    /// The raw `ncclDataType_t` of its elements.
-    pub(crate) dtype: u8,
-    /// Elements per rank.
-    pub(crate) count: usize,
-    /// The raw `cudaStream_t` it was launched on.
-    pub(crate) stream: u64,
-    /// Whether the launch failed (so the kernel never runs).
-    pub(crate) refused: bool,
-}
-
-/// How an instance's kernels ended without doing their work (see [`super::ShippedEnd`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RawEnd {
-    /// A kernel gave up waiting for its peers.
-    GaveUp,
-    /// An abort, revoke or the owner's drop stopped its kernels.
-    Stopped,
-}
-
-/// The counters of one instance of shipped kernels, which outlive what the ring keeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct InstanceRow {
-    /// Its number on the communicator, from 1 in creation order.
-    pub(crate) instance: u32,
-    /// Calls recorded (launched) so far: the last call number given.
-    pub(crate) calls: u64,
-    /// How its kernels ended, first mark only, and its calls at the time.
-    pub(crate) ended: Option<(RawEnd, u64)>,
-    /// Whether its owner was dropped.
-    pub(crate) dropped: bool,
-}
-
-/// How many instance rows a ring keeps before it forgets the oldest dropped ones (rows of
-/// live instances are always kept: each owns far more memory than its row).
-pub(crate) const KEPT_INSTANCES: usize = 64;
-
 /// No root or peer (see [`RawKind::rank`]).
 pub(crate) const NO_RANK: u32 = u32::MAX;
 /// No group (see [`Slot::group`]).
@@ -96,14 +58,18 @@ pub(crate) const NO_GROUP: u32 = 0;
 /// A shipped kernel's launch ([`FlightRing::record_shipped`]) uses the same slot: `kind.tag`
 /// is its [`super::OpKind`] (one of the `Lsa` kinds, which tells the two apart), `kind.rank`
 /// its instance's number, `coll_seq` its call number among the instance's calls (0: none),
-/// `op` its [`super::ShippedKernel`], and `group` is [`NO_GROUP`] (they never join one).
+/// `op` its [`super::ShippedKernel`], and `group` is [`NO_GROUP`] (they never join one). So
+/// does a CUDA graph's replay ([`FlightRing::record_replay`]): `kind.tag` is
+/// [`super::OpKind::GraphReplay`], `kind.rank` the graph's number, `coll_seq` its replay
+/// number (0: none), `count` the operations the graph captured, `dtype` and `op` 0.
 #[derive(Debug, Clone, Copy)]
 #[repr(align(64))]
 pub(crate) struct Slot {
     /// Per-communicator sequence number of every recorded operation, from 1; 0: empty.
     pub(crate) seq: u64,
     /// Sequence number among the collectives only, from 1; 0 for send and receive. For a
-    /// shipped kernel's launch, its number among its instance's calls.
+    /// shipped kernel's launch, its number among its instance's calls; for a graph's replay,
+    /// among the graph's replays.
     pub(crate) coll_seq: u64,
     /// Elements, as NCCL was given them.
     pub(crate) count: u64,
@@ -154,8 +120,14 @@ pub(crate) struct FlightRing {
     /// given).
     instances_created: u32,
     /// Their counters, by ascending number: every live one and the last
-    /// [`KEPT_INSTANCES`] in all. Grows only when an instance is created.
+    /// [`KEPT_INSTANCES`](shipped::KEPT_INSTANCES) in all. Grows only when an instance is
+    /// created.
     instances: Vec<InstanceRow>,
+    /// CUDA graphs recorded on the communicator so far (the last number given).
+    graphs_created: u32,
+    /// Their counters, by ascending number: every live one and the last
+    /// [`KEPT_GRAPHS`](graphs::KEPT_GRAPHS) in all. Grows only when a graph is recorded.
+    graphs: Vec<GraphRow>,
 }
 
 /// The last communicator number given (see [`FlightRing::serial`]).
@@ -206,6 +178,8 @@ impl FlightRing {
             name,
             instances_created: 0,
             instances: Vec::new(),
+            graphs_created: 0,
+            graphs: Vec::new(),
         }))
     }
 
@@ -261,96 +235,6 @@ impl FlightRing {
         self.cursor += 1;
         if self.cursor == self.slots.len() {
             self.cursor = 0;
-        }
-    }
-}
-
-/// The shipped kernels' hooks (see the [module docs](super#shipped-kernels)), called by
-/// `LsaAllReduce` under the communicator's lock.
-impl FlightRing {
-    /// Numbers a new instance of shipped kernels (from 1, in creation order: ranks that
-    /// create theirs collectively in the same order number them alike) and keeps its
-    /// counters. Allocates at most once (a row); forgets the oldest dropped instance's row
-    /// past [`KEPT_INSTANCES`] rows.
-    pub(crate) fn new_shipped_instance(&mut self) -> u32 {
-        self.instances_created = self.instances_created.saturating_add(1);
-        if self.instances.len() >= KEPT_INSTANCES {
-            if let Some(oldest) = self.instances.iter().position(|row| row.dropped) {
-                self.instances.remove(oldest);
-            }
-        }
-        self.instances.push(InstanceRow {
-            instance: self.instances_created,
-            calls: 0,
-            ended: None,
-            dropped: false,
-        });
-        self.instances_created
-    }
-
-    fn instance_mut(&mut self, instance: u32) -> Option<&mut InstanceRow> {
-        let at = self
-            .instances
-            .binary_search_by_key(&instance, |row| row.instance)
-            .ok()?;
-        self.instances.get_mut(at)
-    }
-
-    /// Records one launch of a shipped kernel: the same cost as [`FlightRing::record`] and a
-    /// binary search among the kept instances (a handful). A launch that failed takes no
-    /// call number, as a refused collective takes no collective number.
-    #[inline]
-    pub(crate) fn record_shipped(&mut self, call: RawShipped) {
-        self.recorded += 1;
-        let number = match self.instance_mut(call.instance) {
-            Some(row) if !call.refused => {
-                row.calls += 1;
-                row.calls
-            }
-            _ => 0,
-        };
-        self.write(Slot {
-            seq: self.recorded,
-            coll_seq: number,
-            count: call.count as u64,
-            stream: call.stream,
-            enqueued: Instant::now(),
-            group: NO_GROUP,
-            kind: RawKind {
-                tag: call.tag,
-                rank: call.instance,
-            },
-            dtype: call.dtype,
-            op: call.kernel,
-            refused: call.refused,
-        });
-    }
-
-    /// A kernel of `instance` gave up waiting for its peers (its owner saw the host-mapped
-    /// word set). The first mark of an instance is kept.
-    pub(crate) fn shipped_gave_up(&mut self, instance: u32) {
-        self.shipped_ended(instance, RawEnd::GaveUp);
-    }
-
-    /// An abort, a revoke or its owner's drop stopped `instance`'s kernels. The first mark
-    /// of an instance is kept.
-    pub(crate) fn shipped_stopped(&mut self, instance: u32) {
-        self.shipped_ended(instance, RawEnd::Stopped);
-    }
-
-    fn shipped_ended(&mut self, instance: u32, how: RawEnd) {
-        if let Some(row) = self.instance_mut(instance) {
-            if row.ended.is_none() {
-                row.ended = Some((how, row.calls));
-            }
-        }
-    }
-
-    /// `instance`'s owner was dropped: its row may be forgotten once
-    /// [`KEPT_INSTANCES`] rows are kept.
-    pub(crate) fn shipped_instance_dropped(&mut self, instance: u32) {
-        if let Some(row) = self.instance_mut(instance) {
-            row.dropped = true;
         }
     }
 }
@@ -411,6 +295,7 @@ impl FlightRing {
             serial: self.serial,
             name: self.name.clone(),
             instances: self.instances.clone(),
+            graphs: self.graphs.clone(),
         }
     }
 }
@@ -428,20 +313,27 @@ pub(crate) struct RingSnapshot {
     pub(crate) serial: u64,
     pub(crate) name: Option<String>,
     pub(crate) instances: Vec<InstanceRow>,
+    pub(crate) graphs: Vec<GraphRow>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn all_reduce() -> RawKind {
+    pub(super) fn all_reduce() -> RawKind {
         RawKind {
             tag: 0,
             rank: NO_RANK,
         }
     }
 
-    fn op(kind: RawKind, collective: bool, count: usize, in_group: bool, refused: bool) -> RawOp {
+    pub(super) fn op(
+        kind: RawKind,
+        collective: bool,
+        count: usize,
+        in_group: bool,
+        refused: bool,
+    ) -> RawOp {
         RawOp {
             kind,
             collective,
@@ -452,62 +344,6 @@ mod tests {
             in_group,
             refused,
         }
-    }
-
-    fn shipped(instance: u32) -> RawShipped {
-        RawShipped {
-            instance,
-            tag: 10,
-            kernel: 0,
-            dtype: 7,
-            count: 4,
-            stream: 7,
-            refused: false,
-        }
-    }
-
-    #[test]
-    fn shipped_instances_count_their_own_calls_and_only_dropped_rows_are_forgotten() {
-        let mut ring = FlightRing::new(4, 7, None).unwrap();
-        let first = ring.new_shipped_instance();
-        let second = ring.new_shipped_instance();
-        ring.record(op(all_reduce(), true, 1, false, false));
-        ring.record_shipped(shipped(second));
-        ring.record_shipped(shipped(second));
-        ring.record_shipped(shipped(first));
-        let snap = ring.snapshot();
-        // Every operation has a communicator number; each instance numbers its own calls,
-        // and collectives keep theirs.
-        let seqs: Vec<(u64, u64, u32)> = snap
-            .slots
-            .iter()
-            .map(|s| (s.seq, s.coll_seq, s.kind.rank))
-            .collect();
-        assert_eq!(
-            seqs,
-            vec![
-                (1, 1, NO_RANK),
-                (2, 1, second),
-                (3, 2, second),
-                (4, 1, first)
-            ]
-        );
-        assert_eq!((snap.recorded, snap.collectives), (4, 1));
-        assert_eq!(ring.next_seq(), 5);
-        ring.shipped_instance_dropped(first);
-        for _ in 2..KEPT_INSTANCES + 5 {
-            ring.new_shipped_instance();
-        }
-        let rows = &ring.snapshot().instances;
-        // The dropped row went once the table was full; live rows are all kept.
-        assert_eq!(rows.len(), KEPT_INSTANCES + 4);
-        assert_eq!(rows[0].instance, second);
-        assert_eq!(rows[0].calls, 2);
-        assert!(rows.windows(2).all(|w| w[0].instance < w[1].instance));
-        // A call of a forgotten instance is still recorded, without a call number.
-        ring.record_shipped(shipped(first));
-        let last = ring.snapshot().slots.last().copied().unwrap();
-        assert_eq!((last.seq, last.coll_seq, last.kind.rank), (5, 0, first));
     }
 
     #[test]

@@ -1,23 +1,25 @@
 //! The rules that compare the ranks' numbered operations of any one sequence
-//! ([`compare_sequence`]): NCCL's collectives (`compare.rs`), or one shipped instance's
-//! calls (`compare_shipped.rs`); see the [module docs](super#comparing-ranks).
+//! ([`compare_sequence`], reached through [`compare_numbered`]): NCCL's collectives
+//! (`compare.rs`), one shipped instance's calls (`compare_shipped.rs`) or one CUDA graph's
+//! replays (`compare_graph.rs`); see the [module docs](super#comparing-ranks).
 
 use std::collections::BTreeMap;
 
 use super::finding::Finding;
-use super::record::{FlightEntry, OpState};
+use super::record::{FlightEntry, FlightRecord, OpState};
 
 /// How far a skip or an extra collective is looked for.
 const MAX_SHIFT: u64 = 8;
 /// How many collectives after the divergence must follow a shift for it to count.
 const CONFIRM: u64 = 8;
 
-/// One rank's operations of one sequence (collectives, or one instance's calls), by number.
-pub(super) struct RankOps<'r> {
-    pub(super) rank: usize,
+/// One rank's operations of one sequence (collectives, one instance's calls, one graph's
+/// replays), by number.
+struct RankOps<'r> {
+    rank: usize,
     ops: BTreeMap<u64, &'r FlightEntry>,
     /// Its last operation issued (0: none).
-    pub(super) last: u64,
+    last: u64,
     /// Its last operation seen complete (0: none).
     last_completed: u64,
 }
@@ -25,11 +27,7 @@ pub(super) struct RankOps<'r> {
 impl<'r> RankOps<'r> {
     /// Rank `rank`'s operations `ops`, numbered, of which it issued `last` (more than the
     /// ring may still hold).
-    pub(super) fn new(
-        rank: usize,
-        ops: impl IntoIterator<Item = (u64, &'r FlightEntry)>,
-        last: u64,
-    ) -> Self {
+    fn new(rank: usize, ops: impl IntoIterator<Item = (u64, &'r FlightEntry)>, last: u64) -> Self {
         let ops: BTreeMap<u64, &FlightEntry> = ops.into_iter().collect();
         let last_completed = ops
             .iter()
@@ -63,9 +61,35 @@ pub(super) struct Verdict {
     pub(super) findings: Vec<Finding>,
 }
 
-/// Compares the ranks' operations of one sequence (collectives, or one instance's calls) by
-/// the rules of the [module docs](super#comparing-ranks); `ranks` ascending.
-pub(super) fn compare_sequence(ranks: &[RankOps<'_>]) -> Verdict {
+/// Compares one numbered sequence of `records` (ascending by rank): `number` is an entry's
+/// number in the sequence (`None`: not in it, or it took no number), `counted` a record's
+/// counter of the sequence (its last number given), where the record keeps one; without one,
+/// the largest number its ring holds.
+pub(super) fn compare_numbered(
+    records: &[&FlightRecord],
+    number: impl Fn(&FlightEntry) -> Option<u64>,
+    counted: impl Fn(&FlightRecord) -> Option<u64>,
+) -> Verdict {
+    let ranks: Vec<RankOps<'_>> = records
+        .iter()
+        .map(|record| {
+            let ops: Vec<(u64, &FlightEntry)> = record
+                .entries
+                .iter()
+                .filter_map(|e| number(e).map(|seq| (seq, e)))
+                .collect();
+            let last = counted(record)
+                .unwrap_or_else(|| ops.iter().map(|(seq, _)| *seq).max().unwrap_or(0));
+            RankOps::new(record.rank, ops, last)
+        })
+        .collect();
+    compare_sequence(&ranks)
+}
+
+/// Compares the ranks' operations of one sequence (collectives, one instance's calls, one
+/// graph's replays) by the rules of the [module docs](super#comparing-ranks); `ranks`
+/// ascending.
+fn compare_sequence(ranks: &[RankOps<'_>]) -> Verdict {
     let compared_from = ranks.iter().map(RankOps::first_kept).max().unwrap_or(1);
     let max_last = ranks.iter().map(|r| r.last).max().unwrap_or(0);
     let min_last = ranks.iter().map(|r| r.last).min().unwrap_or(0);

@@ -1,6 +1,7 @@
-//! Synthetic flight records for the tests: ranks that issue all-reduces of given sizes, and
-//! shipped kernels' calls.
+//! Synthetic flight records for the tests: ranks that issue all-reduces of given sizes,
+//! shipped kernels' calls and CUDA graphs' replays.
 
+use super::graph::{CapturedGraph, GraphReplay};
 use super::op_kind::OpKind;
 use super::record::{FlightEntry, FlightRecord, OpState, RecordedReduction};
 use super::shipped::{ShippedCall, ShippedEnd, ShippedInstance, ShippedKernel};
@@ -34,6 +35,7 @@ pub(crate) fn record_with(
                 seq,
                 collective_seq: Some(seq),
                 shipped: None,
+                replay: None,
                 kind: OpKind::AllReduce,
                 dtype: Some(DataType::Float32),
                 count,
@@ -42,6 +44,7 @@ pub(crate) fn record_with(
                 reduction: Some(RecordedReduction::Sum),
                 stream: 0x5000 + rank as u64,
                 group: None,
+                captured_in: None,
                 enqueued_at_us: start_us + seq * 1000,
                 state: if seq <= completed_through {
                     OpState::Completed
@@ -66,6 +69,7 @@ pub(crate) fn record_with(
         collectives: last,
         completed_through: completed_through.min(last),
         shipped: Vec::new(),
+        graphs: Vec::new(),
         taken_at_us: start_us + 60_000_000,
         reason: "synthetic".into(),
         entries,
@@ -93,6 +97,7 @@ pub(crate) fn with_shipped(
                 seq: Some(seq),
                 kernel: ShippedKernel::OneShotFlags,
             }),
+            replay: None,
             kind: OpKind::LsaAllReduce,
             dtype: Some(DataType::Float32),
             count,
@@ -101,6 +106,7 @@ pub(crate) fn with_shipped(
             reduction: None,
             stream: 0x5000 + rec.rank as u64,
             group: None,
+            captured_in: None,
             enqueued_at_us: start_us + rec.recorded * 1000,
             state: if seq <= completed_through {
                 OpState::Completed
@@ -116,5 +122,62 @@ pub(crate) fn with_shipped(
         dropped: false,
     });
     rec.shipped.sort_by_key(|i| i.instance);
+    rec
+}
+
+/// `rec` with graph `graph` recorded (having captured `operations` shipped kernels' calls,
+/// none of them in the ring any more) and its replays `replays` appended, one entry per
+/// replay number, on the rank's own stream; those up to replay `completed_through` seen
+/// complete. The graph's counters say it was replayed as often as the largest number of
+/// `replays`.
+pub(crate) fn with_graph(
+    mut rec: FlightRecord,
+    graph: u32,
+    operations: u64,
+    replays: &[u64],
+    completed_through: u64,
+) -> FlightRecord {
+    let start_us = 1_767_225_600_000_000 + rec.rank as u64 * 17 + 700;
+    let stream = 0x5000 + rec.rank as u64;
+    rec.graphs.push(CapturedGraph {
+        graph,
+        captured_from: rec.recorded + 1,
+        captured_through: rec.recorded + operations,
+        stream,
+        operations,
+        collectives: 0,
+        replays: replays.iter().copied().max().unwrap_or(0),
+        dropped: false,
+    });
+    rec.graphs.sort_by_key(|g| g.graph);
+    // The captured operations were recorded once, and the ring has since let them go.
+    rec.recorded += operations;
+    for &seq in replays {
+        rec.recorded += 1;
+        rec.entries.push(FlightEntry {
+            seq: rec.recorded,
+            collective_seq: None,
+            shipped: None,
+            replay: Some(GraphReplay {
+                graph,
+                seq: Some(seq),
+            }),
+            kind: OpKind::GraphReplay,
+            dtype: None,
+            count: operations,
+            root: None,
+            peer: None,
+            reduction: None,
+            stream,
+            group: None,
+            captured_in: None,
+            enqueued_at_us: start_us + rec.recorded * 1000,
+            state: if seq <= completed_through {
+                OpState::Completed
+            } else {
+                OpState::Enqueued
+            },
+        });
+    }
     rec
 }
