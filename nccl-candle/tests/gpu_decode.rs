@@ -318,6 +318,8 @@ fn a_replay_left_alone_is_ended_by_an_abort() {
     };
     let (_dir, checkpoint, ids) = llama_gqa_bf16();
     let hold = std::time::Duration::from_secs(2);
+    // Each rank's flight record of the child, taken while rank 0's lone replay hangs.
+    let records = std::sync::Mutex::new(vec![None; layout.size()]);
     common::run_capturable(TEST, &layout, |comm, device, barrier| {
         let rank = comm.rank();
         // Abort handles need a nonblocking communicator: a child of the harness's.
@@ -344,7 +346,8 @@ fn a_replay_left_alone_is_ended_by_an_abort() {
             let mine = handle.take().unwrap();
             let aborter = std::thread::spawn(move || {
                 std::thread::sleep(hold);
-                mine.abort()
+                let record = mine.flight_record();
+                (record, mine.abort())
             });
             let start = std::time::Instant::now();
             // Launched alone: its collectives wait for peers that never come.
@@ -352,14 +355,21 @@ fn a_replay_left_alone_is_ended_by_an_abort() {
             // Whatever the read gives after the abort (the step's output is not a result).
             let _ = graph.greedy_tokens();
             let waited = start.elapsed();
-            aborter.join().unwrap().unwrap();
+            let (record, aborted) = aborter.join().unwrap();
+            aborted.unwrap();
+            records.lock().unwrap()[0] = record;
             assert!(
                 waited >= hold / 2 && waited < hold * 15,
                 "the lone replay ended after {waited:?} (abort after {hold:?})"
             );
             eprintln!("NOTE {TEST}: a lone replay ended {waited:?} after its launch, the abort at {hold:?}");
+        } else {
+            records.lock().unwrap()[rank] = handle.as_ref().unwrap().flight_record();
         }
         barrier.wait();
+        if rank == 0 {
+            check_replays_recorded(TEST, &records.lock().unwrap());
+        }
         // The peer's child too, and both parents: aborted, not destroyed (a destroy waits for
         // the peers' destroys, which an aborted child's rank cannot promise). The graph is
         // still alive: NCCL's release of the child waits for it (on the last rank of the
@@ -387,4 +397,62 @@ fn a_replay_left_alone_is_ended_by_an_abort() {
             "NOTE {TEST}: rank {rank} released everything (its abort returned after {took:?})"
         );
     });
+}
+
+/// The flight records of the lone-replay test: graph #1 of the child was replayed once by
+/// every rank and once more by rank 0 alone; every record says so, each replay counts the
+/// operations the capture took (the entries it took say they were captured), and the
+/// comparison diverges at replay #2 (on two ranks naming rank 1 stalled before it).
+fn check_replays_recorded(test: &str, records: &[Option<nccl::diagnostics::flight::FlightRecord>]) {
+    use nccl::diagnostics::flight::{compare, Finding, OpKind};
+    let records: Vec<_> = records
+        .iter()
+        .map(|r| r.clone().expect("the recorder is on by default"))
+        .collect();
+    for record in &records {
+        let graph = record.captured_graph(1).expect("graph #1 recorded");
+        assert!(graph.operations > 0 && graph.collectives > 0, "{graph}");
+        let want = if record.rank == 0 { 2 } else { 1 };
+        assert_eq!(graph.replays, want, "rank {}: {graph}", record.rank);
+        let replays: Vec<_> = record
+            .graph_replays(1)
+            .map(|e| (e.kind, e.count, e.replay.and_then(|r| r.seq)))
+            .collect();
+        let expected: Vec<_> = (1..=want)
+            .map(|n| (OpKind::GraphReplay, graph.operations, Some(n)))
+            .collect();
+        assert_eq!(replays, expected, "rank {}", record.rank);
+        let captured = record
+            .entries
+            .iter()
+            .filter(|e| e.captured_in == Some(1))
+            .count() as u64;
+        assert_eq!(captured, graph.operations, "rank {}: {record}", record.rank);
+    }
+    let cmp = compare(&records).unwrap();
+    eprintln!("NOTE {test}: the flight records compared:\n{cmp}");
+    let graph = cmp
+        .graphs
+        .iter()
+        .find(|g| g.graph == 1)
+        .expect("graph #1 compared");
+    assert_eq!(
+        (graph.agreed_through, graph.diverged_at),
+        (1, Some(2)),
+        "{cmp}"
+    );
+    assert!(!cmp.is_consistent(), "{cmp}");
+    if records.len() == 2 {
+        assert!(
+            matches!(
+                graph.findings.as_slice(),
+                [Finding::Stalled {
+                    rank: 1,
+                    seq: 2,
+                    ..
+                }]
+            ),
+            "{cmp}"
+        );
+    }
 }

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use super::StepInputs;
 use crate::tp::TpGroup;
 use crate::{fingerprint, Error, Result};
+use nccl::diagnostics::flight::RecordedGraph;
 
 /// A model whose decode step reads its token ids and position from device memory
 /// ([`StepInputs`]), so that one captured step serves every position of a sequence.
@@ -95,6 +96,9 @@ pub struct DecodeGraph<'m, M: StaticDecode> {
     inputs: StepInputs,
     /// `None`: eager steps.
     graph: Option<CudaGraph>,
+    /// The graph in the flight recorder of the group's communicator, which records each
+    /// launch (`None`: eager steps, no communicator, or its recorder off).
+    recorded: Option<RecordedGraph>,
     /// A step failed midway: the caches disagree with the count.
     failed: bool,
 }
@@ -170,6 +174,11 @@ impl Drop for CaptureGuard<'_> {
 }
 
 /// Why `device` cannot capture, if it cannot.
+/// The raw `cudaStream_t` of `stream`, as the flight recorder notes streams.
+fn raw_stream(stream: &CudaStream) -> u64 {
+    stream.cu_stream() as u64
+}
+
 fn capture_refusal(device: &Device) -> Option<String> {
     let Device::Cuda(cuda) = device else {
         return Some(format!(
@@ -203,6 +212,7 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
             model,
             inputs,
             graph: None,
+            recorded: None,
             failed: false,
         })
     }
@@ -252,6 +262,10 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
             });
         };
         let stream = cuda.cuda_stream();
+        // The flight recorder's marks of the capture's ends, so that the graph's replays are
+        // recorded once every rank agreed on it (and the agreement is not counted as captured).
+        let (mut began, mut capture_ended) = (None, None);
+        let (began, capture_ended) = (&mut began, &mut capture_ended);
         let captured = {
             // candle uploads small host data (strided layouts, scalars) at each op; under
             // this guard it keeps them in device memory, filled by the warm-up and read by
@@ -268,6 +282,7 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
                     why: e.to_string(),
                 });
             warm.and_then(|()| {
+                *began = group.graph_capture_mark();
                 stream
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(|e| Error::Graph {
@@ -281,6 +296,7 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
                 guard.0 = None;
                 // Always ended, so that the stream is usable whatever the step did.
                 let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+                *capture_ended = group.graph_capture_mark();
                 step.map_err(|e| Error::Graph {
                     op: "capture",
                     why: e.to_string(),
@@ -303,10 +319,15 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
             Err(err) => (None, Err(err)),
         };
         group.agree_checked("decode graph capture", fp, local, &device)?;
+        // Every rank's capture succeeded: each numbers the graph alike.
+        let recorded = graph.as_ref().and_then(|_| {
+            group.record_graph(began.take(), capture_ended.take(), raw_stream(&stream))
+        });
         Ok(Self {
             model,
             inputs,
             graph,
+            recorded,
             failed: false,
         })
     }
@@ -374,10 +395,17 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
         self.inputs.write(ids, position)?;
         self.failed = true;
         match &self.graph {
-            Some(graph) => graph.launch().map_err(|e| Error::Graph {
-                op: "launch",
-                why: e.to_string(),
-            })?,
+            Some(graph) => {
+                let launched = graph.launch();
+                if let (Some(recorded), Device::Cuda(cuda)) = (&self.recorded, self.model.device())
+                {
+                    recorded.record_replay(raw_stream(&cuda.cuda_stream()), launched.is_err());
+                }
+                launched.map_err(|e| Error::Graph {
+                    op: "launch",
+                    why: e.to_string(),
+                })?
+            }
             None => self.model.decode_step(&self.inputs)?,
         }
         self.model.set_cached(position + 1)?;

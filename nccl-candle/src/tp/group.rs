@@ -4,6 +4,7 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 use candle_core::{Device, Tensor};
+use nccl::diagnostics::flight::{GraphCaptureMark, RecordedGraph};
 use nccl::{Comm, ReduceOp};
 
 use super::epilogue;
@@ -50,6 +51,26 @@ pub trait Collectives {
         epilogue::check("all_reduce_add_rms_norm", partial, residual, weight)?;
         epilogue::unfused(self, partial, residual, weight, eps)
     }
+
+    /// Marks one end of a CUDA stream capture in the flight recorder of the communicator
+    /// these collectives run on ([`Comm::graph_capture_mark`]); `None` where there is none
+    /// (the provided method: collectives without a communicator).
+    fn graph_capture_mark(&self) -> Option<GraphCaptureMark> {
+        None
+    }
+
+    /// Records a CUDA graph captured on `stream` between `began` and `ended` in that flight
+    /// recorder ([`Comm::record_graph`]), so that its replays are recorded and compared
+    /// across ranks; `None` where there is none.
+    fn record_graph(
+        &self,
+        began: GraphCaptureMark,
+        ended: GraphCaptureMark,
+        stream: u64,
+    ) -> Option<RecordedGraph> {
+        let _ = (began, ended, stream);
+        None
+    }
 }
 
 impl Collectives for Comm {
@@ -67,6 +88,19 @@ impl Collectives for Comm {
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         crate::all_gather(self, tensor)
+    }
+
+    fn graph_capture_mark(&self) -> Option<GraphCaptureMark> {
+        Some(Comm::graph_capture_mark(self))
+    }
+
+    fn record_graph(
+        &self,
+        began: GraphCaptureMark,
+        ended: GraphCaptureMark,
+        stream: u64,
+    ) -> Option<RecordedGraph> {
+        Some(Comm::record_graph(self, began, ended, stream))
     }
 }
 
@@ -166,6 +200,24 @@ impl TpGroup {
             Some(collectives) if self.shared.size > 1 => Some(collectives.as_ref()),
             _ => None,
         }
+    }
+
+    /// Marks one end of a CUDA stream capture in the flight recorder of the group's
+    /// communicator ([`Collectives::graph_capture_mark`]); `None` without one.
+    pub(crate) fn graph_capture_mark(&self) -> Option<GraphCaptureMark> {
+        self.shared.collectives.as_ref()?.graph_capture_mark()
+    }
+
+    /// Records a graph captured on `stream` between `began` and `ended` in that flight
+    /// recorder ([`Collectives::record_graph`]); `None` without one or without both marks.
+    pub(crate) fn record_graph(
+        &self,
+        began: Option<GraphCaptureMark>,
+        ended: Option<GraphCaptureMark>,
+        stream: u64,
+    ) -> Option<RecordedGraph> {
+        let collectives = self.shared.collectives.as_ref()?;
+        collectives.record_graph(began?, ended?, stream)
     }
 
     /// The reduction of every rank's `tensor` (`tensor` itself on one rank), always run,

@@ -14,6 +14,7 @@ use candle_core::{
 use half::bf16;
 use nccl::cudarc::driver::CudaStream;
 use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaEpilogue};
+use nccl::diagnostics::flight::{GraphCaptureMark, RecordedGraph};
 use nccl::{Comm, ReduceOp};
 
 use super::{epilogue, Collectives};
@@ -239,6 +240,21 @@ impl Collectives for LsaCollectives {
         self.owned
             .borrow()
             .with_dependent(|comm, _| crate::all_gather(comm, tensor))
+    }
+
+    fn graph_capture_mark(&self) -> Option<GraphCaptureMark> {
+        let owned = self.owned.try_borrow().ok()?;
+        Some(owned.borrow_owner().graph_capture_mark())
+    }
+
+    fn record_graph(
+        &self,
+        began: GraphCaptureMark,
+        ended: GraphCaptureMark,
+        stream: u64,
+    ) -> Option<RecordedGraph> {
+        let owned = self.owned.try_borrow().ok()?;
+        Some(owned.borrow_owner().record_graph(began, ended, stream))
     }
 
     /// One fused kernel (the all-reduce, the add and the norm;
