@@ -862,6 +862,79 @@ fn fused_epilogue_matches_the_separate_one_and_the_host() {
     });
 }
 
+/// Two ranks of one process sharing a GPU (one CUDA context): rank 1 drops its instance and
+/// enqueues an NCCL all-reduce, which waits for rank 0; rank 0 drops its instance only then
+/// (its peer's kernel already waiting for it) and joins. Freeing page-locked memory waits for
+/// the whole context, so a drop that freed the instance's give-up word would wait for the
+/// peer's all-reduce, which waits for this rank: the words are pooled instead. Rank 0's drop
+/// returns within a second and both sums arrive.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn dropping_an_instance_while_the_peer_waits_in_the_next_collective() {
+    const TEST: &str = "dropping_an_instance_while_the_peer_waits_in_the_next_collective";
+    let Some(layout) = device_api_layout(TEST) else {
+        return;
+    };
+    if layout.shape != common::shape::Shape::Shared {
+        skip(TEST, "only ranks sharing one GPU share one CUDA context");
+        return;
+    }
+    let comms = Comm::init_all(&layout.streams()).expect("ncclCommInitAll");
+    let _deadline = Deadline::new(TEST, LIMIT);
+    per_rank(comms, |comm, barrier| {
+        let rank = comm.rank();
+        let size = comm.size() as f32;
+        let stream = comm.stream().clone();
+        let mut buf = stream.alloc_zeros::<f32>(64).expect("buf");
+        let mut staging = Staging::new(&stream, 64);
+        let mut ar = LsaAllReduce::<f32>::new(&comm, 64).expect("new");
+        staging.upload(&[rank as f32 + 1.0; 64], &mut buf);
+        ar.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
+            .expect("launch");
+        let got = staging.download(&buf);
+        let first = size * (size + 1.0) / 2.0;
+        assert!(
+            got.iter().all(|&g| g == first),
+            "rank {rank}: {:?}",
+            &got[..4]
+        );
+        ar.check().expect("the shipped call completes");
+        barrier.wait();
+        if rank != 0 {
+            drop(ar);
+            let input = buf.clone();
+            comm.all_reduce(&input, &mut buf, nccl::ReduceOp::Sum)
+                .expect("enqueue");
+            // Rank 0 drops its instance once this rank's all-reduce is enqueued.
+            barrier.wait();
+        } else {
+            barrier.wait();
+            std::thread::sleep(Duration::from_millis(200));
+            let t = std::time::Instant::now();
+            drop(ar);
+            let dropped = t.elapsed();
+            println!(
+                "NOTE {TEST}: rank 0 dropped its instance in {dropped:?} while its peer waited in \
+                 an NCCL all-reduce"
+            );
+            assert!(
+                dropped < Duration::from_secs(1),
+                "the drop took {dropped:?}"
+            );
+            let input = buf.clone();
+            comm.all_reduce(&input, &mut buf, nccl::ReduceOp::Sum)
+                .expect("enqueue");
+        }
+        let got = staging.download(&buf);
+        let want = first * size;
+        assert!(
+            got.iter().all(|&g| g == want),
+            "rank {rank}: {:?}",
+            &got[..4]
+        );
+    });
+}
+
 /// Two ranks of one process on one GPU (one CUDA context). Rank 1 launches first and its
 /// thread waits for the result while rank 0, later, copies, waits for an event on its own
 /// stream (as `check` does) and launches its half:

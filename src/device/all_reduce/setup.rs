@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
     PinnedHostSlice, PushKernelArg,
@@ -18,39 +20,72 @@ use crate::error::{Error, Refusal, Result};
 use crate::memory::NcclBuffer;
 
 /// The host-mapped word a kernel sets when it gives up waiting: the host reads it at every
-/// launch without waiting for the GPU.
+/// launch without waiting for the GPU. Words come from [`GAVE_UP_WORDS`] and go back there.
 pub(super) struct GaveUp {
-    /// Owns the page-locked word.
-    _word: PinnedHostSlice<u32>,
+    /// Owns the page-locked word (`None` once given back to the pool).
+    word: Option<(usize, PinnedHostSlice<u32>)>,
     /// Its host address (an integer, so that the owner stays `Send` and `Sync`).
     host: usize,
     /// Its device address, for the kernels' `State`.
     device: u64,
 }
 
+/// Words of dropped instances, by device ordinal, kept for the life of the process and
+/// handed to later instances. Freeing page-locked memory (`cuMemFreeHost`) waits for all the
+/// work of the CUDA context, and ranks of one process sharing a GPU share that context: a
+/// rank dropping an instance while its peer already waits in the next collective for it
+/// would wait for that collective, which waits for this rank (as the step inputs' buffers
+/// of nccl-candle's decode did, hung on one H200). One word per instance alive at once.
+static GAVE_UP_WORDS: Mutex<Vec<(usize, PinnedHostSlice<u32>)>> = Mutex::new(Vec::new());
+
 impl GaveUp {
     pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: the word is written (zeroed) below before anything reads it.
-        let mut word = unsafe { ctx.alloc_pinned_with_flags::<u32>(1, flags) }?;
+        let ordinal = ctx.ordinal();
+        let reused = {
+            let mut pool = GAVE_UP_WORDS.lock();
+            pool.iter()
+                .position(|(o, _)| *o == ordinal)
+                .map(|i| pool.swap_remove(i).1)
+        };
+        let mut word = match reused {
+            Some(word) => word,
+            None => {
+                let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+                // SAFETY: the word is written (zeroed) below before anything reads it.
+                unsafe { ctx.alloc_pinned_with_flags::<u32>(1, flags) }?
+            }
+        };
+        // Zeroed whether new or reused (a reused word may hold its last instance's give-up).
         word.as_mut_slice()?[0] = 0;
         let host = word.as_mut_ptr()?;
+        ctx.bind_to_thread()?;
         let mut device: sys::CUdeviceptr = 0;
-        // SAFETY: `host` is page-locked memory allocated with DEVICEMAP in `ctx` (bound to this
-        // thread by the allocation), and `device` a valid place for the address.
+        // SAFETY: `host` is page-locked memory allocated with DEVICEMAP and PORTABLE on this
+        // device (mapped in every context), `ctx` is bound to this thread, and `device` a
+        // valid place for the address.
         let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) };
         rc.result()?;
         Ok(Self {
-            _word: word,
+            word: Some((ordinal, word)),
             host: host as usize,
             device,
         })
     }
 
     pub(super) fn is_set(&self) -> bool {
-        // SAFETY: `host` is the address of the u32 `_word` owns, alive as long as `self`;
-        // kernels write it from the device, so it is read volatile.
+        // SAFETY: `host` is the address of the u32 `word` owns, alive as long as `self`
+        // (kept in the pool after); kernels write it from the device, so it is read volatile.
         unsafe { (self.host as *const u32).read_volatile() != 0 }
+    }
+}
+
+/// Gives the word back to the pool. Dropped only once no kernel of its instance can run
+/// (the instance's drop leaks it otherwise), so nothing writes it after.
+impl Drop for GaveUp {
+    fn drop(&mut self) {
+        if let Some(word) = self.word.take() {
+            GAVE_UP_WORDS.lock().push(word);
+        }
     }
 }
 
