@@ -4,11 +4,14 @@
 //! ([`Comm::graph_capture_mark`], [`Comm::record_graph`]; see
 //! [CUDA graphs](crate::diagnostics::flight#cuda-graphs)).
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use super::{Comm, State};
-use crate::diagnostics::flight::{nccl_tag, FlightRecord, GraphCaptureMark, RecordedGraph, Who};
+use crate::diagnostics::flight::{
+    nccl_tag, shipped_tag, FlightRecord, GraphCaptureMark, RecordedGraph, Who,
+};
 
 /// The flight record of the communicator behind `state` (its lock held), taken because of
 /// `reason`; `None` where its recorder is off.
@@ -80,6 +83,21 @@ impl Comm {
         RecordedGraph {
             shared: Arc::clone(self.shared()),
             number,
+            launched: AtomicU64::new(0),
+        }
+    }
+
+    /// Takes back what a capture on `stream` between `began` and `ended` numbered in the
+    /// flight recorder, for a capture the ranks refused after it ended (one rank's failed,
+    /// say): on every rank, alike, instead of [`Comm::record_graph`]. What it captured never
+    /// runs, and a rank whose capture failed partway numbered fewer collectives (and shipped
+    /// calls) than its peers, which would leave every later one compared a number or more
+    /// off; so the captured ones lose their numbers (their entries stay), the ones recorded
+    /// since are renumbered, and the counters go back to where they were at `began`. Briefly
+    /// takes the communicator's lock; marks of another communicator give back nothing.
+    pub fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
+        if let Some(ring) = self.shared().lock().flight.as_deref_mut() {
+            ring.discard_capture(began.raw, ended.raw, stream, nccl_tag, shipped_tag);
         }
     }
 

@@ -61,6 +61,12 @@ impl Shared {
         self.state.lock()
     }
 
+    /// The state if its lock is free within `wait`; for reports that must never wait on a
+    /// holder that waits for them (see `RecordedGraph`).
+    pub(crate) fn try_lock_for(&self, wait: std::time::Duration) -> Option<MutexGuard<'_, State>> {
+        self.state.try_lock_for(wait)
+    }
+
     /// The state if its lock is free now; for descriptions, which must never wait.
     pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
         self.state.try_lock()

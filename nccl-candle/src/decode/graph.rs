@@ -97,7 +97,9 @@ pub struct DecodeGraph<'m, M: StaticDecode> {
     /// `None`: eager steps.
     graph: Option<CudaGraph>,
     /// The graph in the flight recorder of the group's communicator, which records each
-    /// launch (`None`: eager steps, no communicator, or its recorder off).
+    /// launch (`None`: eager steps or no communicator; a handle without a number where the
+    /// recorder is off). Declared after `graph`, so that the graph is destroyed first (a
+    /// destroy of the communicator waits for it).
     recorded: Option<RecordedGraph>,
     /// A step failed midway: the caches disagree with the count.
     failed: bool,
@@ -173,12 +175,12 @@ impl Drop for CaptureGuard<'_> {
     }
 }
 
-/// Why `device` cannot capture, if it cannot.
 /// The raw `cudaStream_t` of `stream`, as the flight recorder notes streams.
 fn raw_stream(stream: &CudaStream) -> u64 {
     stream.cu_stream() as u64
 }
 
+/// Why `device` cannot capture, if it cannot.
 fn capture_refusal(device: &Device) -> Option<String> {
     let Device::Cuda(cuda) = device else {
         return Some(format!(
@@ -318,7 +320,13 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
             Ok(graph) => (Some(graph), Ok(())),
             Err(err) => (None, Err(err)),
         };
-        group.agree_checked("decode graph capture", fp, local, &device)?;
+        let agreed = group.agree_checked("decode graph capture", fp, local, &device);
+        if agreed.is_err() {
+            // Refused on every rank: what the captures numbered (fewer on a rank whose capture
+            // failed partway) is given back, so later collectives are numbered alike.
+            group.discard_capture(began.take(), capture_ended.take(), raw_stream(&stream));
+        }
+        agreed?;
         // Every rank's capture succeeded: each numbers the graph alike.
         let recorded = graph.as_ref().and_then(|_| {
             group.record_graph(began.take(), capture_ended.take(), raw_stream(&stream))

@@ -71,6 +71,12 @@ pub trait Collectives {
         let _ = (began, ended, stream);
         None
     }
+
+    /// Gives back what a capture on `stream` between `began` and `ended` numbered in that
+    /// flight recorder, for a capture the ranks refused ([`Comm::discard_capture`]).
+    fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
+        let _ = (began, ended, stream);
+    }
 }
 
 impl Collectives for Comm {
@@ -101,6 +107,10 @@ impl Collectives for Comm {
         stream: u64,
     ) -> Option<RecordedGraph> {
         Some(Comm::record_graph(self, began, ended, stream))
+    }
+
+    fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
+        Comm::discard_capture(self, began, ended, stream);
     }
 }
 
@@ -218,6 +228,21 @@ impl TpGroup {
     ) -> Option<RecordedGraph> {
         let collectives = self.shared.collectives.as_ref()?;
         collectives.record_graph(began?, ended?, stream)
+    }
+
+    /// Gives back what a refused capture numbered in that flight recorder
+    /// ([`Collectives::discard_capture`]); nothing without a communicator or both marks.
+    pub(crate) fn discard_capture(
+        &self,
+        began: Option<GraphCaptureMark>,
+        ended: Option<GraphCaptureMark>,
+        stream: u64,
+    ) {
+        if let (Some(collectives), Some(began), Some(ended)) =
+            (self.shared.collectives.as_ref(), began, ended)
+        {
+            collectives.discard_capture(began, ended, stream);
+        }
     }
 
     /// The reduction of every rank's `tensor` (`tensor` itself on one rank), always run,

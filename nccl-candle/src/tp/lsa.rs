@@ -257,6 +257,12 @@ impl Collectives for LsaCollectives {
         Some(owned.borrow_owner().record_graph(began, ended, stream))
     }
 
+    fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
+        if let Ok(owned) = self.owned.try_borrow() {
+            owned.borrow_owner().discard_capture(began, ended, stream);
+        }
+    }
+
     /// One fused kernel (the all-reduce, the add and the norm;
     /// `LsaAllReduce::all_reduce_add_rms_norm_to` with [`LsaEpilogue::Fused`]) where
     /// [`fuses`](LsaCollectives::fuses) says so, the unfused sequence otherwise. The fused

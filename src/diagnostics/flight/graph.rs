@@ -6,7 +6,9 @@
 //! ([`CapturedGraph`]). The rules are in the [flight module docs](super#cuda-graphs).
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::op_kind::OpKind;
 use super::ring::{GraphRow, RawMark, RawReplay};
@@ -37,7 +39,17 @@ pub struct RecordedGraph {
     pub(crate) shared: Arc<Shared>,
     /// Its number on the communicator; `None` where the recorder is off.
     pub(crate) number: Option<u32>,
+    /// Its launches that succeeded so far: the replays' numbers are counted here, not in the
+    /// ring, so that a report the ring could not take leaves the next ones numbered right.
+    pub(crate) launched: AtomicU64,
 }
+
+/// How long a report waits for the communicator's lock. Its holders keep it for microseconds,
+/// except an abort (its bounded wait) and a destroy or finalize, which NCCL holds until every
+/// graph that captured the communicator is destroyed: a report waiting for those would keep
+/// the graph, and so the destroy, waiting forever. Past this the report is left out (the
+/// replay keeps its number; the ring just lacks its entry, as one it no longer holds).
+const REPORT_WAIT: Duration = Duration::from_millis(100);
 
 impl RecordedGraph {
     /// The graph's number on the communicator (from 1, in the order graphs are recorded;
@@ -58,22 +70,37 @@ impl RecordedGraph {
     /// marks the replay complete only once the replay is (where `stream` is the
     /// communicator's own). Costs what recording an NCCL operation does: under the
     /// communicator's lock, one slot written and one counter found by a binary search among
-    /// the kept graphs; no allocation, no CUDA call. Does nothing where the recorder is off.
+    /// the kept graphs; no allocation, no CUDA call. The lock is waited for at most 100 ms:
+    /// a destroy or finalize of the communicator holds it until every graph that captured it
+    /// is destroyed, so a report made meanwhile is left out rather than keep the graph (and
+    /// so the destroy) waiting; later replays keep their numbers. Does nothing where the
+    /// recorder is off.
     pub fn record_replay(&self, stream: u64, refused: bool) {
         let Some(graph) = self.number else {
             return;
         };
-        if let Some(ring) = self.shared.lock().flight.as_deref_mut() {
-            ring.record_replay(RawReplay::launch(graph, stream, refused));
+        let launched = if refused {
+            0
+        } else {
+            self.launched.fetch_add(1, Ordering::Relaxed) + 1
+        };
+        if let Some(mut state) = self.shared.try_lock_for(REPORT_WAIT) {
+            if let Some(ring) = state.flight.as_deref_mut() {
+                ring.record_replay(RawReplay::launch(graph, stream, launched, refused));
+            }
         }
     }
 }
 
+/// Marks the graph's counters dropped, unless the communicator's lock stays held past
+/// 100 ms (a destroy waiting for this graph): then the row just stays.
 impl Drop for RecordedGraph {
     fn drop(&mut self) {
         if let Some(graph) = self.number {
-            if let Some(ring) = self.shared.lock().flight.as_deref_mut() {
-                ring.graph_dropped(graph);
+            if let Some(mut state) = self.shared.try_lock_for(REPORT_WAIT) {
+                if let Some(ring) = state.flight.as_deref_mut() {
+                    ring.graph_dropped(graph);
+                }
             }
         }
     }
@@ -172,16 +199,26 @@ impl fmt::Display for CapturedGraph {
 }
 
 impl RawReplay {
-    /// A launch of graph `graph` on the raw stream `stream`; `refused` where it failed.
+    /// A launch of graph `graph` on the raw stream `stream`, the owner's `launched`-th that
+    /// succeeded (0 and `refused` where it failed).
     #[inline(always)]
-    pub(crate) fn launch(graph: u32, stream: u64, refused: bool) -> RawReplay {
+    pub(crate) fn launch(graph: u32, stream: u64, launched: u64, refused: bool) -> RawReplay {
         RawReplay {
             graph,
             tag: OpKind::GraphReplay.tag(),
             stream,
+            launched,
             refused,
         }
     }
+}
+
+/// Whether a slot's raw tag is a shipped kernel's call (its `coll_seq` then a call number of
+/// its instance), for [`FlightRing::discard_capture`](super::FlightRing::discard_capture).
+pub(crate) fn shipped_tag(tag: u8) -> bool {
+    OpKind::ALL
+        .get(usize::from(tag))
+        .is_some_and(|kind| kind.is_shipped())
 }
 
 /// Whether a slot's raw tag is an NCCL operation's (its `coll_seq` then a collective number),
@@ -243,6 +280,7 @@ mod tests {
         let graph = RecordedGraph {
             shared: Arc::clone(&shared),
             number: Some(number),
+            launched: AtomicU64::new(0),
         };
         assert_eq!(graph.number(), Some(1));
         graph.record_replay(7, false); // #4, G1.1
@@ -339,6 +377,7 @@ mod tests {
         let graph = send_and_sync(RecordedGraph {
             shared: Arc::clone(&off),
             number: None,
+            launched: AtomicU64::new(0),
         });
         graph.record_replay(7, false);
         assert_eq!(graph.number(), None);
@@ -352,6 +391,7 @@ mod tests {
         let stray = RecordedGraph {
             shared: Arc::clone(&on),
             number: Some(5),
+            launched: AtomicU64::new(0),
         };
         stray.record_replay(7, false);
         drop(stray);
@@ -377,5 +417,48 @@ mod tests {
         assert!(nccl_tag(OpKind::Send.tag()));
         assert!(!nccl_tag(200));
         assert_eq!(OpKind::from_name("GraphReplay"), Some(OpKind::GraphReplay));
+    }
+
+    /// A report while the communicator's lock is held (a destroy waiting for this graph)
+    /// gives up after `REPORT_WAIT` instead of waiting for ever, and the next report still
+    /// carries the right replay number.
+    #[test]
+    fn a_report_never_waits_for_a_held_lock_and_numbers_stay_right() {
+        let mut ring = FlightRing::new(16, 7, None).unwrap();
+        let mark = ring.graph_mark();
+        ring.record(all_reduce(1, 7));
+        let number = ring.new_graph(Some(mark), None, 7, nccl_tag);
+        let shared = Arc::new(Shared::new(std::ptr::null_mut(), true, Some(ring)));
+        let graph = RecordedGraph {
+            shared: Arc::clone(&shared),
+            number: Some(number),
+            launched: AtomicU64::new(0),
+        };
+        graph.record_replay(7, false); // replay 1, recorded
+        {
+            let _held = shared.lock();
+            let start = std::time::Instant::now();
+            graph.record_replay(7, false); // replay 2, left out
+            let waited = start.elapsed();
+            assert!(
+                waited >= REPORT_WAIT && waited < REPORT_WAIT * 20,
+                "{waited:?}"
+            );
+        }
+        graph.record_replay(7, false); // replay 3, recorded
+        let replays: Vec<Option<u64>> = {
+            let state = shared.lock();
+            let snap = state.flight.as_deref().unwrap().snapshot();
+            snap.slots
+                .iter()
+                .filter(|slot| slot.kind.tag == OpKind::GraphReplay.tag())
+                .map(|slot| Some(slot.coll_seq))
+                .collect()
+        };
+        assert_eq!(replays, vec![Some(1), Some(3)]);
+        assert_eq!(
+            shared.lock().flight.as_deref().unwrap().snapshot().graphs[0].replays,
+            3
+        );
     }
 }

@@ -208,6 +208,21 @@
 //! a last replay not seen complete everywhere is **not completed**. Every replay of a graph
 //! is the same operation, so a rank that skipped a replay looks like one that stalled
 //! before the last.
+//!
+//! * **A refused capture.** What a capture took is numbered as it is captured; a capture the
+//!   ranks refuse after it ended (one rank's failed partway, having numbered fewer
+//!   collectives than its peers) is given back on every rank with
+//!   [`Comm::discard_capture`](crate::Comm::discard_capture), so later collectives and
+//!   shipped calls are numbered alike again.
+//! * **Limits.** Graph numbers agree across ranks only as long as every rank records (or
+//!   discards) every capture alike: a rank that skips one compares its later graphs with its
+//!   peers' next ones, which the comparison sees only where their captured counts differ. A
+//!   graph's captured count is what each ring saw: ranks whose rings differ in size and saw
+//!   other streams' operations during a long capture may count differently (a mismatch at
+//!   the first replay). Only the capturing stream counts: operations forked onto other
+//!   streams inside a capture are recorded as eager ones. A record that forgot a dropped
+//!   graph's counters (past 64 rows) cannot tell it from one it never recorded, as for
+//!   shipped instances.
 
 mod compare;
 mod compare_graph;
@@ -229,7 +244,7 @@ pub use compare::{compare, read_flight_records, FlightComparison};
 pub use compare_graph::GraphComparison;
 pub use compare_shipped::ShippedComparison;
 pub use finding::Finding;
-pub(crate) use graph::nccl_tag;
+pub(crate) use graph::{nccl_tag, shipped_tag};
 pub use graph::{CapturedGraph, GraphCaptureMark, GraphReplay, RecordedGraph};
 pub use json::FLIGHT_RECORD_FORMAT;
 pub use op_kind::OpKind;

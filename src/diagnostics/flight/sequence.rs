@@ -49,7 +49,11 @@ impl<'r> RankOps<'r> {
 
     /// The first collective the ring still holds (past `last` when it holds none).
     fn first_kept(&self) -> u64 {
-        self.ops.keys().next().copied().unwrap_or(self.last + 1)
+        self.ops
+            .keys()
+            .next()
+            .copied()
+            .unwrap_or(self.last.saturating_add(1))
     }
 }
 
@@ -96,7 +100,7 @@ fn compare_sequence(ranks: &[RankOps<'_>]) -> Verdict {
     if min_last.saturating_add(1) < compared_from {
         // A rank stopped before the first collective every ring still holds: nothing of it
         // can be compared, and it is behind the others by more than their rings keep.
-        let seq = min_last + 1;
+        let seq = min_last.saturating_add(1);
         let ahead: Vec<usize> = ranks
             .iter()
             .filter(|r| r.last >= seq)
@@ -168,7 +172,7 @@ fn not_completed(ranks: &[RankOps<'_>], from: u64, to: u64) -> Option<Finding> {
 /// Whether `a` from `a_at` and `b` from `b_at` hold the same operations for as far as both
 /// have them (at most [`CONFIRM`] more after the first), the first included.
 fn follows(a: &RankOps<'_>, a_at: u64, b: &RankOps<'_>, b_at: u64) -> bool {
-    let same = |i: u64| match (a.at(a_at + i), b.at(b_at + i)) {
+    let same = |i: u64| match (a.at(a_at.saturating_add(i)), b.at(b_at.saturating_add(i))) {
         (Some(x), Some(y)) => Some(x.same_operation(y)),
         _ => None,
     };
@@ -198,7 +202,7 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
     let explains = |g: &[&RankOps<'_>], others: &[Vec<&RankOps<'_>>]| {
         others
             .iter()
-            .any(|o| (1..=MAX_SHIFT).any(|k| follows(o[0], seq, g[0], seq + k)))
+            .any(|o| (1..=MAX_SHIFT).any(|k| follows(o[0], seq, g[0], seq.saturating_add(k))))
     };
     let reference = groups
         .iter()
@@ -267,7 +271,8 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
         let Some(expected) = model.at(seq) else {
             continue;
         };
-        let finding = if let Some(k) = (1..=MAX_SHIFT).find(|&k| follows(rank, seq, model, seq + k))
+        let finding = if let Some(k) =
+            (1..=MAX_SHIFT).find(|&k| follows(rank, seq, model, seq.saturating_add(k)))
         {
             Finding::Skipped {
                 rank: rank.rank,
@@ -275,7 +280,9 @@ fn diverging(ranks: &[RankOps<'_>], seq: u64) -> Vec<Finding> {
                 count: k,
                 skipped: expected.clone(),
             }
-        } else if let Some(k) = (1..=MAX_SHIFT).find(|&k| follows(rank, seq + k, model, seq)) {
+        } else if let Some(k) =
+            (1..=MAX_SHIFT).find(|&k| follows(rank, seq.saturating_add(k), model, seq))
+        {
             Finding::Extra {
                 rank: rank.rank,
                 seq,

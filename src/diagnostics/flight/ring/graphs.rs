@@ -29,6 +29,10 @@ pub(crate) struct RawReplay {
     pub(crate) tag: u8,
     /// The raw `cudaStream_t` it was launched on.
     pub(crate) stream: u64,
+    /// The owner's count of the graph's launches that succeeded, this one included: its
+    /// number among the replays (0 where it failed). Counted by the owner, so that a report
+    /// the ring could not take leaves the next ones numbered right.
+    pub(crate) launched: u64,
     /// Whether the launch failed (so the graph never runs).
     pub(crate) refused: bool,
 }
@@ -110,11 +114,10 @@ impl FlightRing {
         // operations, and refused ones (never enqueued; they hold no collective number).
         // Operation `seq` sits `recorded - seq + 1` slots behind the cursor.
         let len = self.slots.len() as u64;
-        for seq in first..=last {
+        // Only the operations the ring still holds: the oldest is `len` slots behind.
+        let oldest_held = self.recorded.saturating_sub(len) + 1;
+        for seq in first.max(oldest_held)..=last {
             let back = self.recorded - seq + 1;
-            if back > len {
-                continue;
-            }
             let at = ((self.cursor as u64 + len - back) % len) as usize;
             let Some(slot) = self.slots.get(at) else {
                 continue;
@@ -161,8 +164,8 @@ impl FlightRing {
         self.recorded += 1;
         let (number, operations) = match self.graph_mut(replay.graph) {
             Some(row) if !replay.refused => {
-                row.replays += 1;
-                (row.replays, row.operations)
+                row.replays = row.replays.max(replay.launched);
+                (replay.launched, row.operations)
             }
             Some(row) => (0, row.operations),
             None => (0, 0),
@@ -191,6 +194,80 @@ impl FlightRing {
             row.dropped = true;
         }
     }
+
+    /// Gives back the numbers a capture on `stream` between `began` and `ended` took, for a
+    /// capture the ranks refused (every rank calls this alike): what it captured never runs,
+    /// and a rank whose capture failed partway numbered fewer operations than its peers, so
+    /// every later collective and shipped call would be compared one or more numbers off.
+    /// The captured NCCL collectives and shipped calls lose their numbers (their entries
+    /// stay), the ones recorded after `ended` are renumbered, and the counters go back.
+    /// Marks of another ring (or none) give back nothing. `nccl` and `shipped` say which
+    /// tags number collectives and shipped calls, which the ring cannot know. Rare (a refused
+    /// capture): reads the slots recorded since `began` and allocates a little.
+    pub(crate) fn discard_capture(
+        &mut self,
+        began: Option<RawMark>,
+        ended: Option<RawMark>,
+        stream: u64,
+        nccl: fn(u8) -> bool,
+        shipped: fn(u8) -> bool,
+    ) {
+        let ours = |m: &Option<RawMark>| m.filter(|m| m.serial == self.serial);
+        let (Some(began), Some(ended)) = (ours(&began), ours(&ended)) else {
+            return;
+        };
+        let last = ended.recorded.min(self.recorded);
+        let first = began.recorded.min(last) + 1;
+        // Collectives numbered between the marks, less those the ring shows were not
+        // captured (other streams; refused ones took no number).
+        let mut collectives = ended.collectives.saturating_sub(began.collectives);
+        // Shipped calls given back, per instance.
+        let mut calls: Vec<(u32, u64)> = Vec::new();
+        let len = self.slots.len() as u64;
+        let oldest_held = self.recorded.saturating_sub(len) + 1;
+        let cursor = self.cursor as u64;
+        let at = |seq: u64, recorded: u64| ((cursor + len - (recorded - seq + 1)) % len) as usize;
+        for seq in first.max(oldest_held)..=self.recorded {
+            let index = at(seq, self.recorded);
+            let Some(slot) = self.slots.get_mut(index) else {
+                continue;
+            };
+            if slot.coll_seq == 0 {
+                continue;
+            }
+            let tag = slot.kind.tag;
+            if seq <= last {
+                let captured = slot.stream == stream && !slot.refused;
+                if nccl(tag) {
+                    if captured {
+                        slot.coll_seq = 0;
+                    } else {
+                        collectives = collectives.saturating_sub(1);
+                    }
+                } else if shipped(tag) && captured {
+                    slot.coll_seq = 0;
+                    let instance = slot.kind.rank;
+                    match calls.iter_mut().find(|(i, _)| *i == instance) {
+                        Some((_, n)) => *n += 1,
+                        None => calls.push((instance, 1)),
+                    }
+                }
+            } else if nccl(tag) {
+                slot.coll_seq = slot.coll_seq.saturating_sub(collectives).max(1);
+            } else if shipped(tag) {
+                let instance = slot.kind.rank;
+                if let Some((_, n)) = calls.iter().find(|(i, _)| *i == instance) {
+                    slot.coll_seq = slot.coll_seq.saturating_sub(*n).max(1);
+                }
+            }
+        }
+        self.collectives = self.collectives.saturating_sub(collectives);
+        for (instance, n) in calls {
+            if let Some(row) = self.instance_mut(instance) {
+                row.calls = row.calls.saturating_sub(n);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -207,12 +284,74 @@ mod tests {
         tag < 10
     }
 
-    fn replay(graph: u32, stream: u64, refused: bool) -> RawReplay {
+    fn shipped(tag: u8) -> bool {
+        (10..13).contains(&tag)
+    }
+
+    /// A capture refused after one rank's failed partway: rank 0 captured four all-reduces
+    /// and a shipped call, rank 1 two all-reduces; both give the numbers back, and what comes
+    /// after (the agreement's all-gather, more collectives and shipped calls, on both ranks
+    /// alike) is numbered alike, the captured entries left unnumbered.
+    #[test]
+    fn a_refused_capture_gives_its_numbers_back_on_every_rank() {
+        let call = |instance: u32| RawShipped {
+            instance,
+            tag: 10,
+            kernel: 0,
+            dtype: 7,
+            count: 4,
+            stream: 7,
+            refused: false,
+        };
+        let ranks: Vec<Vec<(u64, u64, u8)>> = [(4, 1), (2, 0)]
+            .into_iter()
+            .map(|(captured, calls)| {
+                let mut ring = FlightRing::new(64, 7, None).unwrap();
+                let instance = ring.new_shipped_instance();
+                ring.record(op(all_reduce(), true, 1, false, false)); // eager
+                ring.record_shipped(call(instance)); // eager call #1
+                let began = ring.graph_mark();
+                for _ in 0..captured {
+                    ring.record(op(all_reduce(), true, 2, false, false));
+                }
+                for _ in 0..calls {
+                    ring.record_shipped(call(instance));
+                }
+                let ended = ring.graph_mark();
+                ring.record(op(all_reduce(), true, 3, false, false)); // the agreement
+                ring.discard_capture(Some(began), Some(ended), 7, nccl, shipped);
+                ring.record(op(all_reduce(), true, 4, false, false));
+                ring.record_shipped(call(instance));
+                let snap = ring.snapshot();
+                assert_eq!(snap.collectives, 3);
+                assert_eq!(snap.instances[0].calls, 2);
+                snap.slots
+                    .iter()
+                    .map(|s| (s.count, s.coll_seq, s.kind.tag))
+                    .collect()
+            })
+            .collect();
+        // Numbered entries agree; the captured ones (count 2, or shipped between the marks)
+        // hold no number.
+        let numbered = |r: &Vec<(u64, u64, u8)>| -> Vec<(u64, u64, u8)> {
+            r.iter().copied().filter(|&(_, n, _)| n != 0).collect()
+        };
+        assert_eq!(numbered(&ranks[0]), numbered(&ranks[1]));
+        assert_eq!(
+            numbered(&ranks[0]),
+            vec![(1, 1, 0), (4, 1, 10), (3, 2, 0), (4, 3, 0), (4, 2, 10)]
+        );
+        assert!(ranks[0].iter().filter(|s| s.0 == 2).all(|s| s.1 == 0));
+        assert_eq!(ranks[0].len() - numbered(&ranks[0]).len(), 5);
+    }
+
+    fn replay(graph: u32, stream: u64, launched: u64) -> RawReplay {
         RawReplay {
             graph,
             tag: REPLAY,
             stream,
-            refused,
+            launched,
+            refused: launched == 0,
         }
     }
 
@@ -263,11 +402,11 @@ mod tests {
         assert_eq!((rows[1].operations, rows[1].first, rows[1].last), (0, 7, 6));
         assert_eq!(rows[2].operations, 0);
 
-        ring.record_replay(replay(first, 7, false)); // #7: replay 1
-        ring.record_replay(replay(first, 7, true)); // #8: refused, no number
-        ring.record_replay(replay(first, 7, false)); // #9: replay 2
-        ring.record_replay(replay(empty, 7, false)); // #10: graph 2's replay 1
-        ring.record_replay(replay(9, 7, false)); // #11: no such graph: no number
+        ring.record_replay(replay(first, 7, 1)); // #7: replay 1
+        ring.record_replay(replay(first, 7, 0)); // #8: refused, no number
+        ring.record_replay(replay(first, 7, 2)); // #9: replay 2
+        ring.record_replay(replay(empty, 7, 1)); // #10: graph 2's replay 1
+        ring.record_replay(replay(9, 7, 1)); // #11: no such graph: no number
         let snap = ring.snapshot();
         let seen: Vec<(u64, u64, u32, u64, bool)> = snap.slots[6..]
             .iter()
@@ -350,7 +489,7 @@ mod tests {
         assert_eq!(rows[0].graph, second);
         assert!(rows.windows(2).all(|w| w[0].graph < w[1].graph));
         // A replay of a forgotten graph is still recorded, without a replay number.
-        ring.record_replay(replay(first, 7, false));
+        ring.record_replay(replay(first, 7, 1));
         let last = ring.snapshot().slots.last().copied().unwrap();
         assert_eq!((last.coll_seq, last.kind.rank), (0, first));
         // Dropped rows beyond the bound go one per new graph, oldest first.

@@ -78,7 +78,7 @@ impl FlightRing {
         self.instances_created
     }
 
-    fn instance_mut(&mut self, instance: u32) -> Option<&mut InstanceRow> {
+    pub(super) fn instance_mut(&mut self, instance: u32) -> Option<&mut InstanceRow> {
         let at = self
             .instances
             .binary_search_by_key(&instance, |row| row.instance)
