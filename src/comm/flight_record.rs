@@ -64,7 +64,8 @@ impl Comm {
     /// The caller's rule: record a graph only once every rank's capture succeeded and the
     /// ranks agreed on it, on every rank, in the same order, so that the same number is the
     /// same graph on every rank (as creating shipped-kernel instances collectively numbers
-    /// them alike). A capture that failed on one rank is recorded on none (drop the marks).
+    /// them alike). A capture that failed on one rank is recorded on none: every rank gives
+    /// its numbers back with [`Comm::discard_capture`] instead.
     /// A graph that captured operations of several communicators is recorded on each, with
     /// marks of each. A `began` of another communicator captures nothing here (the graph is
     /// still numbered); an `ended` of another means now.

@@ -91,6 +91,11 @@ pub unsafe trait StaticDecode {
 /// watchdog or abort ends the wait (NCCL's kernels), the shipped kernels' timeout theirs.
 /// NCCL's release of the communicator waits until the graph is dropped (see
 /// [`nccl::Comm::releases_in_flight`]): an abort returns anyway, its kernels stopped.
+///
+/// The communicator's flight recorder knows the graph: the capture is recorded once every
+/// rank agreed on it (given back where the ranks refused it) and every launch is an entry of
+/// its own, so a rank that replayed fewer times is named when the ranks' records are compared
+/// (see [`nccl::diagnostics::flight`]'s CUDA graphs).
 pub struct DecodeGraph<'m, M: StaticDecode> {
     model: &'m mut M,
     inputs: StepInputs,
