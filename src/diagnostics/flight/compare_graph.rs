@@ -45,8 +45,15 @@ pub(super) fn compare_graphs(records: &[&FlightRecord]) -> Vec<GraphComparison> 
     graphs
         .into_iter()
         .map(|graph| {
+            // A rank that forgot the graph's counters (dropped, past the kept rows) cannot
+            // be told from one that never replayed it: left out, never blamed.
+            let records: Vec<&FlightRecord> = records
+                .iter()
+                .copied()
+                .filter(|r| !r.forgot_graph(graph))
+                .collect();
             let verdict = compare_numbered(
-                records,
+                &records,
                 |e| e.replay.filter(|p| p.graph == graph).and_then(|p| p.seq),
                 |r| r.captured_graph(graph).map(|g| g.replays),
             );
@@ -99,6 +106,27 @@ mod tests {
     /// to `completed` seen complete.
     fn decode(rank: usize, size: usize, n: u64, completed: u64) -> FlightRecord {
         with_graph(nccl(rank, size), 1, 14, &replays(n), completed)
+    }
+
+    /// Both ranks replayed graph 1 a hundred times, but rank 0 dropped it and recorded
+    /// seventy graphs since, so its record forgot the graph's counters (its ring holds none
+    /// of the replays either): it is left out of graph 1's comparison, not named stalled. A
+    /// rank that never recorded graph 1 is still named.
+    #[test]
+    fn a_rank_that_forgot_a_graph_is_left_out_but_one_that_never_had_it_is_not() {
+        let kept = decode(1, 2, 100, 100);
+        let mut forgot = nccl(0, 2);
+        forgot.graphs_recorded = Some(71);
+        let cmp = compare(&[forgot.clone(), kept.clone()]).unwrap();
+        assert!(cmp.is_consistent(), "{cmp}");
+        assert!(cmp.culprits().is_empty(), "{cmp}");
+        // The same record, written before the count was kept (or never having recorded
+        // graph 1): rank 0 is behind.
+        for recorded in [None, Some(0)] {
+            forgot.graphs_recorded = recorded;
+            let cmp = compare(&[forgot.clone(), kept.clone()]).unwrap();
+            assert_eq!(cmp.culprits(), vec![0], "{cmp}");
+        }
     }
 
     /// The hang a decode job meets, as `gpu_decode`'s lone-replay test makes it on two ranks:

@@ -56,6 +56,14 @@ pub(super) fn compare_shipped(records: &[&FlightRecord]) -> Vec<ShippedCompariso
 }
 
 fn compare_instance(records: &[&FlightRecord], instance: u32) -> ShippedComparison {
+    // A rank that forgot the instance's counters (dropped, past the kept rows) cannot be
+    // told from one that never called it: left out, never blamed.
+    let records: Vec<&FlightRecord> = records
+        .iter()
+        .copied()
+        .filter(|r| !r.forgot_shipped_instance(instance))
+        .collect();
+    let records = records.as_slice();
     let verdict = compare_numbered(
         records,
         |e| {

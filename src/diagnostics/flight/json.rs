@@ -31,6 +31,9 @@
 //! so [`FLIGHT_RECORD_FORMAT`] stays: a reader from before them refuses a record holding a
 //! replay (its kind is unknown there) and reads any other, ignoring `"captured_in"`. The
 //! graphs' fields are read and written in `json/graphs.rs`.
+//!
+//! `"shipped_created"` and `"graphs_recorded"` count the instances and graphs the
+//! communicator numbered, forgotten ones included (null or absent in older records).
 
 mod graphs;
 
@@ -77,6 +80,9 @@ impl FlightRecord {
         map.insert("shipped".into(), Value::Array(shipped));
         let graphs = self.graphs.iter().map(graphs::graph_value).collect();
         map.insert("graphs".into(), Value::Array(graphs));
+        let number = |n: Option<u32>| n.map_or(Value::Null, Value::from);
+        map.insert("shipped_created".into(), number(self.shipped_created));
+        map.insert("graphs_recorded".into(), number(self.graphs_recorded));
         Value::Object(map)
     }
 
@@ -137,6 +143,8 @@ impl FlightRecord {
             completed_through: at.u64("completed_through")?,
             shipped,
             graphs,
+            shipped_created: at.optional_u32("shipped_created")?,
+            graphs_recorded: at.optional_u32("graphs_recorded")?,
             taken_at_us: at.u64("taken_at_us")?,
             reason: at.string("reason")?.to_owned(),
             entries,
@@ -405,6 +413,12 @@ impl<'v> Fields<'v> {
         self.value.get(key).filter(|v| !v.is_null())
     }
 
+    fn optional_u32(&self, key: &str) -> Result<Option<u32>> {
+        self.optional_u64(key)?
+            .map(|n| u32::try_from(n).map_err(|_| self.wrong(key, "a 32-bit count")))
+            .transpose()
+    }
+
     fn optional_u64(&self, key: &str) -> Result<Option<u64>> {
         match self.optional(key) {
             None => Ok(None),
@@ -458,6 +472,7 @@ mod tests {
         let old = record(1, 2, &[(1, 8), (2, 16)], 1);
         let mut value: Value = serde_json::from_str(&old.to_json()).unwrap();
         value.as_object_mut().unwrap().remove("shipped");
+        value.as_object_mut().unwrap().remove("shipped_created");
         for entry in value["entries"].as_array_mut().unwrap() {
             entry.as_object_mut().unwrap().remove("shipped");
         }

@@ -221,8 +221,10 @@
 //!   other streams' operations during a long capture may count differently (a mismatch at
 //!   the first replay). Only the capturing stream counts: operations forked onto other
 //!   streams inside a capture are recorded as eager ones. A record that forgot a dropped
-//!   graph's counters (past 64 rows) cannot tell it from one it never recorded, as for
-//!   shipped instances.
+//!   graph's counters (past 64 rows) is left out of that graph's comparison, never blamed
+//!   ([`FlightRecord::forgot_graph`], and [`FlightRecord::forgot_shipped_instance`] alike for
+//!   shipped instances); records written before the counts of graphs and instances were
+//!   kept cannot tell a forgotten one from one never made.
 
 mod compare;
 mod compare_graph;

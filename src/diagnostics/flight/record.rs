@@ -239,6 +239,13 @@ pub struct FlightRecord {
     /// every live one, and the last dropped ones (see the [module docs](super#cuda-graphs)).
     /// Empty where none was recorded.
     pub graphs: Vec<CapturedGraph>,
+    /// How many instances of shipped kernels the communicator numbered, forgotten ones
+    /// included: an instance up to this number without counters in [`FlightRecord::shipped`]
+    /// was forgotten, not never made. `None` in records written before it was kept.
+    pub shipped_created: Option<u32>,
+    /// How many CUDA graphs the communicator recorded, forgotten ones included (see
+    /// [`FlightRecord::shipped_created`]). `None` in records written before it was kept.
+    pub graphs_recorded: Option<u32>,
     /// When the record was taken, in microseconds since the Unix epoch.
     pub taken_at_us: u64,
     /// Why it was taken: `"on demand"`, the watchdog's reason, `"AbortHandle::abort"`...
@@ -280,6 +287,19 @@ impl FlightRecord {
     /// The counters of graph `graph`, if the record keeps them.
     pub fn captured_graph(&self, graph: u32) -> Option<&CapturedGraph> {
         self.graphs.iter().find(|g| g.graph == graph)
+    }
+
+    /// Whether the record numbered shipped instance `instance` but no longer keeps its
+    /// counters (dropped and forgotten): its calls cannot be told from none.
+    pub fn forgot_shipped_instance(&self, instance: u32) -> bool {
+        self.shipped_instance(instance).is_none()
+            && self.shipped_created.is_some_and(|n| instance <= n)
+    }
+
+    /// Whether the record numbered graph `graph` but no longer keeps its counters (dropped
+    /// and forgotten): its replays cannot be told from none.
+    pub fn forgot_graph(&self, graph: u32) -> bool {
+        self.captured_graph(graph).is_none() && self.graphs_recorded.is_some_and(|n| graph <= n)
     }
 
     /// The last collective seen complete, by collective sequence number (0 if none).
@@ -339,6 +359,8 @@ impl FlightRecord {
                 .iter()
                 .map(CapturedGraph::from_row)
                 .collect(),
+            shipped_created: Some(snapshot.instances_created),
+            graphs_recorded: Some(snapshot.graphs_created),
             taken_at_us: micros_since_epoch(wall_now),
             reason,
             entries,

@@ -296,6 +296,8 @@ impl FlightRing {
             name: self.name.clone(),
             instances: self.instances.clone(),
             graphs: self.graphs.clone(),
+            instances_created: self.instances_created,
+            graphs_created: self.graphs_created,
         }
     }
 }
@@ -314,6 +316,8 @@ pub(crate) struct RingSnapshot {
     pub(crate) name: Option<String>,
     pub(crate) instances: Vec<InstanceRow>,
     pub(crate) graphs: Vec<GraphRow>,
+    pub(crate) instances_created: u32,
+    pub(crate) graphs_created: u32,
 }
 
 #[cfg(test)]

@@ -70,6 +70,8 @@ pub(crate) fn record_with(
         completed_through: completed_through.min(last),
         shipped: Vec::new(),
         graphs: Vec::new(),
+        shipped_created: None,
+        graphs_recorded: None,
         taken_at_us: start_us + 60_000_000,
         reason: "synthetic".into(),
         entries,

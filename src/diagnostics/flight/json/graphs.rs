@@ -111,12 +111,14 @@ mod tests {
     fn graphs_survive_json_and_old_records_still_read() {
         let mut rec = with_graph(record(0, 2, &[(1, 8), (2, 16)], 2), 2, 14, &[1, 2, 3], 2);
         rec.entries[1].captured_in = Some(2);
+        (rec.graphs_recorded, rec.shipped_created) = (Some(2), Some(0));
         let text = rec.to_json();
         for needle in [
             "\"kind\": \"GraphReplay\"",
             "\"captured_in\": 2",
             "\"operations\": 14",
             "\"replays\": 3",
+            "\"graphs_recorded\": 2",
         ] {
             assert!(text.contains(needle), "{needle} in {text}");
         }
@@ -126,6 +128,7 @@ mod tests {
         let old = record(1, 2, &[(1, 8), (2, 16)], 1);
         let mut value: Value = serde_json::from_str(&old.to_json()).unwrap();
         value.as_object_mut().unwrap().remove("graphs");
+        value.as_object_mut().unwrap().remove("graphs_recorded");
         for entry in value["entries"].as_array_mut().unwrap() {
             let entry = entry.as_object_mut().unwrap();
             entry.remove("replay");
