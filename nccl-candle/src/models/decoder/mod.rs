@@ -6,11 +6,10 @@
 //! How the weights split over the ranks: see [`plan`](super::plan).
 //!
 //! Just past 600 lines: the layers' host-driven pass and their loading from a checkpoint
-//! read the same shapes; the static step (`static_step.rs`) and the rotary frequencies
-//! (`rope.rs`) are apart.
+//! read the same shapes; the static step (`static_step.rs`), the stacked projections
+//! (`stacked.rs`) and the rotary frequencies (`rope.rs`) are apart.
 
 use candle_core::{DType, Device, Tensor, D};
-use candle_nn::{Linear, Module};
 
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
@@ -20,7 +19,10 @@ use crate::decode::{attend, KvCache, PositionIndex};
 use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
 
+mod stacked;
 mod static_step;
+
+use stacked::Stacked;
 
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)?)
@@ -40,9 +42,8 @@ fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
 /// This rank's attention heads.
 #[derive(Debug)]
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v, stacked.
+    qkv: Stacked,
     o: RowParallelLinear,
     /// Qwen3's per-head norms of queries and keys.
     qk_norm: Option<(Tensor, Tensor)>,
@@ -70,21 +71,23 @@ impl Attention {
             false => None,
         };
         Ok(Self {
-            q: column(&vb.pp("q_proj"), cfg.q_width(), h, cfg.qkv_bias, mine)?,
-            k: column(
-                &vb.pp("k_proj"),
-                cfg.kv_width(),
-                h,
-                cfg.qkv_bias,
-                plan.kv_part,
-            )?,
-            v: column(
-                &vb.pp("v_proj"),
-                cfg.kv_width(),
-                h,
-                cfg.qkv_bias,
-                plan.kv_part,
-            )?,
+            qkv: Stacked::new(&[
+                column(&vb.pp("q_proj"), cfg.q_width(), h, cfg.qkv_bias, mine)?,
+                column(
+                    &vb.pp("k_proj"),
+                    cfg.kv_width(),
+                    h,
+                    cfg.qkv_bias,
+                    plan.kv_part,
+                )?,
+                column(
+                    &vb.pp("v_proj"),
+                    cfg.kv_width(),
+                    h,
+                    cfg.qkv_bias,
+                    plan.kv_part,
+                )?,
+            ])?,
             o: row_parallel(&vb.pp("o_proj"), group, cfg.q_width(), h, cfg.o_bias)?,
             qk_norm,
             heads: plan.heads,
@@ -100,9 +103,10 @@ impl Attention {
         let (b, seq, _) = x.dims3()?;
         let split =
             |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape((b, seq, n, self.head_dim))?) };
-        let mut q = split(self.q.forward(x)?, self.heads)?;
-        let mut k = split(self.k.forward(x)?, self.kv_heads)?;
-        let v = split(self.v.forward(x)?, self.kv_heads)?;
+        let [q, k, v] = self.qkv.forward_n(x)?;
+        let mut q = split(q, self.heads)?;
+        let mut k = split(k, self.kv_heads)?;
+        let v = split(v, self.kv_heads)?;
         if let Some((q_norm, k_norm)) = &self.qk_norm {
             q = rms_norm(&q, q_norm, eps)?;
             k = rms_norm(&k, k_norm, eps)?;
@@ -168,8 +172,8 @@ impl Positions<'_> {
 /// This rank's MLP features: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// gate and up, stacked.
+    gate_up: Stacked,
     down: RowParallelLinear,
 }
 
@@ -178,15 +182,18 @@ impl Mlp {
         let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         let mine = (plan.rank, plan.ranks);
         Ok(Self {
-            gate: column(&vb.pp("gate_proj"), i, h, bias, mine)?,
-            up: column(&vb.pp("up_proj"), i, h, bias, mine)?,
+            gate_up: Stacked::new(&[
+                column(&vb.pp("gate_proj"), i, h, bias, mine)?,
+                column(&vb.pp("up_proj"), i, h, bias, mine)?,
+            ])?,
             down: row_parallel(&vb.pp("down_proj"), group, i, h, bias)?,
         })
     }
 
     /// This rank's `silu(gate(x)) * up(x)`: down_proj's input.
     fn gated(&self, x: &Tensor) -> Result<Tensor> {
-        Ok((candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?)
+        let [gate, up] = self.gate_up.forward_n(x)?;
+        Ok((candle_nn::ops::silu(&gate)? * up)?)
     }
 }
 
