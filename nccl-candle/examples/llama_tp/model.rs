@@ -20,10 +20,10 @@
 
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::var_builder::ShardedVarBuilder;
-use candle_nn::{Linear, Module};
 use nccl_candle::decode::{attend, KvCache, PositionIndex, StaticDecode, StepInputs};
 use nccl_candle::tp::{
-    load_replicated, ColumnParallelLinear, RowParallelLinear, TpGroup, VocabParallelEmbedding,
+    load_replicated, ColumnParallelLinear, RowParallelLinear, StackedLinear, TpGroup,
+    VocabParallelEmbedding,
 };
 use nccl_candle::{Error, Result};
 
@@ -170,43 +170,11 @@ fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
         .reshape((b, heads * n, seq, dim))?)
 }
 
-/// Column-parallel projections of one input, loaded apart and run as one product: this rank's
-/// rows of each weight stacked, so a decode step reads them in one kernel instead of one each
-/// (the outputs are views of the one result).
-#[derive(Debug)]
-struct Stacked {
-    linear: Linear,
-    /// Each projection's output width on this rank.
-    widths: Vec<usize>,
-}
-
-impl Stacked {
-    fn new(parts: &[ColumnParallelLinear]) -> Result<Self> {
-        let weights: Vec<&Tensor> = parts.iter().map(|p| p.weight()).collect();
-        Ok(Self {
-            linear: Linear::new(Tensor::cat(&weights, 0)?, None),
-            widths: parts.iter().map(|p| p.local_out_features()).collect(),
-        })
-    }
-
-    /// Each projection of `x` (`[b, seq, in]`), `[b, seq, width]` views of one product.
-    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let all = self.linear.forward(x)?;
-        let mut start = 0;
-        let mut out = Vec::with_capacity(self.widths.len());
-        for &width in &self.widths {
-            out.push(all.narrow(D::Minus1, start, width)?);
-            start += width;
-        }
-        Ok(out)
-    }
-}
-
 /// This rank's attention heads.
 #[derive(Debug)]
 struct Attention {
     /// q, k and v.
-    qkv: Stacked,
+    qkv: StackedLinear,
     o: RowParallelLinear,
     heads: usize,
     kv_heads: usize,
@@ -219,7 +187,7 @@ impl Attention {
         let (hidden, head_dim) = (cfg.hidden, cfg.head_dim());
         let kv = cfg.kv_heads * head_dim;
         Ok(Self {
-            qkv: Stacked::new(&[
+            qkv: StackedLinear::from_columns(&[
                 ColumnParallelLinear::load(&vb.pp("q_proj"), group, hidden, hidden, false)?,
                 ColumnParallelLinear::load(&vb.pp("k_proj"), group, hidden, kv, false)?,
                 ColumnParallelLinear::load(&vb.pp("v_proj"), group, hidden, kv, false)?,
@@ -298,7 +266,7 @@ struct Positions {
 #[derive(Debug)]
 struct Mlp {
     /// gate and up.
-    gate_up: Stacked,
+    gate_up: StackedLinear,
     down: RowParallelLinear,
 }
 
@@ -306,7 +274,7 @@ impl Mlp {
     fn load(vb: &ShardedVarBuilder, group: &TpGroup, cfg: &Config) -> Result<Self> {
         let (h, i) = (cfg.hidden, cfg.intermediate);
         Ok(Self {
-            gate_up: Stacked::new(&[
+            gate_up: StackedLinear::from_columns(&[
                 ColumnParallelLinear::load(&vb.pp("gate_proj"), group, h, i, false)?,
                 ColumnParallelLinear::load(&vb.pp("up_proj"), group, h, i, false)?,
             ])?,

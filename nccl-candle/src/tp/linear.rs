@@ -30,7 +30,7 @@ fn check_input(op: &'static str, x: &Tensor, features: usize) -> Result<()> {
 #[derive(Debug, Clone)]
 pub struct ColumnParallelLinear {
     group: TpGroup,
-    linear: Linear,
+    pub(super) linear: Linear,
     in_features: usize,
     out_features: usize,
 }

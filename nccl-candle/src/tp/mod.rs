@@ -12,7 +12,8 @@
 //!   it holds, zeros for the others, and an all-reduce sums the rows.
 //!
 //! A column-parallel layer followed by a row-parallel one (attention's q/k/v then o, an
-//! MLP's gate/up then down) costs one all-reduce.
+//! MLP's gate/up then down) costs one all-reduce. [`StackedLinear`] runs column-parallel
+//! projections of one input (q/k/v, gate/up) as one product.
 //!
 //! # The row-parallel epilogue
 //!
@@ -55,6 +56,7 @@ mod group;
 mod linear;
 mod lsa;
 mod shard;
+mod stacked;
 mod threaded;
 
 pub use embedding::{masked_lookup, VocabParallelEmbedding};
@@ -62,4 +64,5 @@ pub use group::{Collectives, TpGroup};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use lsa::LsaCollectives;
 pub use shard::{load_replicated, shard_range};
+pub use stacked::StackedLinear;
 pub use threaded::ThreadedCollectives;

@@ -6,8 +6,8 @@
 //! How the weights split over the ranks: see [`plan`](super::plan).
 //!
 //! Just past 600 lines: the layers' host-driven pass and their loading from a checkpoint
-//! read the same shapes; the static step (`static_step.rs`), the stacked projections
-//! (`stacked.rs`) and the rotary frequencies (`rope.rs`) are apart.
+//! read the same shapes; the static step (`static_step.rs`) and the rotary frequencies
+//! (`rope.rs`) are apart.
 
 use candle_core::{DType, Device, Tensor, D};
 
@@ -16,13 +16,10 @@ use super::config::ModelConfig;
 use super::plan::{column, expected_tensors, row_parallel, vocab_rows, whole, Blocks, Plan};
 use super::rope::inverse_frequencies;
 use crate::decode::{attend, KvCache, PositionIndex};
-use crate::tp::{masked_lookup, RowParallelLinear, TpGroup};
+use crate::tp::{masked_lookup, RowParallelLinear, StackedLinear, TpGroup};
 use crate::{fingerprint, Error, Result};
 
-mod stacked;
 mod static_step;
-
-use stacked::Stacked;
 
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)?)
@@ -43,7 +40,7 @@ fn repeat_kv(x: Tensor, n: usize) -> Result<Tensor> {
 #[derive(Debug)]
 struct Attention {
     /// q, k and v, stacked.
-    qkv: Stacked,
+    qkv: StackedLinear,
     o: RowParallelLinear,
     /// Qwen3's per-head norms of queries and keys.
     qk_norm: Option<(Tensor, Tensor)>,
@@ -71,7 +68,7 @@ impl Attention {
             false => None,
         };
         Ok(Self {
-            qkv: Stacked::new(&[
+            qkv: StackedLinear::new(&[
                 column(&vb.pp("q_proj"), cfg.q_width(), h, cfg.qkv_bias, mine)?,
                 column(
                     &vb.pp("k_proj"),
@@ -173,7 +170,7 @@ impl Positions<'_> {
 #[derive(Debug, Clone)]
 struct Mlp {
     /// gate and up, stacked.
-    gate_up: Stacked,
+    gate_up: StackedLinear,
     down: RowParallelLinear,
 }
 
@@ -182,7 +179,7 @@ impl Mlp {
         let (h, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         let mine = (plan.rank, plan.ranks);
         Ok(Self {
-            gate_up: Stacked::new(&[
+            gate_up: StackedLinear::new(&[
                 column(&vb.pp("gate_proj"), i, h, bias, mine)?,
                 column(&vb.pp("up_proj"), i, h, bias, mine)?,
             ])?,
