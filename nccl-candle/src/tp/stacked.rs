@@ -10,7 +10,8 @@ use crate::{Error, Result};
 /// gate and up) stacked once, at load, so a decode step reads them in one kernel instead of
 /// one each; the outputs are views of the one result. Measured on a Qwen3 checkpoint's
 /// decode step in a CUDA graph: its seven products a layer ran at about half the bandwidth
-/// of stacked ones, and stacking took the step from 2.84 to 2.40 ms/token on one H200.
+/// of stacked ones; stacking took the step from 694 to 622 kernels and its products from
+/// 1.38 to 0.89 ms of device time on one H200.
 #[derive(Debug, Clone)]
 pub struct StackedLinear {
     linear: Linear,

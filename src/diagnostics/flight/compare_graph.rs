@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::finding::{write_verdict, Finding, Words};
+use super::finding::{write_left_out, write_verdict, Finding, Words};
 use super::record::FlightRecord;
 use super::sequence::compare_numbered;
 
@@ -29,6 +29,9 @@ pub struct GraphComparison {
     /// before the last), one whose graph captured other operations a
     /// [`Finding::Mismatch`], a last replay not seen complete [`Finding::NotCompleted`].
     pub findings: Vec<Finding>,
+    /// Ranks whose records keep nothing of the graph's replays though they recorded it
+    /// ([`FlightRecord::forgot_graph`]): not compared, ascending.
+    pub left_out: Vec<usize>,
 }
 
 /// Compares every graph that some rank replayed across `records` (ascending by rank), by
@@ -45,13 +48,10 @@ pub(super) fn compare_graphs(records: &[&FlightRecord]) -> Vec<GraphComparison> 
     graphs
         .into_iter()
         .map(|graph| {
-            // A rank that forgot the graph's counters (dropped, past the kept rows) cannot
-            // be told from one that never replayed it: left out, never blamed.
-            let records: Vec<&FlightRecord> = records
-                .iter()
-                .copied()
-                .filter(|r| !r.forgot_graph(graph))
-                .collect();
+            // A rank that keeps nothing of the graph's replays though it recorded it cannot be
+            // told from one that never replayed it: left out (and said so), never blamed.
+            let (left, records): (Vec<&FlightRecord>, Vec<&FlightRecord>) =
+                records.iter().copied().partition(|r| r.forgot_graph(graph));
             let verdict = compare_numbered(
                 &records,
                 |e| e.replay.filter(|p| p.graph == graph).and_then(|p| p.seq),
@@ -63,6 +63,7 @@ pub(super) fn compare_graphs(records: &[&FlightRecord]) -> Vec<GraphComparison> 
                 agreed_through: verdict.agreed_through,
                 diverged_at: verdict.diverged_at,
                 findings: verdict.findings,
+                left_out: left.iter().map(|r| r.rank).collect(),
             }
         })
         .collect()
@@ -75,6 +76,13 @@ impl fmt::Display for GraphComparison {
             "graph #{} (replays of a CUDA graph, by their own numbers, from replay #{}):",
             self.graph, self.compared_from
         )?;
+        if write_left_out(f, &self.left_out, "this graph")?
+            && self.agreed_through == 0
+            && self.diverged_at.is_none()
+            && self.findings.is_empty()
+        {
+            return Ok(());
+        }
         write_verdict(
             f,
             &Words::REPLAYS,
@@ -108,20 +116,44 @@ mod tests {
         with_graph(nccl(rank, size), 1, 14, &replays(n), completed)
     }
 
-    /// Both ranks replayed graph 1 a hundred times, but rank 0 dropped it and recorded
-    /// seventy graphs since, so its record forgot the graph's counters (its ring holds none
-    /// of the replays either): it is left out of graph 1's comparison, not named stalled. A
-    /// rank that never recorded graph 1 is still named.
+    /// Rank 0 dropped graph 1 and recorded seventy graphs since, so its record forgot the
+    /// graph's counters. Where its ring holds none of the replays either, it is left out of
+    /// graph 1's comparison (and said so), not named stalled; where the ring still holds
+    /// replays #1 to #99 against its peer's 100, it is compared by them and named; a rank
+    /// that never recorded graph 1, or whose record predates the count, is named too.
     #[test]
-    fn a_rank_that_forgot_a_graph_is_left_out_but_one_that_never_had_it_is_not() {
+    fn a_rank_that_forgot_a_graph_is_left_out_only_when_it_keeps_nothing_of_it() {
         let kept = decode(1, 2, 100, 100);
         let mut forgot = nccl(0, 2);
         forgot.graphs_recorded = Some(71);
         let cmp = compare(&[forgot.clone(), kept.clone()]).unwrap();
         assert!(cmp.is_consistent(), "{cmp}");
-        assert!(cmp.culprits().is_empty(), "{cmp}");
-        // The same record, written before the count was kept (or never having recorded
-        // graph 1): rank 0 is behind.
+        assert_eq!(cmp.graphs[0].left_out, vec![0], "{cmp}");
+        assert!(cmp.to_string().contains("ranks [0] left out"), "{cmp}");
+        // Every rank forgot it (one ring holds only an unnumbered, refused launch of it):
+        // nothing compared, and no agreement claimed.
+        let mut other = nccl(1, 2);
+        other.graphs_recorded = Some(71);
+        let mut stray = forgot.clone();
+        stray
+            .entries
+            .extend(decode(0, 2, 1, 1).graph_replays(1).cloned().map(|mut e| {
+                if let Some(r) = e.replay.as_mut() {
+                    r.seq = None;
+                }
+                e
+            }));
+        let cmp = compare(&[stray, other]).unwrap();
+        assert_eq!(cmp.graphs[0].left_out, vec![0, 1], "{cmp}");
+        assert!(!cmp.graphs[0].to_string().contains("agree"), "{cmp}");
+        // Its ring still holds replays #1 to #99: compared by them, named stalled.
+        let mut evidence = decode(0, 2, 99, 99);
+        evidence.graphs.clear();
+        evidence.graphs_recorded = Some(71);
+        let cmp = compare(&[evidence, kept.clone()]).unwrap();
+        assert!(cmp.graphs[0].left_out.is_empty(), "{cmp}");
+        assert_eq!(cmp.culprits(), vec![0], "{cmp}");
+        // Never recorded graph 1, or a record from before the count was kept: behind.
         for recorded in [None, Some(0)] {
             forgot.graphs_recorded = recorded;
             let cmp = compare(&[forgot.clone(), kept.clone()]).unwrap();

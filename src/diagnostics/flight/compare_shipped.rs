@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::finding::{write_verdict, Finding, Words};
+use super::finding::{write_left_out, write_verdict, Finding, Words};
 use super::record::FlightRecord;
 use super::sequence::compare_numbered;
 use super::shipped::ShippedEnd;
@@ -29,6 +29,9 @@ pub struct ShippedComparison {
     /// because its kernel gave up (the instance refuses every call since) is reported by the
     /// give-up alone, not as stalled.
     pub findings: Vec<Finding>,
+    /// Ranks whose records keep nothing of the instance's calls though they numbered it
+    /// ([`FlightRecord::forgot_shipped_instance`]): not compared, ascending.
+    pub left_out: Vec<usize>,
 }
 
 /// Compares every instance of shipped kernels that some rank called, or whose kernels ended,
@@ -56,13 +59,12 @@ pub(super) fn compare_shipped(records: &[&FlightRecord]) -> Vec<ShippedCompariso
 }
 
 fn compare_instance(records: &[&FlightRecord], instance: u32) -> ShippedComparison {
-    // A rank that forgot the instance's counters (dropped, past the kept rows) cannot be
-    // told from one that never called it: left out, never blamed.
-    let records: Vec<&FlightRecord> = records
+    // A rank that keeps nothing of the instance's calls though it numbered it cannot be
+    // told from one that never called it: left out (and said so), never blamed.
+    let (left, records): (Vec<&FlightRecord>, Vec<&FlightRecord>) = records
         .iter()
         .copied()
-        .filter(|r| !r.forgot_shipped_instance(instance))
-        .collect();
+        .partition(|r| r.forgot_shipped_instance(instance));
     let records = records.as_slice();
     let verdict = compare_numbered(
         records,
@@ -104,6 +106,7 @@ fn compare_instance(records: &[&FlightRecord], instance: u32) -> ShippedComparis
         agreed_through: verdict.agreed_through,
         diverged_at: verdict.diverged_at,
         findings,
+        left_out: left.iter().map(|r| r.rank).collect(),
     }
 }
 
@@ -114,6 +117,13 @@ impl fmt::Display for ShippedComparison {
             "LSA instance {} (shipped kernels, by its own call numbers, from call #{}):",
             self.instance, self.compared_from
         )?;
+        if write_left_out(f, &self.left_out, "this instance")?
+            && self.agreed_through == 0
+            && self.diverged_at.is_none()
+            && self.findings.is_empty()
+        {
+            return Ok(());
+        }
         write_verdict(
             f,
             &Words::SHIPPED,
@@ -369,6 +379,22 @@ mod tests {
             }],
             "{cmp}"
         );
+    }
+
+    /// A rank whose record numbered instance 1 but keeps nothing of its calls (counters
+    /// forgotten, none in the ring) is left out of its comparison, not named stalled; a
+    /// record from before the count was kept still is.
+    #[test]
+    fn a_rank_that_forgot_an_instance_is_left_out() {
+        let kept = with_shipped(nccl(1, 2), 1, &five(), 5, None);
+        let mut forgot = nccl(0, 2);
+        forgot.shipped_created = Some(3);
+        let cmp = compare(&[forgot.clone(), kept.clone()]).unwrap();
+        assert_eq!(cmp.shipped[0].left_out, vec![0], "{cmp}");
+        assert!(cmp.is_consistent(), "{cmp}");
+        forgot.shipped_created = None;
+        let cmp = compare(&[forgot, kept]).unwrap();
+        assert_eq!(cmp.culprits(), vec![0], "{cmp}");
     }
 
     #[test]

@@ -165,6 +165,24 @@ impl fmt::Display for InWords<'_> {
     }
 }
 
+/// Writes which ranks were left out of a sequence's comparison because their records keep
+/// nothing of `what`, if any; whether any were.
+pub(super) fn write_left_out(
+    f: &mut fmt::Formatter<'_>,
+    left_out: &[usize],
+    what: &str,
+) -> std::result::Result<bool, fmt::Error> {
+    if left_out.is_empty() {
+        return Ok(false);
+    }
+    writeln!(
+        f,
+        "  ranks {left_out:?} left out: their records keep nothing of {what} (its counters \
+         forgotten), so they cannot be compared"
+    )?;
+    Ok(true)
+}
+
 /// Writes, under a heading the caller wrote, the verdict on one sequence compared apart (a
 /// shipped instance's calls, a graph's replays): where the ranks agree and diverge, then the
 /// findings in `words`, or that nothing is amiss.

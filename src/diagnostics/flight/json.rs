@@ -11,7 +11,7 @@
 //!                  "stream": 94000000, "group": null, "enqueued_at_us": 1767225599000000,
 //!                  "state": "completed", "shipped": null, "replay": null,
 //!                  "captured_in": null }, ... ],
-//!   "shipped": [], "graphs": [] }
+//!   "shipped": [], "graphs": [], "shipped_created": 0, "graphs_recorded": 0 }
 //! ```
 //!
 //! A launch of a shipped kernel has `"shipped": { "instance": 1, "seq": 3, "kernel":

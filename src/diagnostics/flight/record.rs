@@ -289,17 +289,31 @@ impl FlightRecord {
         self.graphs.iter().find(|g| g.graph == graph)
     }
 
-    /// Whether the record numbered shipped instance `instance` but no longer keeps its
-    /// counters (dropped and forgotten): its calls cannot be told from none.
+    /// Whether the record numbered shipped instance `instance` but keeps nothing of its
+    /// calls: neither its counters (dropped and forgotten) nor a numbered call in the ring.
+    /// Its calls cannot then be told from none, so it is left out of the instance's
+    /// comparison.
     pub fn forgot_shipped_instance(&self, instance: u32) -> bool {
         self.shipped_instance(instance).is_none()
-            && self.shipped_created.is_some_and(|n| instance <= n)
+            && self
+                .shipped_created
+                .is_some_and(|n| (1..=n).contains(&instance))
+            && !self
+                .shipped_calls(instance)
+                .any(|e| e.shipped.is_some_and(|s| s.seq.is_some()))
     }
 
-    /// Whether the record numbered graph `graph` but no longer keeps its counters (dropped
-    /// and forgotten): its replays cannot be told from none.
+    /// Whether the record numbered graph `graph` but keeps nothing of its replays: neither
+    /// its counters (dropped and forgotten) nor a numbered replay in the ring (see
+    /// [`FlightRecord::forgot_shipped_instance`]).
     pub fn forgot_graph(&self, graph: u32) -> bool {
-        self.captured_graph(graph).is_none() && self.graphs_recorded.is_some_and(|n| graph <= n)
+        self.captured_graph(graph).is_none()
+            && self
+                .graphs_recorded
+                .is_some_and(|n| (1..=n).contains(&graph))
+            && !self
+                .graph_replays(graph)
+                .any(|e| e.replay.is_some_and(|r| r.seq.is_some()))
     }
 
     /// The last collective seen complete, by collective sequence number (0 if none).
