@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::finding::{write_left_out, write_verdict, Finding, Words};
+use super::finding::{write_sequence, Finding, Words};
 use super::record::FlightRecord;
 use super::sequence::compare_numbered;
 
@@ -76,16 +76,11 @@ impl fmt::Display for GraphComparison {
             "graph #{} (replays of a CUDA graph, by their own numbers, from replay #{}):",
             self.graph, self.compared_from
         )?;
-        if write_left_out(f, &self.left_out, "this graph")?
-            && self.agreed_through == 0
-            && self.diverged_at.is_none()
-            && self.findings.is_empty()
-        {
-            return Ok(());
-        }
-        write_verdict(
+        write_sequence(
             f,
             &Words::REPLAYS,
+            "this graph",
+            &self.left_out,
             self.agreed_through,
             self.diverged_at,
             &self.findings,

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::finding::{write_left_out, write_verdict, Finding, Words};
+use super::finding::{write_sequence, Finding, Words};
 use super::record::FlightRecord;
 use super::sequence::compare_numbered;
 use super::shipped::ShippedEnd;
@@ -117,16 +117,11 @@ impl fmt::Display for ShippedComparison {
             "LSA instance {} (shipped kernels, by its own call numbers, from call #{}):",
             self.instance, self.compared_from
         )?;
-        if write_left_out(f, &self.left_out, "this instance")?
-            && self.agreed_through == 0
-            && self.diverged_at.is_none()
-            && self.findings.is_empty()
-        {
-            return Ok(());
-        }
-        write_verdict(
+        write_sequence(
             f,
             &Words::SHIPPED,
+            "this instance",
+            &self.left_out,
             self.agreed_through,
             self.diverged_at,
             &self.findings,

@@ -1,6 +1,6 @@
 //! What [`compare`](super::compare) finds about a rank ([`Finding`]), and how a finding is
 //! written, in the words of NCCL's collectives, of a shipped instance's calls or of a CUDA
-//! graph's replays, with the verdict on one sequence that holds them ([`write_verdict`]).
+//! graph's replays, with the verdict on one sequence that holds them ([`write_sequence`]).
 
 use std::fmt;
 
@@ -165,34 +165,29 @@ impl fmt::Display for InWords<'_> {
     }
 }
 
-/// Writes which ranks were left out of a sequence's comparison because their records keep
-/// nothing of `what`, if any; whether any were.
-pub(super) fn write_left_out(
-    f: &mut fmt::Formatter<'_>,
-    left_out: &[usize],
-    what: &str,
-) -> std::result::Result<bool, fmt::Error> {
-    if left_out.is_empty() {
-        return Ok(false);
-    }
-    writeln!(
-        f,
-        "  ranks {left_out:?} left out: their records keep nothing of {what} (its counters \
-         forgotten), so they cannot be compared"
-    )?;
-    Ok(true)
-}
-
-/// Writes, under a heading the caller wrote, the verdict on one sequence compared apart (a
-/// shipped instance's calls, a graph's replays): where the ranks agree and diverge, then the
-/// findings in `words`, or that nothing is amiss.
-pub(super) fn write_verdict(
+/// Writes the verdict on one numbered sequence of `what` (a graph's replays, an instance's
+/// calls): the ranks left out of it (their records keep nothing of it), then where the
+/// compared ranks agree and diverge and what was found; nothing more where no rank was
+/// compared.
+pub(super) fn write_sequence(
     f: &mut fmt::Formatter<'_>,
     words: &Words,
+    what: &str,
+    left_out: &[usize],
     agreed_through: u64,
     diverged_at: Option<u64>,
     findings: &[Finding],
 ) -> fmt::Result {
+    if !left_out.is_empty() {
+        writeln!(
+            f,
+            "  ranks {left_out:?} left out: their records keep nothing of {what} (its counters \
+             forgotten), so they cannot be compared"
+        )?;
+        if agreed_through == 0 && diverged_at.is_none() && findings.is_empty() {
+            return Ok(());
+        }
+    }
     let one = words.one;
     match diverged_at {
         Some(seq) => writeln!(
