@@ -5,8 +5,8 @@
 //! Past 600 lines on purpose: an instance's life (creation agreed on every rank, each
 //! launch's checks and flight entry, the out-of-step state, the stop every owner path runs,
 //! the drop) keeps one set of invariants on one lock, which this file states once; the
-//! epilogue, the all-gather, the setup, the stop word and the choice of kernel have rooms of
-//! their own.
+//! epilogue, the all-gather, the setup, the kernels' state, the stop word and the choice of
+//! kernel have rooms of their own.
 
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -47,17 +47,6 @@ const FLAGS_MAX_CTAS: u32 = 64;
 const FLAGS_MIN_THREADS: u32 = 128;
 /// Bytes one thread moves per step.
 const VECTOR: usize = 16;
-/// Size of the kernels' `State` (see `allreduce.cu`), in u64 words: the three flags buffers'
-/// sizes (words 2-4), `timed_out` (the low half of word 6), the device address of the
-/// host-mapped [`GaveUp`] word (word 7), the three buffers' norm partial counts (words 8-10),
-/// each CTA's count of flags calls ([`FLAGS_MAX_CTAS`] words from 12) and of barrier calls
-/// ([`MAX_CTAS`] words), then the norm partials ([`STATE_PARTIAL_WORDS`] words, sentinels at
-/// creation).
-const STATE_WORDS: usize = STATE_PARTIALS_AT + STATE_PARTIAL_WORDS;
-/// The first word of the norm partials: three buffers of `kMaxSplitRows` (8) rows of
-/// `kMaxChunks` (64) f32 chunk sums.
-const STATE_PARTIALS_AT: usize = 12 + FLAGS_MAX_CTAS as usize + MAX_CTAS as usize;
-const STATE_PARTIAL_WORDS: usize = 3 * epilogue::SPLIT_ROWS * NORM_CHUNKS / 2;
 /// The most 32-vector chunks of a row (`kMaxChunks`): 2 048 vectors.
 const NORM_CHUNKS: usize = 64;
 /// The barrier inboxes' bytes per rank: a 4-byte flag per CTA per peer.
@@ -72,11 +61,15 @@ mod all_gather;
 mod choice;
 mod epilogue;
 mod setup;
+mod state;
 mod stop;
 
 use choice::{auto_choice, flags_grid, grid};
 pub use epilogue::LsaEpilogue;
-use setup::{agree, prepare, GaveUp};
+pub(in crate::device) use setup::GaveUp;
+use setup::{agree, prepare};
+use state::KernelState;
+pub(in crate::device) use stop::Registration as KernelStopRegistration;
 
 mod sealed {
     pub trait Sealed {}
@@ -240,7 +233,7 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     add_norm: CudaFunction,
     scratch: Window<'c, u32>,
     /// Freed by `Drop` once the kernels ended, else leaked (they read it when they start).
-    state: ManuallyDrop<CudaSlice<u64>>,
+    state: ManuallyDrop<CudaSlice<KernelState>>,
     /// As `state` (a kernel that gives up writes it).
     gave_up: ManuallyDrop<GaveUp>,
     /// The threads of a barrier CTA, where a test set them ([`Self::set_barrier_threads`]).
@@ -347,7 +340,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         let stopped = Arc::new(AtomicBool::new(false));
         let stop = stop::Registration::new(
             comm,
-            state,
+            state + std::mem::offset_of!(KernelState, timed_out) as u64,
             prepared.stop_stream,
             stopped.clone(),
             flight_instance,
@@ -642,7 +635,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // in that order. `src` holds `count` elements of T and `dst` `count` (all-reduce) or
         // `count` × ranks (all-gather) on this context (checked by `ready` and the callers),
         // ordered on this stream by their guards; the kernel writes only `dst`, its own state
-        // (STATE_WORDS words, whose word 7 is the live GaveUp word's device address) and the
+        // (a KernelState, whose `gave_up` is the live GaveUp word's device address) and the
         // scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks × INBOX_BYTES` bytes
         // since count ≤ max_count (two-shot: 2 × ceil(vectors / ranks) ≤ the slot's vectors;
         // the all-gather: count ≤ max_count / 2, its 2 × count × size
@@ -804,27 +797,6 @@ impl<T: LsaElem> Drop for LsaAllReduce<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_kernels_constants_are_the_hosts() {
-        // The kernels' source as checked in beside the images generated from it.
-        let source = include_str!("../shipped/allreduce.cu");
-        let constant = |name: &str| -> usize {
-            let at = source
-                .find(&format!("constexpr int {name} = "))
-                .unwrap_or_else(|| panic!("{name} not in allreduce.cu"));
-            let rest = &source[at..];
-            let value = &rest[rest.find('=').unwrap() + 1..rest.find(';').unwrap()];
-            value.trim().parse().unwrap()
-        };
-        assert_eq!(constant("kFlagsMaxCtas"), FLAGS_MAX_CTAS as usize);
-        assert_eq!(constant("kBarrierMaxCtas"), MAX_CTAS as usize);
-        assert_eq!(constant("kMaxSplitRows"), epilogue::SPLIT_ROWS);
-        assert_eq!(constant("kMaxChunks"), NORM_CHUNKS);
-        // The state: 12 words, the CTAs' call counts, the partials.
-        assert_eq!(STATE_PARTIALS_AT, 12 + 64 + 16);
-        assert_eq!(STATE_WORDS, STATE_PARTIALS_AT + 3 * 8 * 64 / 2);
-    }
 
     #[test]
     fn sentinels_are_negative_zero() {

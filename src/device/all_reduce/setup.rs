@@ -12,23 +12,28 @@ use cudarc::driver::{
     PinnedHostSlice, PushKernelArg,
 };
 
-use super::{LsaElem, INBOX_BYTES, SINCE, STATE_PARTIALS_AT, STATE_WORDS, THREADS, VECTOR};
+use super::{KernelState, LsaElem, INBOX_BYTES, SINCE, THREADS, VECTOR};
 use crate::agreement::{all_gather_rows, Wait};
 use crate::comm::Comm;
 use crate::device::shipped;
 use crate::error::{Error, Refusal, Result};
 use crate::memory::NcclBuffer;
 
-/// The host-mapped word a kernel sets when it gives up waiting: the host reads it at every
-/// launch without waiting for the GPU. Words come from [`GAVE_UP_WORDS`] and go back there.
-pub(super) struct GaveUp {
-    /// Owns the page-locked word (`None` once given back to the pool).
+/// The host-mapped words shipped kernels set for the host, which reads them at every launch
+/// without waiting for the GPU: word 0 when a kernel gives up waiting (the all-reduce uses
+/// that one only; the expert exchange also reports bad routing in words 1 and 2). Rooms come
+/// from [`GAVE_UP_WORDS`] and go back there.
+pub(in crate::device) struct GaveUp {
+    /// Owns the page-locked words (`None` once given back to the pool).
     word: Option<(usize, PinnedHostSlice<u32>)>,
-    /// Its host address (an integer, so that the owner stays `Send` and `Sync`).
+    /// Their host address (an integer, so that the owner stays `Send` and `Sync`).
     host: usize,
-    /// Its device address, for the kernels' `State`.
+    /// Their device address, for the kernels' state ([`KernelState`]'s `gave_up`).
     device: u64,
 }
+
+/// Words in each room of [`GaveUp`].
+const HOST_WORDS: usize = 4;
 
 /// Words of dropped instances, by device ordinal, kept for the life of the process and
 /// handed to later instances. Freeing page-locked memory (`cuMemFreeHost`) waits for all the
@@ -39,7 +44,7 @@ pub(super) struct GaveUp {
 static GAVE_UP_WORDS: Mutex<Vec<(usize, PinnedHostSlice<u32>)>> = Mutex::new(Vec::new());
 
 impl GaveUp {
-    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+    pub(in crate::device) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         let ordinal = ctx.ordinal();
         let reused = {
             let mut pool = GAVE_UP_WORDS.lock();
@@ -51,12 +56,12 @@ impl GaveUp {
             Some(word) => word,
             None => {
                 let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-                // SAFETY: the word is written (zeroed) below before anything reads it.
-                unsafe { ctx.alloc_pinned_with_flags::<u32>(1, flags) }?
+                // SAFETY: the words are written (zeroed) below before anything reads them.
+                unsafe { ctx.alloc_pinned_with_flags::<u32>(HOST_WORDS, flags) }?
             }
         };
-        // Zeroed whether new or reused (a reused word may hold its last instance's give-up).
-        word.as_mut_slice()?[0] = 0;
+        // Zeroed whether new or reused (a reused room may hold its last instance's reports).
+        word.as_mut_slice()?.fill(0);
         let host = word.as_mut_ptr()?;
         ctx.bind_to_thread()?;
         let mut device: sys::CUdeviceptr = 0;
@@ -72,10 +77,25 @@ impl GaveUp {
         })
     }
 
-    pub(super) fn is_set(&self) -> bool {
-        // SAFETY: `host` is the address of the u32 `word` owns, alive as long as `self`
-        // (kept in the pool after); kernels write it from the device, so it is read volatile.
-        unsafe { (self.host as *const u32).read_volatile() != 0 }
+    /// Whether a kernel gave up (word 0).
+    pub(in crate::device) fn is_set(&self) -> bool {
+        self.word(0) != 0
+    }
+
+    /// Word `i` (below 4) as the kernels last wrote it; 0 past the room.
+    pub(in crate::device) fn word(&self, i: usize) -> u32 {
+        if i >= HOST_WORDS {
+            return 0;
+        }
+        // SAFETY: `host` is the address of the HOST_WORDS u32 words `word` owns, alive as
+        // long as `self` (kept in the pool after), i < HOST_WORDS; kernels write them from
+        // the device, so they are read volatile.
+        unsafe { (self.host as *const u32).add(i).read_volatile() }
+    }
+
+    /// The words' device address, for a kernels' state.
+    pub(in crate::device) fn device(&self) -> u64 {
+        self.device
     }
 }
 
@@ -98,7 +118,7 @@ pub(super) struct Prepared {
     pub(super) fused_norm: CudaFunction,
     pub(super) add_norm: CudaFunction,
     pub(super) scratch: NcclBuffer<u32>,
-    pub(super) state: CudaSlice<u64>,
+    pub(super) state: CudaSlice<KernelState>,
     pub(super) gave_up: GaveUp,
     pub(super) slot_bytes: usize,
     /// The stream the instance's stop writes on (see `stop.rs`): made here, before the
@@ -166,11 +186,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     let stop_stream = ctx.new_stream()?;
     let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;
     let gave_up = GaveUp::new(ctx)?;
-    let mut words_of_state = vec![0u64; STATE_WORDS];
-    words_of_state[7] = gave_up.device;
-    // The norm partials start as sentinels (-0.0 f32, two a word).
-    words_of_state[STATE_PARTIALS_AT..].fill(0x8000_0000_8000_0000);
-    let state = stream.clone_htod(&words_of_state)?;
+    let state = stream.clone_htod(&[KernelState::new(gave_up.device)])?;
     // The flags buffers start as sentinels (the barrier buffers need nothing). Peers first
     // write into them after this rank's window registration, whose exchange runs on this
     // stream after this fill.

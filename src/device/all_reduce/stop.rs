@@ -28,8 +28,6 @@ use crate::comm::{Comm, KernelStop};
 
 /// How long a stop waits for its word to be written (its own stream, which nothing else uses).
 const WRITE_WAIT: Duration = Duration::from_secs(1);
-/// Byte offset of `timed_out` in the kernels' `State` (see `allreduce.cu`).
-const TIMED_OUT_OFFSET: u64 = 48;
 
 /// What a stop runs for one instance.
 struct Stopper {
@@ -38,7 +36,7 @@ struct Stopper {
     /// The communicator's stream, on which the state is freed: made to wait for the write, so
     /// a write the GPU runs late never lands in freed memory.
     comm_stream: Arc<CudaStream>,
-    /// Device address of the instance's `State::timed_out`.
+    /// Device address of the instance's `timed_out` word.
     timed_out: u64,
     /// Set, before the word is written, for the instance's host side: a stopped instance
     /// refuses every later call (its kernels would return at once, doing nothing), whether
@@ -89,18 +87,21 @@ impl KernelStop for Stopper {
 
 /// An instance's stopper, registered on its communicator while the instance's kernels may
 /// run (see the invariant above).
-pub(super) struct Registration<'c> {
+pub(in crate::device) struct Registration<'c> {
     comm: &'c Comm,
     id: usize,
 }
 
 impl<'c> Registration<'c> {
-    /// Registers a stopper for the kernels whose state starts at device address `state`,
-    /// writing on `stream` (made before the ranks' agreement: making a stream can wait for
-    /// the whole context) and setting `stopped` for the instance.
-    pub(super) fn new(
+    /// Registers a stopper for the kernels that watch the 4-byte word at device address
+    /// `timed_out`, a word of their state (`KernelState::timed_out` for the all-reduce's;
+    /// another kernel family reuses the stop with its own): the stop sets it to 1 on `stream`
+    /// (made before the ranks' agreement: making a stream can wait for the whole context)
+    /// and sets `stopped` for the instance. The word stays allocated while the stopper is
+    /// registered (the invariant above).
+    pub(in crate::device) fn new(
         comm: &'c Comm,
-        state: u64,
+        timed_out: u64,
         stream: Arc<CudaStream>,
         stopped: Arc<AtomicBool>,
         flight_instance: Option<u32>,
@@ -115,7 +116,7 @@ impl<'c> Registration<'c> {
                 ctx,
                 stream,
                 comm_stream,
-                timed_out: state + TIMED_OUT_OFFSET,
+                timed_out,
                 stopped,
                 flight_instance,
             }),
@@ -127,7 +128,7 @@ impl<'c> Registration<'c> {
     /// kernels the notice: `true` once its word is written, by this call or by an abort or
     /// revoke before it (which took the stop out), `false` if it could not be (the stop then
     /// stays registered, for the next abort to try again).
-    pub(super) fn stop_now(&self) -> bool {
+    pub(in crate::device) fn stop_now(&self) -> bool {
         self.comm.run_kernel_stop(self.id)
     }
 }

@@ -40,6 +40,7 @@
 #include <nccl_device.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <stddef.h>
 #include <stdint.h>
 
 namespace {
@@ -54,15 +55,16 @@ constexpr int kMaxSplitRows = 8;
 constexpr int kFlagsMaxCtas = 64;
 constexpr int kBarrierMaxCtas = 16;
 
-// Mirrored by src/device/all_reduce/setup.rs (STATE_WORDS u64 words, zero at creation but the
-// partials, sentinels, and `gave_up`). Each CTA keeps its own count of the calls made (every
+// Mirrored by KernelState in src/device/all_reduce/state.rs (zero at creation but the
+// partials, sentinels, and `gave_up`), which its tests check against
+// nccl_rs_allreduce_state_layout below. Each CTA keeps its own count of the calls made (every
 // count of an array equal between calls: CTA 0 also advances those past its grid), so no CTA
 // waits for another's to start or finish a call.
 struct State {
   unsigned long long unused0[2];
   unsigned long long flags_bytes[3];     // bytes per slot the flags call that used buffer i wrote
   unsigned long long unused1;
-  unsigned int timed_out;                // a kernel of this instance gave up waiting (byte 48)
+  unsigned int timed_out;                // a kernel of this instance gave up waiting
   unsigned int pad;
   unsigned int* gave_up;                 // host-mapped: set with timed_out, read by the host
   unsigned long long partial_floats[3];  // partials the flags call that used buffer i wrote
@@ -970,6 +972,25 @@ __device__ void add_rms_norm(const T* sums, const T* residual_in, T* residual_ou
   }
 }
 }  // namespace
+
+// The State's layout as compiled, and the limits its arrays are sized by, in this order: what
+// the host builds the State from (KernelState in src/device/all_reduce/state.rs), whose tests
+// read this table out of the shipped images, so an image built from another State fails them.
+// Read by no kernel.
+extern "C" __device__ const unsigned long long nccl_rs_allreduce_state_layout[] = {
+    sizeof(State),
+    offsetof(State, flags_bytes),
+    offsetof(State, timed_out),
+    offsetof(State, gave_up),
+    offsetof(State, partial_floats),
+    offsetof(State, flags_calls),
+    offsetof(State, barrier_calls),
+    offsetof(State, partials),
+    kFlagsMaxCtas,
+    kBarrierMaxCtas,
+    kMaxSplitRows,
+    kMaxChunks,
+};
 
 #define NCCL_RS_ALLREDUCE(NAME, T)                                                            \
   extern "C" __global__ void __launch_bounds__(512) nccl_rs_oneshot_flags_##NAME(                                    \
