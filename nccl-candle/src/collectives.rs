@@ -77,6 +77,7 @@ impl InPlace<'_> {
         }
     }
 
+    #[cfg(feature = "cuda")]
     fn run<T: NcclType + candle_core::cuda::CudaDType>(
         &self,
         storage: &mut CudaStorage,
@@ -109,6 +110,8 @@ impl InplaceOp1 for InPlace<'_> {
         }))
     }
 
+    // Without `cuda` (the docs' build) candle has no CUDA storage: its default refuses.
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
         let range = extent(self.op(), layout, &self.failure)?;
         let dtype = storage.dtype();
@@ -142,6 +145,7 @@ impl OutOfPlace<'_> {
         }
     }
 
+    #[cfg(feature = "cuda")]
     fn run<T: NcclType + candle_core::cuda::CudaDType>(
         &self,
         storage: &CudaStorage,
@@ -186,6 +190,8 @@ impl CustomOp1 for OutOfPlace<'_> {
         }))
     }
 
+    // Without `cuda` (the docs' build) candle has no CUDA storage: its default refuses.
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         storage: &CudaStorage,

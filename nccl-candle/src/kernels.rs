@@ -15,6 +15,7 @@ use crate::Result;
 
 /// One kernel of each of candle 0.11.1's kernel modules (`candle_kernels::ALL_IDS`): asking
 /// for it loads its whole module on the device.
+#[cfg(feature = "cuda")]
 const ONE_KERNEL_EACH: [(&str, &candle_kernels::Module); 11] = [
     ("affine_f32", &candle_kernels::AFFINE),
     ("bmul_f32", &candle_kernels::BINARY),
@@ -46,17 +47,31 @@ pub fn load_kernels(device: &Device) -> Result<()> {
     let Device::Cuda(cuda) = device else {
         return Ok(());
     };
+    load_modules(cuda)?;
+    device.synchronize()?;
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn load_modules(cuda: &candle_core::CudaDevice) -> Result<()> {
     for (kernel, module) in ONE_KERNEL_EACH {
         cuda.get_or_load_func(kernel, module)?;
     }
-    device.synchronize()?;
     Ok(())
+}
+
+/// Without `cuda` there are no kernels, and `cuda` is candle's placeholder, which no `Device`
+/// is made of (see `cuda_device`).
+#[cfg(not(feature = "cuda"))]
+fn load_modules(_: &candle_core::CudaDevice) -> Result<()> {
+    Err(crate::cuda_device::not_compiled())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    #[cfg(feature = "cuda")]
     #[test]
     fn one_kernel_of_every_module() {
         let mut modules: Vec<usize> = ONE_KERNEL_EACH.iter().map(|(_, m)| m.index()).collect();

@@ -1,6 +1,7 @@
 //! A key/value cache allocated once for its longest sequence, written at positions the host
 //! knows (prefill, eager decode) or that the device holds (a step replayed from a CUDA graph).
 
+#[cfg(feature = "cuda")]
 use candle_core::cuda::CudaStorageSlice;
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Tensor};
 
@@ -223,6 +224,8 @@ impl InplaceOp1 for Zero {
         Ok(())
     }
 
+    // Without `cuda` (the docs' build) candle has no CUDA storage: its default refuses.
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, storage: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
         let stream = storage.device.cuda_stream();
         let done = match &mut storage.slice {

@@ -1,12 +1,13 @@
 //! A decode step captured once into a CUDA graph and replayed for every token.
 
-use candle_core::cuda::cudarc::driver::sys::{
+use candle_core::{DType, Device, Tensor};
+use nccl::cudarc::driver::sys::{
     self, CUgraphInstantiate_flags, CUgraphNodeType, CUstreamCaptureMode,
 };
-use candle_core::cuda::cudarc::driver::{CudaGraph, CudaStream};
-use candle_core::{DType, Device, Tensor};
+use nccl::cudarc::driver::{CudaGraph, CudaStream};
 
 use super::StepInputs;
+use crate::cuda_device;
 use crate::tp::TpGroup;
 use crate::{fingerprint, Error, Result};
 use nccl::diagnostics::flight::RecordedGraph;
@@ -164,7 +165,7 @@ pub unsafe fn capturable_device(ordinal: usize) -> Result<Device> {
     if let Device::Cuda(cuda) = &device {
         // SAFETY: no tensor of this device exists yet; the caller takes on the ordering of
         // other streams (the function's contract).
-        unsafe { cuda.disable_event_tracking() };
+        unsafe { cuda_device::disable_event_tracking(cuda) }?;
     }
     Ok(device)
 }
@@ -193,14 +194,18 @@ fn capture_refusal(device: &Device) -> Option<String> {
             device.location()
         ));
     };
-    if cuda.cuda_stream().cu_stream().is_null() {
+    let stream = match cuda_device::stream(cuda) {
+        Ok(stream) => stream,
+        Err(err) => return Some(err.to_string()),
+    };
+    if stream.cu_stream().is_null() {
         return Some(
             "the device runs on CUDA's legacy default stream, which cannot be captured \
              (make it with capturable_device)"
                 .into(),
         );
     }
-    if cuda.is_event_tracking() {
+    if cuda_device::is_event_tracking(cuda).unwrap_or(true) {
         return Some(
             "the device tracks cross-stream events, which a capture cannot wait on (make it \
              with capturable_device)"
@@ -268,7 +273,7 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
                 why: "not a CUDA device".into(),
             });
         };
-        let stream = cuda.cuda_stream();
+        let stream = cuda_device::stream(cuda)?;
         // The flight recorder's marks of the capture's ends, so that the graph's replays are
         // recorded once every rank agreed on it (and the agreement is not counted as captured).
         let (mut began, mut capture_ended) = (None, None);
@@ -277,7 +282,7 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
             // candle uploads small host data (strided layouts, scalars) at each op; under
             // this guard it keeps them in device memory, filled by the warm-up and read by
             // the captured kernels for the life of the thread.
-            let _cache = cuda.enable_cuda_graph_htod_cache();
+            let _cache = cuda_device::graph_htod_cache(cuda)?;
             // The warm-up writes the caches at `position` with ids 0: the first replay
             // writes that position again before anything reads it.
             let warm = inputs
@@ -412,7 +417,9 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
                 let launched = graph.launch();
                 if let (Some(recorded), Device::Cuda(cuda)) = (&self.recorded, self.model.device())
                 {
-                    recorded.record_replay(raw_stream(&cuda.cuda_stream()), launched.is_err());
+                    if let Ok(stream) = cuda_device::stream(cuda) {
+                        recorded.record_replay(raw_stream(&stream), launched.is_err());
+                    }
                 }
                 launched.map_err(|e| Error::Graph {
                     op: "launch",

@@ -3,12 +3,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda::cudarc::driver::{CudaContext, CudaEvent, PinnedHostSlice};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Tensor,
 };
+use nccl::cudarc::driver::{CudaContext, CudaEvent, PinnedHostSlice};
 
-use crate::{Error, Result};
+use crate::{cuda_device, Error, Result};
 
 /// A decode step's inputs and outputs in device memory: the token ids (`[batch, 1]`, `u32`)
 /// and the position (one `u32`) the step reads, the logits (`[batch, vocab]`, `f32`) and
@@ -118,7 +118,7 @@ impl StepInputs {
         }
         let staged = match device {
             Device::Cuda(cuda) => {
-                let ctx = cuda.cuda_stream().context().clone();
+                let ctx = cuda_device::stream(cuda)?.context().clone();
                 let pinned = Staging::take(&ctx, batch + 1)?;
                 Some((pinned, ctx.new_event(None).map_err(cuda_error)?))
             }
@@ -178,7 +178,8 @@ impl StepInputs {
             .copy_from_slice(&values);
         self.packed.inplace_op1(&WriteHost::Pinned(pinned))?;
         if let Device::Cuda(cuda) = self.packed.device() {
-            uploaded.record(&cuda.cuda_stream()).map_err(cuda_error)?;
+            let stream = cuda_device::stream(cuda)?;
+            uploaded.record(&stream).map_err(cuda_error)?;
         }
         Ok(())
     }
@@ -340,6 +341,8 @@ impl InplaceOp1 for WriteHost<'_> {
         }
     }
 
+    // Without `cuda` (the docs' build) candle has no CUDA storage: its default refuses.
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
         let Some((start, end)) = layout.contiguous_offsets() else {
             return Err(candle_core::Error::Msg("write_host: not contiguous".into()));

@@ -370,6 +370,8 @@ impl InplaceOp3 for FusedEpilogue<'_> {
         }))
     }
 
+    // Without `cuda` (the docs' build) candle has no CUDA storage: its default refuses.
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         partial: &mut CudaStorage,
@@ -445,6 +447,8 @@ impl CustomOp1 for ShippedSum<'_> {
         }))
     }
 
+    // Without `cuda` (the docs' build) candle has no CUDA storage: its default refuses.
+    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         storage: &CudaStorage,
