@@ -12,7 +12,9 @@
 //! A test says which shapes it can run in, in the order it prefers them; the first one this
 //! host can give wins (`Gpus` only with 2+ GPUs, `Shared` only with NCCL 2.30+).
 //! `NCCL_RS_GPU_SHAPE=gpus|hosts|shared` forces one, on a multi-GPU host too. A test that
-//! cannot run says why through [`skip`], which the suite's summary lists.
+//! cannot run says why through [`skip`], which the suite's summary lists: every test records
+//! what it did in the ledger of the run ([`LEDGER_VAR`], named by the runner), whose summary
+//! ([`summary`]) the runner prints after its last binary (`tests/gpu_suite_summary.rs`).
 
 use std::io::Write;
 use std::sync::{Arc, OnceLock};
@@ -24,8 +26,16 @@ use super::procs::{var, visible_gpu};
 
 /// Forces a shape: `gpus`, `hosts` or `shared`.
 pub const SHAPE_VAR: &str = "NCCL_RS_GPU_SHAPE";
-/// The ledger a test binary's child processes record in (its own, see [`ledger_path`]).
-const LEDGER_VAR: &str = "NCCL_RS_SUITE_LEDGER";
+/// The ledger of one run of the suite: a file named by whoever starts the run (`.gpu/run
+/// tests`, `tests/gpu/candle.sh`: a new one each run, removed by it at the end), where every
+/// GPU test, and every process a test starts (it inherits the variable), records what it did
+/// ([`ran`], [`skip`]). Unset (`cargo test`, a binary run alone), nothing is recorded: what a
+/// test did is said on stderr only.
+pub const LEDGER_VAR: &str = "NCCL_RS_SUITE_LEDGER";
+/// The summary binary's explicit mode (`tests/gpu_suite_summary.rs`): names the ledger whose
+/// summary it prints ([`print_summary`]). The runner sets it for that binary alone, after
+/// every other binary ran, so no binary's order matters.
+pub const SUMMARY_VAR: &str = "NCCL_RS_SUITE_SUMMARY";
 /// Tells a child process the CUDA ordinal of its rank's GPU.
 pub const DEVICE_VAR: &str = "NCCL_RS_TEST_DEVICE";
 /// NCCL's switch for several ranks on one GPU.
@@ -93,10 +103,6 @@ fn host() -> &'static Host {
         // will put two there.
         if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
             std::env::set_var("NCCL_NVLS_ENABLE", "0");
-        }
-        // The processes this test binary starts record in its ledger, not in one of their own.
-        if std::env::var_os(LEDGER_VAR).is_none() {
-            std::env::set_var(LEDGER_VAR, ledger_path(std::os::unix::process::parent_id()));
         }
         if host.pick(THREADED) == Ok(Shape::Shared) {
             std::env::set_var(MULTI_RANK_GPU_VAR, "1");
@@ -365,33 +371,124 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 
-/// The ledger the summary (`tests/zz_gpu_suite_summary.rs`) reads: one file per run of the
-/// suite, named after the process that runs the test binaries one after another (the
-/// `.gpu/run tests` loop, or cargo). A test's child processes record in their test binary's
-/// ledger (`NCCL_RS_SUITE_LEDGER`), so a test that runs in a child counts too.
-pub fn ledger_path(parent: u32) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("nccl-rs-gpu-suite-{parent}.tsv"))
-}
-
+/// Appends to the run's ledger ([`LEDGER_VAR`]), if there is one, what `test` did.
 fn record(outcome: &str, test: &str, detail: &str) {
+    let Some(path) = std::env::var_os(LEDGER_VAR).filter(|p| !p.is_empty()) else {
+        return;
+    };
     let version = host()
         .version
         .as_ref()
         .map(|v| v.to_string())
         .unwrap_or_else(|_| "none".to_owned());
-    let line = format!(
-        "{}\t{test}\t{outcome}\t{version}\t{}\n",
-        env!("CARGO_CRATE_NAME"),
-        detail.replace(['\t', '\n'], " ")
-    );
-    let path = std::env::var_os(LEDGER_VAR)
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| ledger_path(std::os::unix::process::parent_id()));
+    let line = ledger_line(env!("CARGO_CRATE_NAME"), test, outcome, &version, detail);
     if let Ok(mut file) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)
     {
+        // One write per line, appended: the ranks of a test may record at once.
         let _ = file.write_all(line.as_bytes());
     }
+}
+
+/// One line of a ledger: the test binary, the test, `ran` or `skipped`, the NCCL version the
+/// test saw, and how it ran or why not (tabs and newlines made spaces), tab-separated.
+pub fn ledger_line(binary: &str, test: &str, outcome: &str, version: &str, detail: &str) -> String {
+    let clean = |field: &str| field.replace(['\t', '\n'], " ");
+    format!(
+        "{}\t{}\t{}\t{}\t{}\n",
+        clean(binary),
+        clean(test),
+        clean(outcome),
+        clean(version),
+        clean(detail)
+    )
+}
+
+/// What a ledger says of one test binary.
+#[derive(Default)]
+struct BinarySummary {
+    ran: Vec<(String, String)>,
+    skipped: Vec<(String, String)>,
+    versions: Vec<String>,
+}
+
+/// The summary of a ledger (`text`, lines of [`ledger_line`]) under `title`: per test binary
+/// (by name), how many multi-rank GPU tests ran and how many were skipped, with the NCCL
+/// versions they saw and why each skipped one was; then the totals. A test that started, then
+/// found it could not go on, counts once, as skipped; a test recorded twice (by its ranks)
+/// once. A line that is not a record is passed over.
+pub fn summary(title: &str, text: &str) -> String {
+    let mut binaries: std::collections::BTreeMap<&str, BinarySummary> = Default::default();
+    for line in text.lines() {
+        let fields: Vec<&str> = line.splitn(5, '\t').collect();
+        let [binary, test, outcome, version, detail] = fields[..] else {
+            continue;
+        };
+        let entry = binaries.entry(binary).or_default();
+        let row = (test.to_owned(), detail.to_owned());
+        match outcome {
+            "ran" => {
+                if !entry
+                    .ran
+                    .iter()
+                    .chain(&entry.skipped)
+                    .any(|(t, _)| t == test)
+                {
+                    entry.ran.push(row);
+                }
+            }
+            _ => {
+                entry.ran.retain(|(t, _)| t != test);
+                if !entry.skipped.iter().any(|(t, _)| t == test) {
+                    entry.skipped.push(row);
+                }
+            }
+        }
+        if !entry.versions.iter().any(|v| v == version) {
+            entry.versions.push(version.to_owned());
+        }
+    }
+    let mut out = format!("\n=== {title} (multi-rank GPU tests, per binary)\n");
+    if binaries.is_empty() {
+        out.push_str("no GPU test recorded anything in this run\n");
+        return out;
+    }
+    let (mut ran, mut skipped) = (0, 0);
+    for (name, binary) in &binaries {
+        ran += binary.ran.len();
+        skipped += binary.skipped.len();
+        out.push_str(&format!(
+            "{name}: {} ran, {} skipped (NCCL {})\n",
+            binary.ran.len(),
+            binary.skipped.len(),
+            binary.versions.join(", ")
+        ));
+        for (test, why) in &binary.skipped {
+            out.push_str(&format!("    skipped {test}: {why}\n"));
+        }
+    }
+    out.push_str(&format!("total: {ran} ran, {skipped} skipped\n"));
+    out
+}
+
+/// The summary binary's explicit mode: where [`SUMMARY_VAR`] names a ledger, prints its
+/// [`summary`] under `title` past the harness's output capture (it is for whoever runs the
+/// suite) and returns true; a ledger no test wrote to reads as empty. Without it (`cargo
+/// test`), prints nothing and returns false. Never removes the ledger: whoever made it does.
+pub fn print_summary(title: &str) -> bool {
+    let Some(path) = std::env::var_os(SUMMARY_VAR).filter(|p| !p.is_empty()) else {
+        return false;
+    };
+    let path = std::path::PathBuf::from(path);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => panic!("{SUMMARY_VAR}={}: {e}", path.display()),
+    };
+    let _ = std::io::stdout()
+        .lock()
+        .write_all(summary(title, &text).as_bytes());
+    true
 }

@@ -4,7 +4,7 @@
 # .gpu/run's NCCL settings. Without arguments: the GPU tests (`gpu`, `gpu_*`), each in turn, in
 # the shapes of nccl-rs's GPU suite (one GPU per rank where 2+ are visible, else two ranks
 # sharing GPU 0, NCCL 2.30+; NCCL_RS_GPU_SHAPE=gpus|shared forces one), then the summary of
-# what ran and what was skipped (`zz_gpu_suite_summary`, from the ledger the tests kept).
+# what ran and what was skipped (`gpu_suite_summary`, from the ledger the tests kept).
 set -o pipefail
 bin=/tmp/nccl-candle-bin; mkdir -p $bin
 [[ -f $bin/.unpacked ]] || { tar -C $bin -xJf .gpu/candle/bin.tar.xz && touch $bin/.unpacked; } || exit 1
@@ -18,9 +18,18 @@ if (( $# )) && [[ -n ${CANDLE_MPI:-} ]]; then
     -x NCCL_LIBRARY -x NCCL_HOME -x RUST_BACKTRACE $bin/$n "$@"
 fi
 if (( $# )); then n=$1; shift; exec $bin/$n "$@"; fi
+# This run's ledger, new: every GPU test records there what it did. After the tests, the
+# summary binary prints it, run by name in its explicit mode (NCCL_RS_SUITE_SUMMARY): the
+# binaries' order does not matter. Removed at the end.
+ledger=$(mktemp /tmp/nccl-candle-gpu-suite.XXXXXX) || exit 1
+trap 'rm -f "$ledger"' EXIT
+summary=$bin/gpu_suite_summary
 rc=0
-for t in $bin/gpu $bin/gpu_*; do [[ -x $t ]] || continue; echo "=== ${t##*/}"; $t --include-ignored --test-threads=1 || rc=1; done
-# The ledger is named after this shell, the parent of every test binary and of the summary.
-if [[ -x $bin/zz_gpu_suite_summary ]]; then $bin/zz_gpu_suite_summary --test-threads=1 || rc=1
-else echo "no zz_gpu_suite_summary in the bundle: rebuild it with tools/gpu-bundle"; rc=1; fi
+for t in $bin/gpu $bin/gpu_*; do
+  [[ -x $t && $t != "$summary" ]] || continue
+  echo "=== ${t##*/}"; NCCL_RS_SUITE_LEDGER=$ledger $t --include-ignored --test-threads=1 || rc=1
+done
+echo "=== ${summary##*/}"
+if [[ -x $summary ]]; then NCCL_RS_SUITE_SUMMARY=$ledger $summary --include-ignored --test-threads=1 || rc=1
+else echo "no gpu_suite_summary in the bundle: rebuild it with tools/gpu-bundle"; rc=1; fi
 exit $rc

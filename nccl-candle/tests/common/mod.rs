@@ -3,7 +3,7 @@
 //! harness (`../tests/common/shape.rs`, `threaded.rs`) is reused as it is: one GPU per rank
 //! where there are 2+, else two ranks sharing GPU 0 as one LSA team (NCCL 2.30+), and a
 //! ledger of what ran and what was skipped, said on stderr past libtest's capture and
-//! printed by `zz_gpu_suite_summary` at the end.
+//! printed by `gpu_suite_summary`, which `../tests/gpu/candle.sh` runs after the tests.
 #![allow(dead_code)] // each test crate uses its own part
 
 use std::sync::Barrier;
