@@ -19,6 +19,8 @@
 //! * `all_reduce/`: [`LsaAllReduce`], the all-reduce kernels this crate ships (one-shot,
 //!   with flags or with a barrier) and the fused tensor-parallel epilogue (all-reduce,
 //!   residual add, RMSNorm), for small messages inside one LSA team.
+//! * `moe/`: [`ExpertExchange`], mixture-of-experts dispatch and combine by shipped kernels
+//!   over an LSA team's memory, or NCCL's all-to-all-v elsewhere.
 //! * `shipped/`: those kernels' CUDA source, its generator and the checked-in cubin and PTX
 //!   (no CUDA toolkit needed to build or use them).
 //! * [`kernel`]: the toolchain that turns CUDA C++ into a loaded module: `nvcc` at run time
@@ -92,12 +94,16 @@ mod agreement;
 mod all_reduce;
 mod dev_comm;
 pub mod kernel;
+mod moe;
 mod requirements;
 mod shipped;
 mod team;
 
 pub use all_reduce::{LsaAlgorithm, LsaAllReduce, LsaElem, LsaEpilogue};
 pub use dev_comm::DevComm;
+pub use moe::{
+    Dispatched, ExchangePath, ExpertExchange, ExpertShape, MAX_ENTRIES, MAX_EXPERTS, MAX_RANKS,
+};
 pub use requirements::{DevCommRequirements, GIN_CONNECTION_SINCE};
 pub use team::Team;
 

@@ -66,8 +66,8 @@ mod stop;
 
 use choice::{auto_choice, flags_grid, grid};
 pub use epilogue::LsaEpilogue;
-pub(in crate::device) use setup::GaveUp;
 use setup::{agree, prepare};
+pub(in crate::device) use setup::{HostWords, HOST_WORDS};
 use state::KernelState;
 pub(in crate::device) use stop::Registration as KernelStopRegistration;
 
@@ -235,7 +235,7 @@ pub struct LsaAllReduce<'c, T: LsaElem> {
     /// Freed by `Drop` once the kernels ended, else leaked (they read it when they start).
     state: ManuallyDrop<CudaSlice<KernelState>>,
     /// As `state` (a kernel that gives up writes it).
-    gave_up: ManuallyDrop<GaveUp>,
+    gave_up: ManuallyDrop<HostWords>,
     /// The threads of a barrier CTA, where a test set them ([`Self::set_barrier_threads`]).
     barrier_threads: Option<u32>,
     /// Set by the instance's stop (an abort, revoke, shrink with abort, or its drop): every
@@ -635,7 +635,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         // in that order. `src` holds `count` elements of T and `dst` `count` (all-reduce) or
         // `count` × ranks (all-gather) on this context (checked by `ready` and the callers),
         // ordered on this stream by their guards; the kernel writes only `dst`, its own state
-        // (a KernelState, whose `gave_up` is the live GaveUp word's device address) and the
+        // (a KernelState, whose `gave_up` is the live HostWords word's device address) and the
         // scratch window, inside `(3 × ranks + 2) × slot_bytes + ranks × INBOX_BYTES` bytes
         // since count ≤ max_count (two-shot: 2 × ceil(vectors / ranks) ≤ the slot's vectors;
         // the all-gather: count ≤ max_count / 2, its 2 × count × size

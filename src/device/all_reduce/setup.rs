@@ -22,8 +22,8 @@ use crate::memory::NcclBuffer;
 /// The host-mapped words shipped kernels set for the host, which reads them at every launch
 /// without waiting for the GPU: word 0 when a kernel gives up waiting (the all-reduce uses
 /// that one only; the expert exchange also reports bad routing in words 1 and 2). Rooms come
-/// from [`GAVE_UP_WORDS`] and go back there.
-pub(in crate::device) struct GaveUp {
+/// from [`HOST_ROOMS`] and go back there.
+pub(in crate::device) struct HostWords {
     /// Owns the page-locked words (`None` once given back to the pool).
     word: Option<(usize, PinnedHostSlice<u32>)>,
     /// Their host address (an integer, so that the owner stays `Send` and `Sync`).
@@ -32,8 +32,11 @@ pub(in crate::device) struct GaveUp {
     device: u64,
 }
 
-/// Words in each room of [`GaveUp`].
-const HOST_WORDS: usize = 4;
+/// Words in each room of [`HostWords`]: four reports, and the expert exchange's row counts
+/// per rank, sent and received (2 × its `MAX_RANKS`), which its fallback reads back from
+/// here rather than through a pageable copy (which can wait behind a peer's kernel on a
+/// shared GPU).
+pub(in crate::device) const HOST_WORDS: usize = 4 + 2 * 128;
 
 /// Words of dropped instances, by device ordinal, kept for the life of the process and
 /// handed to later instances. Freeing page-locked memory (`cuMemFreeHost`) waits for all the
@@ -41,13 +44,13 @@ const HOST_WORDS: usize = 4;
 /// rank dropping an instance while its peer already waits in the next collective for it
 /// would wait for that collective, which waits for this rank (as the step inputs' buffers
 /// of nccl-candle's decode did, hung on one H200). One word per instance alive at once.
-static GAVE_UP_WORDS: Mutex<Vec<(usize, PinnedHostSlice<u32>)>> = Mutex::new(Vec::new());
+static HOST_ROOMS: Mutex<Vec<(usize, PinnedHostSlice<u32>)>> = Mutex::new(Vec::new());
 
-impl GaveUp {
+impl HostWords {
     pub(in crate::device) fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         let ordinal = ctx.ordinal();
         let reused = {
-            let mut pool = GAVE_UP_WORDS.lock();
+            let mut pool = HOST_ROOMS.lock();
             pool.iter()
                 .position(|(o, _)| *o == ordinal)
                 .map(|i| pool.swap_remove(i).1)
@@ -82,7 +85,7 @@ impl GaveUp {
         self.word(0) != 0
     }
 
-    /// Word `i` (below 4) as the kernels last wrote it; 0 past the room.
+    /// Word `i` (below [`HOST_WORDS`]) as the kernels last wrote it; 0 past the room.
     pub(in crate::device) fn word(&self, i: usize) -> u32 {
         if i >= HOST_WORDS {
             return 0;
@@ -93,6 +96,15 @@ impl GaveUp {
         unsafe { (self.host as *const u32).add(i).read_volatile() }
     }
 
+    /// Sets word `i` (below [`HOST_WORDS`]) to zero: a report taken by the host.
+    pub(in crate::device) fn clear(&self, i: usize) {
+        if i < HOST_WORDS {
+            // SAFETY: as `word`; a kernel writes such a word only while it holds zero (a
+            // report it finds taken is written again), so a write lost to this one repeats.
+            unsafe { (self.host as *mut u32).add(i).write_volatile(0) }
+        }
+    }
+
     /// The words' device address, for a kernels' state.
     pub(in crate::device) fn device(&self) -> u64 {
         self.device
@@ -101,10 +113,10 @@ impl GaveUp {
 
 /// Gives the word back to the pool. Dropped only once no kernel of its instance can run
 /// (the instance's drop leaks it otherwise), so nothing writes it after.
-impl Drop for GaveUp {
+impl Drop for HostWords {
     fn drop(&mut self) {
         if let Some(word) = self.word.take() {
-            GAVE_UP_WORDS.lock().push(word);
+            HOST_ROOMS.lock().push(word);
         }
     }
 }
@@ -119,7 +131,7 @@ pub(super) struct Prepared {
     pub(super) add_norm: CudaFunction,
     pub(super) scratch: NcclBuffer<u32>,
     pub(super) state: CudaSlice<KernelState>,
-    pub(super) gave_up: GaveUp,
+    pub(super) gave_up: HostWords,
     pub(super) slot_bytes: usize,
     /// The stream the instance's stop writes on (see `stop.rs`): made here, before the
     /// agreement, since making a stream can wait for the whole context (cudarc synchronises
@@ -185,7 +197,7 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     let stream = comm.stream();
     let stop_stream = ctx.new_stream()?;
     let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;
-    let gave_up = GaveUp::new(ctx)?;
+    let gave_up = HostWords::new(ctx)?;
     let state = stream.clone_htod(&[KernelState::new(gave_up.device)])?;
     // The flags buffers start as sentinels (the barrier buffers need nothing). Peers first
     // write into them after this rank's window registration, whose exchange runs on this

@@ -25,7 +25,7 @@ pub(super) struct KernelState {
     /// every later kernel then returns at once.
     pub(super) timed_out: u32,
     pad: u32,
-    /// The device address of the host-mapped word (`setup::GaveUp`) a kernel sets when it
+    /// The device address of the host-mapped word (`setup::HostWords`) a kernel sets when it
     /// gives up, so that the host refuses further launches without waiting for the GPU.
     gave_up: u64,
     /// Norm partials the flags call that used buffer i wrote (cleared as `flags_bytes`).

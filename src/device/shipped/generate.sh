@@ -2,7 +2,9 @@
 # Regenerates the shipped kernels from every NAME.cu beside this script, as nccl-sys's bindings
 # are: run by hand, the outputs checked in, so that building the crate needs neither CUDA nor
 # nvcc.
-#   NCCL_INCLUDE=/path/to/nccl-2.29.2/include NVCC=/path/to/nvcc src/device/shipped/generate.sh
+#   NCCL_INCLUDE=/path/to/nccl-2.29.2/include NVCC=/path/to/nvcc src/device/shipped/generate.sh [NAME...]
+# (NAMEs: only those sources, e.g. `moe`; the PTX of an unchanged source would differ in the
+# compiler's internal name hashes.)
 # The headers must be NCCL 2.29.2's (the ABI `mod.rs` records: the oldest versioned device
 # communicator, whose LSA layout every later library keeps); nvcc 13.0 (PTX ISA 9.0, which
 # driver 580 and later load). Outputs, per NAME.cu: NAME.sm_90.cubin (loaded as is on Hopper),
@@ -16,6 +18,7 @@ grep -q '#define NCCL_PATCH 2$' "$NCCL_INCLUDE/nccl.h" && grep -q '#define NCCL_
   || { echo "generate.sh: $NCCL_INCLUDE is not NCCL 2.29.2" >&2; exit 1; }
 shopt -s nullglob
 sources=("$here"/*.cu)
+if [ $# -gt 0 ]; then sources=(); for n in "$@"; do sources+=("$here/$n.cu"); done; fi
 [ ${#sources[@]} -gt 0 ] || { echo "generate.sh: no .cu file in $here" >&2; exit 1; }
 flags=(-std=c++17 -O3 -I"$NCCL_INCLUDE" -Xptxas=-warn-spills)
 for source in "${sources[@]}"; do
