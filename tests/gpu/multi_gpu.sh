@@ -8,7 +8,10 @@
 #  4. llama_tp large at 1 and N ranks, eager and in CUDA graphs, NCCL and --lsa --fused
 #     (the graph runs checked against one GPU);
 #  5. the Hugging Face checkpoint qwen3-1b-bf16 (splits over 1, 2, 4, 8) through generate at
-#     1, 2 and N ranks, eager and in graphs, checked against one GPU at N.
+#     1, 2 and N ranks, eager and in graphs, checked against one GPU at N;
+#  6. ExpertExchange (expert_exchange: dispatch and combine in CUDA graphs beside
+#     all_to_all_v) at N and 2 ranks, decode shapes up to DeepEP's (128 tokens a rank, hidden
+#     7168, 256 experts, top-8).
 # Needs the bundle with nccl-candle's examples (tools/gpu-bundle STUBS llama_tp generate
 # gpt_ddp hf_checkpoint) and a PyPI NCCL 2.29.2+ (tests/gpu/nccl 2.32.3) for the shipped kernels.
 export OUT
@@ -50,4 +53,14 @@ CUDA_VISIBLE_DEVICES=0,1 lt q1-2-graph 50 "${q[@]}" --graph
 lt q1-$ngpu-eager 50 "${q[@]}"
 lt q1-$ngpu-graph-check 60 "${q[@]}" --graph --check
 lt q1-$ngpu-fused-graph-check 60 "${q[@]}" --lsa --fused --graph --check
+ee=$(.gpu/run path examples/expert_exchange)
+for gpus in $all 0,1; do
+  for shape in "--tokens 8 --hidden 2048 --experts 16 --top-k 2" "--tokens 32 --hidden 4096 --experts 64 --top-k 4" \
+      "--tokens 128 --hidden 7168 --experts 256 --top-k 8" "--tokens 256 --hidden 7168 --experts 256 --top-k 8"; do
+    echo "=== expert_exchange $shape, GPUs $gpus"
+    CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 120 "$ee" $shape > "$OUT/ee-$gpus.log" 2>&1; echo "rc=$?"
+    grep -vE "NCCL INFO" "$OUT/ee-$gpus.log" | tail -1
+  done
+  [[ $all == 0,1 ]] && break
+done
 pack_logs
