@@ -731,3 +731,100 @@ fn child_moe_fallback() {
     }
     println!("MOE_DONE rank {rank}");
 }
+
+/// The flight recorder numbers the exchange's launches among its instance's calls, so that
+/// comparing the ranks' records names one that skipped a dispatch: rank 0 makes an extra
+/// dispatch of one token, which rank 1's next (of four) pairs with; rank 0's next then waits
+/// alone and gives up.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn the_flight_record_names_a_rank_that_skipped_a_dispatch() {
+    use nccl::diagnostics::flight::{compare, Finding, OpKind};
+    const TEST: &str = "the_flight_record_names_a_rank_that_skipped_a_dispatch";
+    if !lsa_possible(TEST) {
+        return;
+    }
+    let Some(comms) = comms(TEST) else { return };
+    if comms.len() != 2 {
+        skip(
+            TEST,
+            &format!("written for 2 ranks, the layout has {}", comms.len()),
+        );
+        return;
+    }
+    let _deadline = Deadline::new(TEST, LIMIT);
+    let records = per_rank(comms, |comm, barrier| {
+        let rank = comm.rank();
+        let shape = ExpertShape::new(8, 2, 64, 8);
+        let stream = comm.stream().clone();
+        let mut b = Buffers::<half::bf16>::new(&stream, &shape, 2);
+        let mut ex =
+            ExpertExchange::<half::bf16>::new(&comm, shape, ExchangePath::Lsa).expect("new");
+        ex.set_timeout(Duration::from_secs(1));
+        let c = case(&shape, 2, Pattern::Full, 9);
+        run_case(&mut ex, &mut b, &c, "in step");
+        barrier.wait();
+        let (h, k) = (shape.hidden, shape.top_k);
+        if rank == 0 {
+            let _extra = ex
+                .dispatch(
+                    &b.x.slice(..h),
+                    &b.routing.slice(..k),
+                    &mut b.recv,
+                    &mut b.counts,
+                )
+                .expect("the extra dispatch");
+        }
+        let _next = ex
+            .dispatch(
+                &b.x.slice(..4 * h),
+                &b.routing.slice(..4 * k),
+                &mut b.recv,
+                &mut b.counts,
+            )
+            .expect("the next dispatch");
+        let checked = ex.check();
+        if rank == 0 {
+            assert!(
+                matches!(checked, Err(Error::Timeout { .. })),
+                "rank 0's last dispatch waits alone: {checked:?}"
+            );
+        }
+        barrier.wait();
+        let record = comm.flight_record().expect("the recorder is on by default");
+        let kinds: Vec<(OpKind, u64)> =
+            record.shipped_calls(1).map(|e| (e.kind, e.count)).collect();
+        println!("NOTE {TEST}: rank {rank}: instance 1's calls {kinds:?}");
+        assert_eq!(
+            kinds[0],
+            (OpKind::LsaExpertDispatch, shape.max_tokens as u64)
+        );
+        assert_eq!(
+            kinds[1],
+            (OpKind::LsaExpertCombine, shape.max_tokens as u64)
+        );
+        drop(ex);
+        record
+    });
+    let comparison = compare(&records).expect("comparable");
+    println!("NOTE {TEST}: {comparison:?}");
+    let shipped = comparison
+        .shipped
+        .iter()
+        .find(|c| c.instance == 1)
+        .expect("instance 1 compared");
+    assert_eq!(shipped.diverged_at, Some(3), "{shipped:?}");
+    assert!(
+        shipped.findings.iter().any(|f| matches!(
+            f,
+            Finding::Skipped {
+                rank: 1,
+                seq: 3,
+                count: 1,
+                ..
+            }
+        )),
+        "{shipped:?}"
+    );
+    common::shape::ran(TEST, "2 ranks");
+}

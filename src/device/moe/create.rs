@@ -21,6 +21,7 @@ use crate::agreement::{all_gather_rows, Wait};
 use crate::comm::Comm;
 use crate::device::all_reduce::{HostWords, KernelStopRegistration, LsaElem};
 use crate::device::{shipped, DevComm, DevCommRequirements, DEV_COMM_SINCE};
+use crate::diagnostics::flight::FlightRing;
 use crate::error::{Error, Refusal, Result};
 use crate::memory::NcclBuffer;
 use crate::thread_group;
@@ -107,6 +108,15 @@ pub(super) fn create<'c, T: LsaElem>(
         agreed?;
         (Path::AllToAllV(fallback), None)
     };
+    // Numbered after the last agreement (every rank that gets here numbers alike), the LSA
+    // path's kernels only: the fallback's NCCL calls are recorded as NCCL's.
+    let flight_instance = stop_stream.as_ref().and_then(|_| {
+        comm.shared()
+            .lock()
+            .flight
+            .as_deref_mut()
+            .map(FlightRing::new_shipped_instance)
+    });
     // After the last meeting nothing can fail on one rank alone.
     let stopped = Arc::new(AtomicBool::new(false));
     let stop = stop_stream.map(|stream| {
@@ -116,7 +126,7 @@ pub(super) fn create<'c, T: LsaElem>(
             state + offset_of!(MoeState, timed_out) as u64,
             stream,
             stopped.clone(),
-            None,
+            flight_instance,
         ))
     });
     Ok(ExpertExchange {
@@ -131,6 +141,7 @@ pub(super) fn create<'c, T: LsaElem>(
         state: ManuallyDrop::new(prepared.state),
         host_words: ManuallyDrop::new(prepared.host_words),
         stopped,
+        flight_instance,
         out_of_step: None,
         timeout: DEFAULT_TIMEOUT,
         id: next_id(),

@@ -16,13 +16,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 
 use super::all_reduce::{HostWords, KernelStopRegistration, LsaElem};
 use super::DevComm;
 use crate::calls;
 use crate::comm::{Comm, ContextId};
+use crate::diagnostics::flight::{FlightRing, RawShipped, ShippedKernel};
 use crate::error::{Error, Result};
 use crate::thread_group;
 use crate::window::Window;
@@ -184,6 +186,8 @@ pub struct ExpertExchange<'c, T: LsaElem> {
     /// The host-mapped words (gave up, bad entry, its value); as `state`.
     host_words: ManuallyDrop<HostWords>,
     stopped: Arc<AtomicBool>,
+    /// Its number in the communicator's flight recorder (LSA path, recorder on).
+    flight_instance: Option<u32>,
     out_of_step: Option<String>,
     timeout: Duration,
     /// This instance, for its [`Dispatched`].
@@ -339,7 +343,7 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
         let call = self.dispatches;
         match &mut self.path {
             Path::Lsa(lsa) => {
-                let _usable = usable(self.comm)?;
+                let mut usable = usable(self.comm)?;
                 let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
                 let scratch = lsa.scratch.as_raw() as u64;
                 let (state, _state) = self.state.device_ptr_mut(&stream);
@@ -354,7 +358,7 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                 // the geometry's total (allocated at creation), at positions below
                 // max_tokens per (expert, source) since a token names an expert once (bad
                 // entries are dropped on the device).
-                unsafe {
+                let launched = unsafe {
                     stream
                         .launch_builder(&lsa.dispatch)
                         .arg(&lsa.dev_comm)
@@ -369,8 +373,16 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                         .arg(&state)
                         .arg(&timeout_ns)
                         .launch(launch_config(self.ctas))
-                }
-                .map_err(|err| {
+                };
+                record_launch::<T>(
+                    &mut usable,
+                    self.flight_instance,
+                    ShippedKernel::ExpertDispatch,
+                    tokens,
+                    &stream,
+                    launched.is_err(),
+                );
+                launched.map_err(|err| {
                     self.out_of_step
                         .get_or_insert_with(|| "a kernel launch failed here".into());
                     Error::from(err)
@@ -460,7 +472,7 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
         let tokens_arg = tokens as u32;
         match &mut self.path {
             Path::Lsa(lsa) => {
-                let _usable = usable(self.comm)?;
+                let mut usable = usable(self.comm)?;
                 let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
                 let scratch = lsa.scratch.as_raw() as u64;
                 let (state, _state) = self.state.device_ptr_mut(&stream);
@@ -471,7 +483,7 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                 // latest dispatch recorded in the work buffers, `weights` and writes `out`
                 // for `tokens` tokens (checked, the dispatch's own count), its state and the
                 // scratch window's combine rows and flags (entries < max_tokens × top_k).
-                unsafe {
+                let launched = unsafe {
                     stream
                         .launch_builder(&lsa.combine)
                         .arg(&lsa.dev_comm)
@@ -485,8 +497,16 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                         .arg(&state)
                         .arg(&timeout_ns)
                         .launch(launch_config(self.ctas))
-                }
-                .map_err(|err| {
+                };
+                record_launch::<T>(
+                    &mut usable,
+                    self.flight_instance,
+                    ShippedKernel::ExpertCombine,
+                    tokens,
+                    &stream,
+                    launched.is_err(),
+                );
+                launched.map_err(|err| {
                     self.out_of_step
                         .get_or_insert_with(|| "a kernel launch failed here".into());
                     Error::from(err)
@@ -609,6 +629,16 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
         })
     }
 
+    /// Runs `mark` on the communicator's flight recorder with this instance's number, where
+    /// it has one. Takes the communicator's lock: never called under it.
+    fn flight_mark(&self, mark: fn(&mut FlightRing, u32)) {
+        if let Some(instance) = self.flight_instance {
+            if let Some(ring) = self.comm.shared().lock().flight.as_deref_mut() {
+                mark(ring, instance);
+            }
+        }
+    }
+
     /// Whether everything enqueued on the communicator's stream ends within `limit`.
     fn kernels_end_within(&self, limit: Duration) -> bool {
         if self.comm.context().bind_to_thread().is_err() {
@@ -627,6 +657,29 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                 _ => return false,
             }
         }
+    }
+}
+
+/// Records a launch of `kernel` by instance `instance` (`count` tokens) in the communicator's
+/// flight recorder, under its lock `state`, which the launch holds; `refused` where the launch
+/// failed.
+fn record_launch<T: LsaElem>(
+    state: &mut crate::comm::state::State,
+    instance: Option<u32>,
+    kernel: ShippedKernel,
+    count: usize,
+    stream: &CudaStream,
+    refused: bool,
+) {
+    if let (Some(instance), Some(ring)) = (instance, state.flight.as_deref_mut()) {
+        ring.record_shipped(RawShipped::launch(
+            instance,
+            kernel,
+            T::DATA_TYPE,
+            count,
+            stream.cu_stream() as u64,
+            refused,
+        ));
     }
 }
 
@@ -705,8 +758,15 @@ impl<T: LsaElem> Drop for ExpertExchange<'_, T> {
         let mut written = true;
         if !ended {
             written = self.stop.as_ref().is_none_or(|stop| stop.stop_now());
+            if written {
+                self.flight_mark(FlightRing::shipped_stopped);
+            }
             ended = self.kernels_end_within(AFTER_STOP);
         }
+        if self.host_words.is_set() {
+            self.flight_mark(FlightRing::shipped_gave_up);
+        }
+        self.flight_mark(FlightRing::shipped_instance_dropped);
         if ended {
             // SAFETY: no kernel of the instance can run any more; none is touched again.
             unsafe {

@@ -41,11 +41,17 @@ pub enum OpKind {
     /// ([`FlightEntry::replay`](super::FlightEntry::replay)); its count is the number of
     /// operations the graph captured.
     GraphReplay,
+    /// [`ExpertExchange::dispatch`](crate::device::ExpertExchange::dispatch) on the shipped
+    /// kernels (its count: the tokens this rank sent).
+    LsaExpertDispatch,
+    /// [`ExpertExchange::combine`](crate::device::ExpertExchange::combine) on the shipped
+    /// kernels (its count: the tokens this rank summed).
+    LsaExpertCombine,
 }
 
 impl OpKind {
     /// Every kind, in the order of their raw tags.
-    pub const ALL: [OpKind; 14] = [
+    pub const ALL: [OpKind; 16] = [
         OpKind::AllReduce,
         OpKind::Broadcast,
         OpKind::Reduce,
@@ -60,6 +66,8 @@ impl OpKind {
         OpKind::LsaAllGather,
         OpKind::LsaAddRmsNorm,
         OpKind::GraphReplay,
+        OpKind::LsaExpertDispatch,
+        OpKind::LsaExpertCombine,
     ];
 
     /// The name in records and dumps, e.g. `"AllReduce"`.
@@ -79,6 +87,8 @@ impl OpKind {
             OpKind::LsaAllGather => "LsaAllGather",
             OpKind::LsaAddRmsNorm => "LsaAddRmsNorm",
             OpKind::GraphReplay => "GraphReplay",
+            OpKind::LsaExpertDispatch => "LsaExpertDispatch",
+            OpKind::LsaExpertCombine => "LsaExpertCombine",
         }
     }
 
@@ -99,7 +109,11 @@ impl OpKind {
     pub fn is_shipped(self) -> bool {
         matches!(
             self,
-            OpKind::LsaAllReduce | OpKind::LsaAllGather | OpKind::LsaAddRmsNorm
+            OpKind::LsaAllReduce
+                | OpKind::LsaAllGather
+                | OpKind::LsaAddRmsNorm
+                | OpKind::LsaExpertDispatch
+                | OpKind::LsaExpertCombine
         )
     }
 

@@ -30,20 +30,27 @@ pub enum ShippedKernel {
     /// The epilogue's residual add and RMSNorm alone, after its all-reduce (which is recorded
     /// on its own): a kernel of this rank only, waiting for no peer.
     AddRmsNorm,
+    /// [`ExpertExchange::dispatch`](crate::device::ExpertExchange::dispatch)'s kernel.
+    ExpertDispatch,
+    /// [`ExpertExchange::combine`](crate::device::ExpertExchange::combine)'s kernel.
+    ExpertCombine,
 }
 
 impl ShippedKernel {
-    const ALL: [ShippedKernel; 6] = [
+    const ALL: [ShippedKernel; 8] = [
         ShippedKernel::OneShotFlags,
         ShippedKernel::OneShotBarrier,
         ShippedKernel::TwoShotFlags,
         ShippedKernel::AllGather,
         ShippedKernel::FusedAddRmsNorm,
         ShippedKernel::AddRmsNorm,
+        ShippedKernel::ExpertDispatch,
+        ShippedKernel::ExpertCombine,
     ];
 
     /// The name in records and dumps (`one-shot-flags`, `one-shot-barrier`,
-    /// `two-shot-flags`, `all-gather`, `fused-add-rms-norm`, `add-rms-norm`).
+    /// `two-shot-flags`, `all-gather`, `fused-add-rms-norm`, `add-rms-norm`,
+    /// `expert-dispatch`, `expert-combine`).
     pub fn name(self) -> &'static str {
         match self {
             ShippedKernel::OneShotFlags => "one-shot-flags",
@@ -52,6 +59,8 @@ impl ShippedKernel {
             ShippedKernel::AllGather => "all-gather",
             ShippedKernel::FusedAddRmsNorm => "fused-add-rms-norm",
             ShippedKernel::AddRmsNorm => "add-rms-norm",
+            ShippedKernel::ExpertDispatch => "expert-dispatch",
+            ShippedKernel::ExpertCombine => "expert-combine",
         }
     }
 
@@ -60,8 +69,10 @@ impl ShippedKernel {
         Self::ALL.into_iter().find(|k| k.name() == name)
     }
 
-    /// The call of [`LsaAllReduce`](crate::device::LsaAllReduce) that launches it:
-    /// [`OpKind::LsaAllReduce`], [`OpKind::LsaAllGather`] or [`OpKind::LsaAddRmsNorm`].
+    /// The call that launches it: [`OpKind::LsaAllReduce`], [`OpKind::LsaAllGather`] or
+    /// [`OpKind::LsaAddRmsNorm`] of [`LsaAllReduce`](crate::device::LsaAllReduce),
+    /// [`OpKind::LsaExpertDispatch`] or [`OpKind::LsaExpertCombine`] of
+    /// [`ExpertExchange`](crate::device::ExpertExchange).
     pub fn kind(self) -> OpKind {
         match self {
             ShippedKernel::OneShotFlags
@@ -69,6 +80,8 @@ impl ShippedKernel {
             | ShippedKernel::TwoShotFlags => OpKind::LsaAllReduce,
             ShippedKernel::AllGather => OpKind::LsaAllGather,
             ShippedKernel::FusedAddRmsNorm | ShippedKernel::AddRmsNorm => OpKind::LsaAddRmsNorm,
+            ShippedKernel::ExpertDispatch => OpKind::LsaExpertDispatch,
+            ShippedKernel::ExpertCombine => OpKind::LsaExpertCombine,
         }
     }
 
