@@ -4,11 +4,13 @@
 //! Every rank routes `--tokens` bf16 tokens of `--hidden` to `--top-k` of `--experts`
 //! experts (uniformly, distinct per token), checks one dispatch and combine against the
 //! host (the experts are the identity: each token must come back as the sum of its weights
-//! times itself), then times, in CUDA graphs of `--iters` calls replayed back to back:
-//! dispatches alone, dispatch + combine pairs (combine = the pairs' time less the
-//! dispatch's), and `all_to_all_v` of the dispatch's rows (tokens × top-k rows sent by
-//! destination, counts known on the host: the payload NCCL moves for a dispatch, with none
-//! of the routing work). Times are device times per call, the slowest rank's.
+//! times itself), then times, in CUDA graphs of `--iters` calls replayed back to back (the
+//! ranks starting together): dispatches alone (back to back, a rank's next dispatch may
+//! overlap its peers' copying out of the last: a floor for the dispatch), dispatch + combine
+//! pairs (what a layer runs; combine = pair less dispatch), and `all_to_all_v` of the
+//! dispatch's rows (tokens × top-k rows sent by destination, counts known on the host: the
+//! payload NCCL moves for a dispatch, with none of the routing work). Times are device
+//! times per call, the slowest rank's.
 //!
 //! Runs under `mpirun -np N` or alone (one process per visible GPU):
 //!
@@ -110,6 +112,7 @@ fn routing(rank: usize, tokens: usize, experts: usize, top_k: usize) -> Vec<i32>
 /// Device time per call of `iters` calls captured by `issue` into a graph, replayed `launches`
 /// times, in µs.
 fn graph_time(
+    comm: &Comm,
     stream: &std::sync::Arc<CudaStream>,
     iters: usize,
     launches: usize,
@@ -122,6 +125,10 @@ fn graph_time(
     let graph = captured?.ok_or_else(|| Error::InvalidUsage("the capture made no graph".into()))?;
     graph.upload()?;
     graph.launch()?; // warm
+    stream.synchronize()?;
+    // The ranks start the timed launches together (a tiny all-reduce, waited for).
+    let mut token: CudaSlice<f32> = stream.alloc_zeros(1)?;
+    comm.all_reduce_in_place(&mut token, ReduceOp::Sum)?;
     stream.synchronize()?;
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let (before, after) = (
@@ -194,17 +201,17 @@ fn run(o: &Options) -> nccl::Result<()> {
 
     let launches = 5;
     let path = ex.path();
-    let (dispatch_us, combine_us) = if path == ExchangePath::Lsa {
-        let d = graph_time(&stream, o.iters, launches, || {
+    let (dispatch_us, pair_us) = if path == ExchangePath::Lsa {
+        let d = graph_time(&comm, &stream, o.iters, launches, || {
             let handle = ex.dispatch(&x, &idx, &mut recv, &mut counts)?;
             drop(handle);
             Ok(())
         })?;
-        let pair = graph_time(&stream, o.iters, launches, || {
+        let pair = graph_time(&comm, &stream, o.iters, launches, || {
             let handle = ex.dispatch(&x, &idx, &mut recv, &mut counts)?;
             ex.combine(handle, &recv, &weights, &mut out)
         })?;
-        (Some(d), Some(pair - d))
+        (Some(d), Some(pair))
     } else {
         (None, None)
     };
@@ -220,7 +227,7 @@ fn run(o: &Options) -> nccl::Result<()> {
     let send = stream.alloc_zeros::<bf16>(t * k * h)?;
     let mut back = stream.alloc_zeros::<bf16>(from.iter().sum::<usize>() * h + 1)?;
     let elements = |c: &[usize]| c.iter().map(|r| r * h).collect::<Vec<_>>();
-    let a2a = graph_time(&stream, o.iters, launches, || {
+    let a2a = graph_time(&comm, &stream, o.iters, launches, || {
         comm.all_to_all_v(
             &send,
             elements(&to),
@@ -232,7 +239,7 @@ fn run(o: &Options) -> nccl::Result<()> {
     let dispatch_us = dispatch_us
         .map(|v| slowest(&comm, &stream, v))
         .transpose()?;
-    let combine_us = combine_us.map(|v| slowest(&comm, &stream, v)).transpose()?;
+    let pair_us = pair_us.map(|v| slowest(&comm, &stream, v)).transpose()?;
     let a2a = slowest(&comm, &stream, a2a)?;
     if rank == 0 {
         println!(
@@ -243,25 +250,25 @@ fn run(o: &Options) -> nccl::Result<()> {
             o.iters
         );
         println!(
-            "{:>7} {:>7} {:>8} {:>6} {:>13} {:>13} {:>18} {:>10}",
+            "{:>7} {:>7} {:>8} {:>6} {:>13} {:>18} {:>13} {:>18}",
             "tokens",
             "hidden",
             "experts",
             "top_k",
             "dispatch(us)",
+            "disp+combine(us)",
             "combine(us)",
-            "all_to_all_v(us)",
-            "a2av/disp"
+            "all_to_all_v(us)"
         );
         let show = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
-        let ratio = dispatch_us.map_or("-".to_string(), |d| format!("{:.2}", a2a / d));
+        let combine = dispatch_us.zip(pair_us).map(|(d, p)| p - d);
         println!(
-            "{t:>7} {h:>7} {:>8} {k:>6} {:>13} {:>13} {:>18.1} {:>10}",
+            "{t:>7} {h:>7} {:>8} {k:>6} {:>13} {:>18} {:>13} {:>18.1}",
             o.experts,
             show(dispatch_us),
-            show(combine_us),
-            a2a,
-            ratio
+            show(pair_us),
+            show(combine),
+            a2a
         );
     }
     drop(ex);

@@ -403,6 +403,8 @@ fn patterns_on<T: TestElem>(test: &'static str, path: ExchangePath) -> Option<Ve
             ExpertShape::new(8 * ranks, 2, 64, 24),
             ExpertShape::new(2 * ranks, 1, 1040, 7),
             ExpertShape::new(8 * ranks, 4, 256, 32),
+            // top-8: two batches of rows in the combine's sum.
+            ExpertShape::new(16 * ranks, 8, 1040, 12),
         ]
         .into_iter()
         .enumerate()
@@ -702,6 +704,7 @@ fn child_moe_fallback() {
     for (shape_no, shape) in [
         ExpertShape::new(4 * size, 2, 64, 16),
         ExpertShape::new(2 * size, 2, 520, 9),
+        ExpertShape::new(16 * size, 8, 1040, 12),
     ]
     .into_iter()
     .enumerate()

@@ -173,6 +173,7 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
             // call too, though no kernel of it was running to notice the stop.
             let mut idle = Some(LsaAllReduce::<f32>::new(&comm, 1024).expect("new"));
             barrier.wait();
+            let launched = Instant::now();
             if rank == 0 {
                 let kernels = ar.as_mut().expect("made above");
                 kernels
@@ -192,6 +193,12 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
                 handle.abort().expect("abort");
                 step(TEST, rank, "died");
                 barrier.wait();
+                // Freeing page-locked memory (the staging's drop, on return) waits for the
+                // whole CUDA context, which ranks sharing a GPU share, and where rank 0's
+                // kernel spins until its shrink stops it: held until the shrink returned (a
+                // dead rank frees nothing; before, this wait hid a shrink that only ended when
+                // the kernel gave up).
+                barrier.wait();
                 return;
             }
             if shrink {
@@ -200,10 +207,14 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
             let t = Instant::now();
             if shrink {
                 let excluded: Vec<usize> = (1..size).collect();
+                // The kernel still waits (far from giving up on its own) when the shrink
+                // stops it.
+                assert!(launched.elapsed() < KERNEL_TIMEOUT / 2);
                 let child = comm
                     .shrink(&excluded, ShrinkMode::Abort, None)
                     .expect("shrink");
                 let took = t.elapsed();
+                barrier.wait();
                 step(TEST, rank, &format!("shrunk in {took:?}"));
                 // The child runs on the inherited stream.
                 staging.upload(&[3.0f32; 1024], &mut other);

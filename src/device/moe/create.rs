@@ -267,7 +267,8 @@ fn prepare<T: LsaElem>(comm: &Comm, shape: &ExpertShape, path: ExchangePath) -> 
 
 /// CTAs per call: as many as two ranks sharing this GPU keep resident at once with every
 /// kernel of `kernels` (the dispatch's CTAs wait for each other's counts), at most
-/// [`MAX_CTAS`].
+/// [`MAX_CTAS`]. Two: NCCL lets at most two ranks share a GPU (`NCCL_MULTI_RANK_GPU_ENABLE`);
+/// on a GPU of one rank the cap binds first on GPUs of 64 SMs or more.
 fn resident_ctas<const N: usize>(
     ctx: &Arc<CudaContext>,
     kernels: [&CudaFunction; N],

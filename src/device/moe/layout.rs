@@ -32,7 +32,7 @@ pub(super) struct MoeState {
     pub(super) timed_out: u32,
     pub(super) pad: u32,
     /// Device address of the host-mapped words: gave up, the first bad routing entry + 1,
-    /// its value.
+    /// its value, then the fallback's row counts ([`ROWS_TO_WORD`], [`ROWS_FROM_WORD`]).
     pub(super) host: u64,
 }
 

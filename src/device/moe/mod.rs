@@ -92,8 +92,8 @@ pub enum ExchangePath {
     /// The shipped kernels: stores into the peers' memory of one LSA team.
     Lsa,
     /// NCCL's all-to-all-v (grouped sends and receives) between local packing kernels: any
-    /// communicator, any NCCL; a device-to-host copy of the counts in each dispatch (not
-    /// capturable in a CUDA graph).
+    /// communicator, any NCCL; each dispatch waits on the host for the row counts, which
+    /// the kernels leave in host-mapped memory (not capturable in a CUDA graph).
     AllToAllV,
 }
 
@@ -154,7 +154,7 @@ impl Dispatched {
 ///
 /// As [`LsaAllReduce`](super::LsaAllReduce)'s: every rank makes the same calls in the same
 /// order (token counts may differ); a kernel whose peers do not come gives up after
-/// [`timeout`](Self::timeout) (a dispatch then reports no rows received, a combine writes
+/// [`timeout`](Self::timeout) (a dispatch's outputs are then unspecified, a combine writes
 /// NaN over its tokens, and the instance refuses every later call with [`Error::Timeout`]);
 /// a call refused on one rank alone (a bad length, a buffer of another context or
 /// misaligned, a group open, a stale [`Dispatched`]) puts the instance out of step there for

@@ -8,7 +8,7 @@
 // ranks ("local experts"). A routing entry i = t × top_k + k names token t's k-th expert, or
 // -1 (no expert: dropped). An entry outside [-1, experts), or one repeating an expert of its
 // token, is bad: it is dropped, the token's combined output is NaN, and the first one is
-// reported to the host (MoeState::bad_entry and the host-mapped words).
+// reported to the host (host-mapped words 1 and 2).
 //
 // Layouts, deterministic (every run and the all_to_all_v fallback give the same):
 // * an entry's position among its expert's entries from this rank: the number of earlier
@@ -27,13 +27,20 @@
 // writes a buffer only after every rank's next dispatch sent it counts, which each sent after
 // finishing this one. Combine stores each packed row back into its source's slot [entry] and
 // a 32-bit flag beside it after a system fence; the source waits for its entries' flags and
-// sums. One combine buffer: a rank's next combine writes only after the next dispatch, which
-// each source starts after its combine ended. Flags are the call's number (never zero, which
-// the scratch starts as), so nothing is ever cleared.
+// sums, a warp a part of a token's row. One combine buffer: a rank's next combine writes only
+// after the next dispatch, which each source starts after its combine ended. Flags and counts
+// carry the call's number (never zero, which the scratch starts as); the last part of a token
+// clears its combine flags (so a flag left from a much earlier call cannot match once the
+// 31-bit numbers wrap), count words are all rewritten every second call, and the per-expert
+// and per-token counters are reset by whoever finds itself last. A rank's acquire loads are
+// followed by a barrier (warp or CTA) before other threads read the rows they announce: the
+// barrier orders memory among its threads, so nothing more is needed.
 //
 // State, waits and give-up follow allreduce.cu: per-CTA call counts in device memory (CUDA
 // graphs can replay the kernels), bounded waits, `timed_out` (which the host's stop also
-// writes) ending every later kernel at once with NaN outputs, and the host-mapped words.
+// writes) ending every later kernel at once with NaN outputs, and the host-mapped words. After
+// a give-up a dispatch's outputs are unspecified (its CTAs stop where they are); the combine
+// that follows writes NaN over every token.
 #include <nccl_device.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -528,13 +535,22 @@ __device__ void combine_lsa(const ncclDevComm* comm, ncclWindow_t scratch, const
   // of all local experts numbered in one run (`before[le]`: rows of the experts before le),
   // a warp a row, so every warp of the grid sends, however few rows each expert has.
   __shared__ unsigned int before[kMaxExperts + 1];
-  if (threadIdx.x == 0) {
-    unsigned int sum = 0;
-    for (unsigned int le = 0; le < g.local_experts; le++) {
-      before[le] = sum;
-      sum += w.totals[le];
+  if (warp_id() == 0) {
+    // A warp's scan, 32 experts a step (their totals loaded together).
+    unsigned int carry = 0;
+    for (unsigned int base = 0; base < g.local_experts; base += 32) {
+      const unsigned int le = base + lane_id();
+      const unsigned int mine = le < g.local_experts ? w.totals[le] : 0;
+      unsigned int sum = mine;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int up = __shfl_up_sync(0xffffffffu, sum, o);
+        if (lane_id() >= (unsigned int)o) sum += up;
+      }
+      if (le < g.local_experts) before[le] = carry + sum - mine;
+      carry += __shfl_sync(0xffffffffu, sum, 31);
     }
-    before[g.local_experts] = sum;
+    if (lane_id() == 0) before[g.local_experts] = carry;
   }
   __syncthreads();
   const unsigned int rows = before[g.local_experts];
@@ -583,9 +599,8 @@ __device__ void combine_lsa(const ncclDevComm* comm, ncclWindow_t scratch, const
       }
     }
     // The lanes' acquires ordered before every lane's row reads (the warp barrier orders
-    // memory among its threads; the fence makes it cumulative over the peers' stores).
+    // memory among its threads).
     __syncwarp();
-    __threadfence_system();
     if (!__all_sync(0xffffffffu, ok)) {
       const uint4 nan = make_uint4(nan_word, nan_word, nan_word, nan_word);
       for (unsigned int v = from + lane_id(); v < to; v += 32) {
