@@ -8,6 +8,11 @@
 //! `fallback.rs` (the all-to-all-v path), `create.rs` (what each rank prepares and the
 //! ranks' agreement), this file (the calls, their checks, the out-of-step rules and the
 //! drop, as [`LsaAllReduce`](super::LsaAllReduce)'s).
+//!
+//! Past 600 lines on purpose: an instance's life (each call's checks, launch and flight
+//! entry, the out-of-step state, the bad-routing report, the drop that stops the kernels
+//! before freeing what they use) keeps one set of invariants, stated once here; a third of
+//! the file is the type's documentation.
 
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
