@@ -2,7 +2,9 @@
 // to the ranks holding its top-k experts, combine brings the experts' outputs back and sums
 // them with the router's weights. Compiled ahead of time by generate.sh against NCCL 2.29.2's
 // headers, as allreduce.cu is. Peers never touch the caller's buffers: they write only this
-// rank's scratch window, which the kernels copy out of.
+// rank's scratch window, which the kernels copy out of. One file past 600 lines: nvcc builds
+// it as one module, and the LSA kernels and the fallback's share the routing's checks, the
+// copies and the sum, which is what makes both paths give the same bits.
 //
 // Experts are numbered 0..experts; rank r holds experts [r × L, (r + 1) × L), L = experts /
 // ranks ("local experts"). A routing entry i = t × top_k + k names token t's k-th expert, or
