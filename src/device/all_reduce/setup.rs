@@ -3,6 +3,7 @@
 //! host-mapped word they set when they give up), and the ranks' agreement on it before
 //! anything collective.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -90,19 +91,26 @@ impl HostWords {
         if i >= HOST_WORDS {
             return 0;
         }
-        // SAFETY: `host` is the address of the HOST_WORDS u32 words `word` owns, alive as
-        // long as `self` (kept in the pool after), i < HOST_WORDS; kernels write them from
-        // the device, so they are read volatile.
-        unsafe { (self.host as *const u32).add(i).read_volatile() }
+        self.atomic(i).load(Ordering::Acquire)
     }
 
     /// Sets word `i` (below [`HOST_WORDS`]) to zero: a report taken by the host.
     pub(in crate::device) fn clear(&self, i: usize) {
         if i < HOST_WORDS {
-            // SAFETY: as `word`; a kernel writes such a word only while it holds zero (a
-            // report it finds taken is written again), so a write lost to this one repeats.
-            unsafe { (self.host as *mut u32).add(i).write_volatile(0) }
+            // The caller takes a report once the stream's work so far ended (no kernel of
+            // the instance writes the word meanwhile unless more calls were made since).
+            self.atomic(i).store(0, Ordering::Release);
         }
+    }
+
+    /// Word `i` (below [`HOST_WORDS`]) as an atomic: the host's threads may read and clear
+    /// it at once (an instance is `Sync`), and the GPU writes it meanwhile.
+    fn atomic(&self, i: usize) -> &AtomicU32 {
+        debug_assert!(i < HOST_WORDS);
+        // SAFETY: `host` is the address of the HOST_WORDS u32 words `word` owns (4-aligned
+        // page-locked memory), alive as long as `self` (kept in the pool after); i <
+        // HOST_WORDS (the callers check); every host access goes through this atomic view.
+        unsafe { &*(self.host as *const AtomicU32).add(i) }
     }
 
     /// The words' device address, for a kernels' state.
