@@ -5,7 +5,6 @@
 //! [CUDA graphs](crate::diagnostics::flight#cuda-graphs)).
 
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use super::{Comm, State};
@@ -82,7 +81,7 @@ impl Comm {
             .as_deref_mut()
             .map(|ring| ring.new_graph(began.raw, ended.raw, stream, nccl_tag));
         RecordedGraph {
-            shared: Arc::clone(self.shared()),
+            holder: self.shared().clone(),
             number,
             launched: AtomicU64::new(0),
         }
@@ -109,5 +108,57 @@ impl Comm {
             size: self.size(),
             device: self.device(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::comm::Shared;
+    use crate::diagnostics::flight::{FlightRing, RingHolder};
+
+    /// A recorded graph's reports reach the ring through the communicator's shared state:
+    /// under its lock, not at all while the lock stays held past the wait, and never where
+    /// the recorder is off.
+    #[test]
+    fn the_shared_state_holds_the_ring_for_recorded_graphs() {
+        let mut ring = FlightRing::new(8, 7, None).unwrap();
+        let mark = ring.graph_mark();
+        let number = ring.new_graph(Some(mark), None, 7, nccl_tag);
+        let shared = Arc::new(Shared::new(std::ptr::null_mut(), true, Some(ring)));
+        let graph = RecordedGraph {
+            holder: shared.clone(),
+            number: Some(number),
+            launched: AtomicU64::new(0),
+        };
+        graph.record_replay(7, false); // replay 1, recorded
+        {
+            let _held = shared.lock();
+            let start = Instant::now();
+            let mut reached = false;
+            shared.with_ring(Duration::from_millis(20), &mut |_| reached = true);
+            assert!(!reached);
+            assert!(start.elapsed() >= Duration::from_millis(20));
+        }
+        let mut reached = 0;
+        shared.with_ring(Duration::ZERO, &mut |ring| {
+            reached += 1;
+            assert_eq!(ring.snapshot().graphs[0].replays, 1);
+        });
+        assert_eq!(reached, 1);
+        assert_eq!(graph.launched.load(Ordering::Relaxed), 1);
+        drop(graph);
+        let snap = shared.lock().flight.as_deref().unwrap().snapshot();
+        assert_eq!(snap.recorded, 1);
+        assert!(snap.graphs[0].dropped);
+        // Recorder off: the ring is never reached.
+        let off = Shared::new(std::ptr::null_mut(), true, None);
+        off.with_ring(Duration::ZERO, &mut |_| {
+            panic!("no ring where the recorder is off")
+        });
     }
 }

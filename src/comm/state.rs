@@ -17,7 +17,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::in_flight::{release_on_thread, Release, ABORT_WAIT, ABORT_WAIT_IN_PROGRESS};
 use super::streams::ForeignStreams;
 use crate::calls::{self, Call};
-use crate::diagnostics::flight::{FlightRing, RawOp, Who};
+use crate::diagnostics::flight::{FlightRing, RawOp, RingHolder, Who};
 use crate::error::{Error, Result, ResultCode};
 use crate::library::Library;
 
@@ -70,6 +70,18 @@ impl Shared {
     /// The state if its lock is free now; for descriptions, which must never wait.
     pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
         self.state.try_lock()
+    }
+}
+
+/// A recorded graph's reports reach the communicator's ring through its shared state, under
+/// its lock, waited for at most `wait` (see `RecordedGraph`).
+impl RingHolder for Shared {
+    fn with_ring(&self, wait: Duration, f: &mut dyn FnMut(&mut FlightRing)) {
+        if let Some(mut state) = self.try_lock_for(wait) {
+            if let Some(ring) = state.flight.as_deref_mut() {
+                f(ring);
+            }
+        }
     }
 }
 

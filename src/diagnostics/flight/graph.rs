@@ -11,8 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::op_kind::OpKind;
-use super::ring::{GraphRow, RawMark, RawReplay};
-use crate::comm::Shared;
+use super::ring::{FlightRing, GraphRow, RawMark, RawReplay};
 
 /// Where a CUDA stream capture began or ended on a communicator
 /// ([`Comm::graph_capture_mark`](crate::Comm::graph_capture_mark)), for
@@ -35,13 +34,22 @@ pub struct GraphCaptureMark {
 /// dropped, after which the recorder may forget them (see [CUDA graphs](super#cuda-graphs)).
 #[must_use = "dropping it marks the graph dropped: its replays go unrecorded"]
 pub struct RecordedGraph {
-    /// The communicator's shared state, whose lock guards the ring.
-    pub(crate) shared: Arc<Shared>,
+    /// Where its reports go: the communicator's shared state, whose lock guards the ring.
+    pub(crate) holder: Arc<dyn RingHolder>,
     /// Its number on the communicator; `None` where the recorder is off.
     pub(crate) number: Option<u32>,
     /// Its launches that succeeded so far: the replays' numbers are counted here, not in the
     /// ring, so that a report the ring could not take leaves the next ones numbered right.
     pub(crate) launched: AtomicU64,
+}
+
+/// Where a recorded graph's reports go: its communicator's flight ring, reached under the
+/// communicator's lock (the communicator's shared state implements it, in the `comm` module,
+/// which this one does not know).
+pub(crate) trait RingHolder: Send + Sync {
+    /// Runs `f` on the ring where the lock is had within `wait` and the recorder is on;
+    /// otherwise does nothing.
+    fn with_ring(&self, wait: Duration, f: &mut dyn FnMut(&mut FlightRing));
 }
 
 /// How long a report waits for the communicator's lock. Its holders keep it for microseconds,
@@ -84,11 +92,9 @@ impl RecordedGraph {
         } else {
             self.launched.fetch_add(1, Ordering::Relaxed) + 1
         };
-        if let Some(mut state) = self.shared.try_lock_for(REPORT_WAIT) {
-            if let Some(ring) = state.flight.as_deref_mut() {
-                ring.record_replay(RawReplay::launch(graph, stream, launched, refused));
-            }
-        }
+        let replay = RawReplay::launch(graph, stream, launched, refused);
+        self.holder
+            .with_ring(REPORT_WAIT, &mut |ring| ring.record_replay(replay));
     }
 }
 
@@ -97,11 +103,8 @@ impl RecordedGraph {
 impl Drop for RecordedGraph {
     fn drop(&mut self) {
         if let Some(graph) = self.number {
-            if let Some(mut state) = self.shared.try_lock_for(REPORT_WAIT) {
-                if let Some(ring) = state.flight.as_deref_mut() {
-                    ring.graph_dropped(graph);
-                }
-            }
+            self.holder
+                .with_ring(REPORT_WAIT, &mut |ring| ring.graph_dropped(graph));
         }
     }
 }
@@ -233,10 +236,37 @@ pub(crate) fn nccl_tag(tag: u8) -> bool {
 mod tests {
     use std::time::{Instant, SystemTime};
 
+    use parking_lot::{Mutex, MutexGuard};
+
     use super::super::record::{FlightRecord, OpState, Who};
-    use super::super::ring::{FlightRing, RawKind, RawOp, NO_RANK};
+    use super::super::ring::{RawKind, RawOp, NO_RANK};
     use super::*;
     use crate::dtype::DataType;
+
+    /// A stand-in for the communicator's shared state: its ring (none: the recorder is off)
+    /// behind a lock of the same kind (parking_lot's, waited for with `try_lock_for`), so
+    /// that a report while the lock is held is left out as it is on a communicator.
+    struct Held(Mutex<Option<Box<FlightRing>>>);
+
+    impl Held {
+        fn new(ring: Option<Box<FlightRing>>) -> Arc<Held> {
+            Arc::new(Held(Mutex::new(ring)))
+        }
+
+        fn lock(&self) -> MutexGuard<'_, Option<Box<FlightRing>>> {
+            self.0.lock()
+        }
+    }
+
+    impl RingHolder for Held {
+        fn with_ring(&self, wait: Duration, f: &mut dyn FnMut(&mut FlightRing)) {
+            if let Some(mut ring) = self.0.try_lock_for(wait) {
+                if let Some(ring) = ring.as_deref_mut() {
+                    f(ring);
+                }
+            }
+        }
+    }
 
     fn all_reduce(count: usize, stream: u64) -> RawOp {
         RawOp {
@@ -254,8 +284,8 @@ mod tests {
         }
     }
 
-    fn record_of(shared: &Shared) -> FlightRecord {
-        let snap = shared.lock().flight.as_deref().unwrap().snapshot();
+    fn record_of(shared: &Held) -> FlightRecord {
+        let snap = shared.lock().as_deref().unwrap().snapshot();
         let who = Who {
             rank: 0,
             size: 2,
@@ -276,9 +306,9 @@ mod tests {
         ring.record(all_reduce(2, 7)); // #2, captured
         ring.record(all_reduce(3, 9)); // #3, another stream: not captured
         let number = ring.new_graph(mark.raw, None, 7, nccl_tag);
-        let shared = Arc::new(Shared::new(std::ptr::null_mut(), true, Some(ring)));
+        let shared = Held::new(Some(ring));
         let graph = RecordedGraph {
-            shared: Arc::clone(&shared),
+            holder: shared.clone(),
             number: Some(number),
             launched: AtomicU64::new(0),
         };
@@ -287,7 +317,7 @@ mod tests {
         graph.record_replay(7, true); // #5, G1.-
         graph.record_replay(7, false); // #6, G1.2
         graph.record_replay(9, false); // #7, G1.3 on another stream
-        if let Some(ring) = shared.lock().flight.as_deref_mut() {
+        if let Some(ring) = shared.lock().as_deref_mut() {
             ring.completed_before(8);
         }
         drop(graph);
@@ -373,9 +403,9 @@ mod tests {
         let mark = send_and_sync(GraphCaptureMark { raw: None });
         assert_eq!(mark.raw, None);
         // Recorder off: no ring, no number; replays and the drop do nothing.
-        let off = Arc::new(Shared::new(std::ptr::null_mut(), true, None));
+        let off = Held::new(None);
         let graph = send_and_sync(RecordedGraph {
-            shared: Arc::clone(&off),
+            holder: off.clone(),
             number: None,
             launched: AtomicU64::new(0),
         });
@@ -383,13 +413,13 @@ mod tests {
         assert_eq!(graph.number(), None);
         assert_eq!(format!("{graph:?}"), "RecordedGraph { number: None, .. }");
         drop(graph);
-        assert!(off.lock().flight.is_none());
+        assert!(off.lock().is_none());
         // A ring whose graph was numbered: a replay of a number it never gave is recorded
         // without a replay number.
         let ring = FlightRing::new(4, 7, None);
-        let on = Arc::new(Shared::new(std::ptr::null_mut(), true, ring));
+        let on = Held::new(ring);
         let stray = RecordedGraph {
-            shared: Arc::clone(&on),
+            holder: on.clone(),
             number: Some(5),
             launched: AtomicU64::new(0),
         };
@@ -428,9 +458,9 @@ mod tests {
         let mark = ring.graph_mark();
         ring.record(all_reduce(1, 7));
         let number = ring.new_graph(Some(mark), None, 7, nccl_tag);
-        let shared = Arc::new(Shared::new(std::ptr::null_mut(), true, Some(ring)));
+        let shared = Held::new(Some(ring));
         let graph = RecordedGraph {
-            shared: Arc::clone(&shared),
+            holder: shared.clone(),
             number: Some(number),
             launched: AtomicU64::new(0),
         };
@@ -448,7 +478,7 @@ mod tests {
         graph.record_replay(7, false); // replay 3, recorded
         let replays: Vec<Option<u64>> = {
             let state = shared.lock();
-            let snap = state.flight.as_deref().unwrap().snapshot();
+            let snap = state.as_deref().unwrap().snapshot();
             snap.slots
                 .iter()
                 .filter(|slot| slot.kind.tag == OpKind::GraphReplay.tag())
@@ -457,7 +487,7 @@ mod tests {
         };
         assert_eq!(replays, vec![Some(1), Some(3)]);
         assert_eq!(
-            shared.lock().flight.as_deref().unwrap().snapshot().graphs[0].replays,
+            shared.lock().as_deref().unwrap().snapshot().graphs[0].replays,
             3
         );
     }

@@ -246,7 +246,7 @@ pub use compare::{compare, read_flight_records, FlightComparison};
 pub use compare_graph::GraphComparison;
 pub use compare_shipped::ShippedComparison;
 pub use finding::Finding;
-pub(crate) use graph::{nccl_tag, shipped_tag};
+pub(crate) use graph::{nccl_tag, shipped_tag, RingHolder};
 pub use graph::{CapturedGraph, GraphCaptureMark, GraphReplay, RecordedGraph};
 pub use json::FLIGHT_RECORD_FORMAT;
 pub use op_kind::OpKind;
