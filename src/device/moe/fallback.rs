@@ -192,8 +192,11 @@ impl Fallback {
                  the {received_capacity} any routing can send (a peer of another shape?)"
             )));
         }
-        let bytes =
-            |rows: &[usize]| -> Vec<usize> { rows.iter().map(|r| r * self.row_bytes).collect() };
+        let bytes = |rows: &[usize]| -> Vec<usize> {
+            rows.iter()
+                .map(|r| r.saturating_mul(self.row_bytes))
+                .collect()
+        };
         let (to, from) = (bytes(&self.rows_to), bytes(&self.rows_from));
         comm.all_to_all_v(&self.send, to, &mut self.recv, Layout::packed(from))?;
         comm.all_to_all_v(
@@ -251,8 +254,16 @@ impl Fallback {
                     .launch(launch_config(ctas))?;
             }
         }
-        let from: Vec<usize> = self.rows_from.iter().map(|r| r * self.row_bytes).collect();
-        let to: Vec<usize> = self.rows_to.iter().map(|r| r * self.row_bytes).collect();
+        let from: Vec<usize> = self
+            .rows_from
+            .iter()
+            .map(|r| r.saturating_mul(self.row_bytes))
+            .collect();
+        let to: Vec<usize> = self
+            .rows_to
+            .iter()
+            .map(|r| r.saturating_mul(self.row_bytes))
+            .collect();
         comm.all_to_all_v(&self.back, from, &mut self.returned, Layout::packed(to))?;
         let _usable = usable(comm)?;
         let (returned, _r) = self.returned.device_ptr(&stream);

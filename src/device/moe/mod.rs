@@ -82,7 +82,9 @@ impl ExpertShape {
     /// holds on each rank of `ranks`: `local_experts × ranks × max_tokens`, expert `le`'s rows
     /// from `le × ranks × max_tokens` on.
     pub fn received_rows(&self, ranks: usize) -> usize {
-        self.local_experts(ranks) * ranks * self.max_tokens
+        self.local_experts(ranks)
+            .saturating_mul(ranks)
+            .saturating_mul(self.max_tokens)
     }
 }
 
@@ -329,7 +331,7 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
         expect_at_least(
             "recv_x",
             recv_x.len(),
-            shape.received_rows(ranks) * shape.hidden,
+            shape.received_rows(ranks).saturating_mul(shape.hidden),
         )?;
         expect_at_least("recv_counts", recv_counts.len(), self.local_experts())?;
         self.ready(&[
@@ -460,7 +462,9 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
         expect_at_least(
             "expert_out",
             expert_out.len(),
-            shape.received_rows(self.comm.size()) * shape.hidden,
+            shape
+                .received_rows(self.comm.size())
+                .saturating_mul(shape.hidden),
         )?;
         expect_len("weights", weights.len(), tokens * shape.top_k)?;
         expect_len("out", out.len(), tokens * shape.hidden)?;
