@@ -16,7 +16,7 @@ use cudarc::driver::{
 use super::{KernelState, LsaElem, INBOX_BYTES, SINCE, THREADS, VECTOR};
 use crate::agreement::{all_gather_rows, Wait};
 use crate::comm::Comm;
-use crate::device::shipped;
+use crate::device::shipped::{self, ShippedFn};
 use crate::error::{Error, Refusal, Result};
 use crate::memory::NcclBuffer;
 
@@ -195,13 +195,14 @@ pub(super) fn prepare<T: LsaElem>(comm: &Comm, max_count: usize) -> Result<Prepa
     let ctx = comm.context();
     ctx.bind_to_thread()?;
     let module = shipped::load(ctx)?;
-    let flags = module.function(&format!("nccl_rs_oneshot_flags_{}", T::SUFFIX))?;
-    let twoshot = module.function(&format!("nccl_rs_twoshot_flags_{}", T::SUFFIX))?;
-    let all_gather = module.function(&format!("nccl_rs_all_gather_{}", T::SUFFIX))?;
-    let barrier = module.function(&format!("nccl_rs_oneshot_barrier_{}", T::SUFFIX))?;
-    let fused_norm = module.function(&format!("nccl_rs_fused_add_rms_norm_{}", T::SUFFIX))?;
-    let add_norm = module.function(&format!("nccl_rs_add_rms_norm_{}", T::SUFFIX))?;
-    let fill = module.function("nccl_rs_fill_u32")?;
+    let kernel = |f: ShippedFn| shipped::function(&module, f, T::SUFFIX);
+    let flags = kernel(ShippedFn::OneShotFlags)?;
+    let twoshot = kernel(ShippedFn::TwoShotFlags)?;
+    let all_gather = kernel(ShippedFn::AllGather)?;
+    let barrier = kernel(ShippedFn::OneShotBarrier)?;
+    let fused_norm = kernel(ShippedFn::FusedAddRmsNorm)?;
+    let add_norm = kernel(ShippedFn::AddRmsNorm)?;
+    let fill = kernel(ShippedFn::FillU32)?;
     let stream = comm.stream();
     let stop_stream = ctx.new_stream()?;
     let mut scratch = NcclBuffer::<u32>::alloc_zeros(stream, words)?;

@@ -20,6 +20,7 @@ use super::{
 use crate::agreement::{all_gather_rows, Wait};
 use crate::comm::Comm;
 use crate::device::all_reduce::{HostWords, KernelStopRegistration, LsaElem};
+use crate::device::shipped::ShippedFn;
 use crate::device::{shipped, DevComm, DevCommRequirements, DEV_COMM_SINCE};
 use crate::diagnostics::flight::FlightRing;
 use crate::error::{Error, Refusal, Result};
@@ -220,8 +221,8 @@ fn prepare<T: LsaElem>(comm: &Comm, shape: &ExpertShape, path: ExchangePath) -> 
     let ctx = comm.context();
     ctx.bind_to_thread()?;
     let module = shipped::load_moe(ctx)?;
-    let dispatch = module.function("nccl_rs_moe_dispatch")?;
-    let combine = module.function(&format!("nccl_rs_moe_combine_{}", T::SUFFIX))?;
+    let dispatch = shipped::function(&module, ShippedFn::MoeDispatch, T::SUFFIX)?;
+    let combine = shipped::function(&module, ShippedFn::MoeCombine, T::SUFFIX)?;
     let fallback = FallbackKernels::new::<T>(&module)?;
     let ctas = resident_ctas(ctx, [&dispatch, &combine, &fallback.pack])?;
     let stream = comm.stream();

@@ -15,6 +15,7 @@ use crate::collectives::Layout;
 use crate::comm::Comm;
 use crate::device::all_reduce::HostWords;
 use crate::device::kernel::DeviceModule;
+use crate::device::shipped::{function, ShippedFn};
 use crate::device::LsaElem;
 use crate::error::{Error, Result};
 
@@ -52,11 +53,11 @@ pub(super) struct FallbackKernels {
 impl FallbackKernels {
     pub(super) fn new<T: LsaElem>(module: &DeviceModule) -> Result<Self> {
         Ok(Self {
-            pack: module.function("nccl_rs_moe_pack")?,
-            count_rows: module.function("nccl_rs_moe_count_rows")?,
-            unpack: module.function("nccl_rs_moe_unpack")?,
-            pack_back: module.function("nccl_rs_moe_pack_back")?,
-            reduce: module.function(&format!("nccl_rs_moe_reduce_{}", T::SUFFIX))?,
+            pack: function(module, ShippedFn::MoePack, T::SUFFIX)?,
+            count_rows: function(module, ShippedFn::MoeCountRows, T::SUFFIX)?,
+            unpack: function(module, ShippedFn::MoeUnpack, T::SUFFIX)?,
+            pack_back: function(module, ShippedFn::MoePackBack, T::SUFFIX)?,
+            reduce: function(module, ShippedFn::MoeReduce, T::SUFFIX)?,
         })
     }
 }

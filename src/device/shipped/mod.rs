@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaFunction};
 
 use super::kernel::DeviceModule;
 use super::{DeviceAbi, DEV_COMM_SINCE};
@@ -51,6 +51,83 @@ impl Image {
             Image::Moe => MOE_PTX_COMPUTE_80,
         }
     }
+}
+
+/// Every kernel of the shipped images, one row each: the image that holds it and its symbol,
+/// `nccl_rs_{name}` or, for the kernels compiled per element type, `nccl_rs_{name}_{elem}`
+/// (`f32`, `bf16`, `f16`). The callers look kernels up here, and the images' test checks every
+/// row, so a kernel renamed on one side fails the tests, not a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShippedFn {
+    OneShotFlags,
+    TwoShotFlags,
+    AllGather,
+    OneShotBarrier,
+    FusedAddRmsNorm,
+    AddRmsNorm,
+    FillU32,
+    MoeDispatch,
+    MoeCombine,
+    MoePack,
+    MoeCountRows,
+    MoeUnpack,
+    MoePackBack,
+    MoeReduce,
+}
+
+impl ShippedFn {
+    /// Every row.
+    #[cfg(test)]
+    const ALL: [ShippedFn; 14] = [
+        ShippedFn::OneShotFlags,
+        ShippedFn::TwoShotFlags,
+        ShippedFn::AllGather,
+        ShippedFn::OneShotBarrier,
+        ShippedFn::FusedAddRmsNorm,
+        ShippedFn::AddRmsNorm,
+        ShippedFn::FillU32,
+        ShippedFn::MoeDispatch,
+        ShippedFn::MoeCombine,
+        ShippedFn::MoePack,
+        ShippedFn::MoeCountRows,
+        ShippedFn::MoeUnpack,
+        ShippedFn::MoePackBack,
+        ShippedFn::MoeReduce,
+    ];
+
+    /// The row: image, name, and whether it is compiled per element type.
+    const fn row(self) -> (Image, &'static str, bool) {
+        match self {
+            ShippedFn::OneShotFlags => (Image::AllReduce, "oneshot_flags", true),
+            ShippedFn::TwoShotFlags => (Image::AllReduce, "twoshot_flags", true),
+            ShippedFn::AllGather => (Image::AllReduce, "all_gather", true),
+            ShippedFn::OneShotBarrier => (Image::AllReduce, "oneshot_barrier", true),
+            ShippedFn::FusedAddRmsNorm => (Image::AllReduce, "fused_add_rms_norm", true),
+            ShippedFn::AddRmsNorm => (Image::AllReduce, "add_rms_norm", true),
+            ShippedFn::FillU32 => (Image::AllReduce, "fill_u32", false),
+            ShippedFn::MoeDispatch => (Image::Moe, "moe_dispatch", false),
+            ShippedFn::MoeCombine => (Image::Moe, "moe_combine", true),
+            ShippedFn::MoePack => (Image::Moe, "moe_pack", false),
+            ShippedFn::MoeCountRows => (Image::Moe, "moe_count_rows", false),
+            ShippedFn::MoeUnpack => (Image::Moe, "moe_unpack", false),
+            ShippedFn::MoePackBack => (Image::Moe, "moe_pack_back", false),
+            ShippedFn::MoeReduce => (Image::Moe, "moe_reduce", true),
+        }
+    }
+
+    /// Its symbol for element type `elem` (ignored by the untyped kernels).
+    fn symbol(self, elem: &str) -> String {
+        match self.row() {
+            (_, name, true) => format!("nccl_rs_{name}_{elem}"),
+            (_, name, false) => format!("nccl_rs_{name}"),
+        }
+    }
+}
+
+/// Kernel `f` of `module` (loaded by [`load`] or [`load_moe`], as `f`'s image), for element
+/// type `elem` (an [`LsaElem`](super::LsaElem) suffix).
+pub(crate) fn function(module: &DeviceModule, f: ShippedFn, elem: &str) -> Result<CudaFunction> {
+    Ok(module.function(&f.symbol(elem))?)
 }
 
 /// The modules loaded so far, one per CUDA context, kept for the life of the process: a
@@ -102,65 +179,42 @@ mod tests {
 
     #[test]
     fn the_images_hold_every_kernel() {
-        for name in ["flags", "barrier"] {
-            for elem in ["f32", "bf16", "f16"] {
-                let kernel = format!("nccl_rs_oneshot_{name}_{elem}");
+        for f in ShippedFn::ALL {
+            let (image, _, typed) = f.row();
+            let elems: &[&str] = if typed {
+                &["f32", "bf16", "f16"]
+            } else {
+                &[""]
+            };
+            for elem in elems {
+                let kernel = f.symbol(elem);
                 assert!(
-                    PTX_COMPUTE_80.contains(&format!(".entry {kernel}(")),
-                    "{kernel}"
+                    image.ptx().contains(&format!(".entry {kernel}(")),
+                    "{kernel} in the PTX"
                 );
                 let bytes = kernel.as_bytes();
                 assert!(
-                    CUBIN_SM_90.windows(bytes.len()).any(|w| w == bytes),
+                    image.cubin().windows(bytes.len()).any(|w| w == bytes),
                     "{kernel} in the cubin"
                 );
             }
         }
-        for elem in ["f32", "bf16", "f16"] {
-            for kernel in ["fused_add_rms_norm", "add_rms_norm"] {
-                let kernel = format!(".entry nccl_rs_{kernel}_{elem}(");
-                assert!(PTX_COMPUTE_80.contains(&kernel), "{kernel}");
-            }
-        }
-        assert!(PTX_COMPUTE_80.contains(".entry nccl_rs_fill_u32("));
-        for kernel in [
-            "nccl_rs_fused_add_rms_norm_bf16",
-            "nccl_rs_add_rms_norm_f16",
-            "nccl_rs_fill_u32",
-        ] {
-            let bytes = kernel.as_bytes();
-            assert!(
-                CUBIN_SM_90.windows(bytes.len()).any(|w| w == bytes),
-                "{kernel} in the cubin"
-            );
-        }
-        assert!(PTX_COMPUTE_80.contains(".target sm_80"));
-        for kernel in ["dispatch", "pack", "count_rows", "unpack", "pack_back"]
-            .map(String::from)
-            .into_iter()
-            .chain(
-                ["combine", "reduce"]
-                    .iter()
-                    .flat_map(|k| ["f32", "bf16", "f16"].map(|e| format!("{k}_{e}"))),
-            )
-        {
-            let kernel = format!("nccl_rs_moe_{kernel}");
-            assert!(
-                MOE_PTX_COMPUTE_80.contains(&format!(".entry {kernel}(")),
-                "{kernel}"
-            );
-            let bytes = kernel.as_bytes();
-            assert!(
-                MOE_CUBIN_SM_90.windows(bytes.len()).any(|w| w == bytes),
-                "{kernel} in the cubin"
+        for image in [Image::AllReduce, Image::Moe] {
+            assert!(image.ptx().contains(".target sm_80"));
+            // An ELF for sm_90: the cubin's machine is CUDA (190).
+            assert_eq!(&image.cubin()[..4], b"\x7fELF");
+            assert_eq!(
+                u16::from_le_bytes([image.cubin()[18], image.cubin()[19]]),
+                190
             );
         }
         assert_eq!(
-            u16::from_le_bytes([MOE_CUBIN_SM_90[18], MOE_CUBIN_SM_90[19]]),
-            190
+            ShippedFn::OneShotFlags.symbol("bf16"),
+            "nccl_rs_oneshot_flags_bf16"
         );
-        // An ELF for sm_90: the cubin's machine is CUDA (190).
-        assert_eq!(&CUBIN_SM_90[..4], b"\x7fELF");
-        assert_eq!(u16::from_le_bytes([CUBIN_SM_90[18], CUBIN_SM_90[19]]), 190);
+        assert_eq!(
+            ShippedFn::MoeDispatch.symbol("bf16"),
+            "nccl_rs_moe_dispatch"
+        );
     }
 }
