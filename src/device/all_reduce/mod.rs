@@ -12,7 +12,7 @@ use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -70,6 +70,7 @@ use setup::{agree, prepare};
 pub(in crate::device) use setup::{HostWords, HOST_WORDS};
 use state::KernelState;
 pub(in crate::device) use stop::Registration as KernelStopRegistration;
+pub(in crate::device) use stop::{stream_work_ends_within, AFTER_STOP};
 
 mod sealed {
     pub trait Sealed {}
@@ -705,32 +706,7 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
         self.barrier_threads = Some(threads);
         Ok(())
     }
-
-    /// Whether everything enqueued on the communicator's stream so far (every kernel of this
-    /// instance among it) ends within `limit`; `false` where that cannot be known.
-    fn kernels_end_within(&self, limit: Duration) -> bool {
-        if self.comm.context().bind_to_thread().is_err() {
-            return false;
-        }
-        let Ok(done) = self.comm.stream().record_event(None) else {
-            return false;
-        };
-        let start = Instant::now();
-        loop {
-            match done.try_is_complete() {
-                Ok(true) => return true,
-                Ok(false) if start.elapsed() < limit => {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-                _ => return false,
-            }
-        }
-    }
 }
-
-/// How long a drop waits for its kernels to return once their stop is written (they return
-/// within microseconds once they run; a kernel queued behind work that never ends does not).
-const AFTER_STOP: Duration = Duration::from_secs(1);
 
 /// Records a launch of `kernel` by instance `instance` (on `count` elements per rank, on the
 /// raw stream `stream`) in the communicator's flight recorder, under its lock `state`, which
@@ -763,14 +739,14 @@ fn record_launch<T: LsaElem>(
 /// communicator and the scratch window then wait and leak as their own drops say.
 impl<T: LsaElem> Drop for LsaAllReduce<'_, T> {
     fn drop(&mut self) {
-        let mut ended = self.kernels_end_within(self.comm.drop_timeout());
+        let mut ended = stop::stream_work_ends_within(self.comm, self.comm.drop_timeout());
         let mut written = true;
         if !ended {
             written = self.stop.stop_now();
             if written {
                 self.flight_mark(FlightRing::shipped_stopped);
             }
-            ended = self.kernels_end_within(AFTER_STOP);
+            ended = stop::stream_work_ends_within(self.comm, AFTER_STOP);
         }
         if self.gave_up.is_set() {
             self.flight_mark(FlightRing::shipped_gave_up);

@@ -138,3 +138,29 @@ impl Drop for Registration<'_> {
         self.comm.unregister_kernel_stop(self.id);
     }
 }
+
+/// How long a drop waits for its kernels to return once their stop is written (they return
+/// within microseconds once they run; a kernel queued behind work that never ends does not).
+pub(in crate::device) const AFTER_STOP: Duration = Duration::from_secs(1);
+
+/// Whether everything enqueued on `comm`'s stream so far (every kernel an instance launched
+/// on it among it) ends within `limit`; `false` where that cannot be known. What a drop asks
+/// before it frees what its kernels use.
+pub(in crate::device) fn stream_work_ends_within(comm: &Comm, limit: Duration) -> bool {
+    if comm.context().bind_to_thread().is_err() {
+        return false;
+    }
+    let Ok(done) = comm.stream().record_event(None) else {
+        return false;
+    };
+    let start = Instant::now();
+    loop {
+        match done.try_is_complete() {
+            Ok(true) => return true,
+            Ok(false) if start.elapsed() < limit => {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            _ => return false,
+        }
+    }
+}

@@ -18,14 +18,16 @@ use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg,
 };
 
-use super::all_reduce::{HostWords, KernelStopRegistration, LsaElem};
+use super::all_reduce::{
+    stream_work_ends_within, HostWords, KernelStopRegistration, LsaElem, AFTER_STOP,
+};
 use super::DevComm;
 use crate::calls;
 use crate::comm::{Comm, ContextId};
@@ -45,8 +47,6 @@ pub use layout::{MAX_ENTRIES, MAX_EXPERTS, MAX_RANKS};
 const THREADS: u32 = 512;
 /// How long a kernel waits for its peers by default.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-/// How long a drop waits for stopped kernels to return.
-const AFTER_STOP: Duration = Duration::from_secs(1);
 
 /// The shape of a mixture-of-experts layer's exchange, the same on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -647,26 +647,6 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
             }
         }
     }
-
-    /// Whether everything enqueued on the communicator's stream ends within `limit`.
-    fn kernels_end_within(&self, limit: Duration) -> bool {
-        if self.comm.context().bind_to_thread().is_err() {
-            return false;
-        }
-        let Ok(done) = self.comm.stream().record_event(None) else {
-            return false;
-        };
-        let start = Instant::now();
-        loop {
-            match done.try_is_complete() {
-                Ok(true) => return true,
-                Ok(false) if start.elapsed() < limit => {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-                _ => return false,
-            }
-        }
-    }
 }
 
 /// Records a launch of `kernel` by instance `instance` (`count` tokens) in the communicator's
@@ -763,14 +743,14 @@ fn next_id() -> u64 {
 /// freed only once they ended, else leaked.
 impl<T: LsaElem> Drop for ExpertExchange<'_, T> {
     fn drop(&mut self) {
-        let mut ended = self.kernels_end_within(self.comm.drop_timeout());
+        let mut ended = stream_work_ends_within(self.comm, self.comm.drop_timeout());
         let mut written = true;
         if !ended {
             written = self.stop.as_ref().is_none_or(|stop| stop.stop_now());
             if written {
                 self.flight_mark(FlightRing::shipped_stopped);
             }
-            ended = self.kernels_end_within(AFTER_STOP);
+            ended = stream_work_ends_within(self.comm, AFTER_STOP);
         }
         if self.host_words.is_set() {
             self.flight_mark(FlightRing::shipped_gave_up);
