@@ -5,8 +5,9 @@
 //! loading code, and the ranks' greedy decode (fed the reference's tokens) matches the host
 //! reference — the same checkpoint on one rank on the CPU in f32 — logit for logit within a
 //! tolerance, token for token under the near-tie rule; with `LsaCollectives` and the fused
-//! epilogue too (bf16). A bad shard on one rank is a typed error on every rank. One rank on
-//! the GPU matches candle-transformers' own model on the same GPU, in f32 and in bf16.
+//! epilogue too (bf16); the mixtures of experts (Mixtral, Qwen3-MoE) through the expert
+//! exchange. A bad shard on one rank is a typed error on every rank. One rank on the GPU
+//! matches candle-transformers' own model on the same GPU, in f32 and in bf16.
 //!
 //! Run on a GPU host: `cargo test --test gpu_models -- --include-ignored --test-threads=1`.
 
@@ -142,6 +143,12 @@ fn ranks_on_gpus_match_the_host_reference() {
         ("llama-gqa-bf16", DType::BF16, true),
         ("qwen3-bf16", DType::BF16, true),
         ("qwen2-bf16-sharded", DType::BF16, true),
+        // Mixtures of experts: over a communicator, the expert exchange (the shipped kernels
+        // in one LSA team, NCCL's all-to-all-v otherwise).
+        ("mixtral-tiny", DType::F32, false),
+        ("qwen3-moe-sparse", DType::F32, false),
+        ("qwen3-moe-tiny", DType::F32, true),
+        ("qwen3-moe-tiny", DType::BF16, true),
     ];
     for (name, dtype, lsa) in runs {
         let spec = writer::preset(name).unwrap();
@@ -237,7 +244,8 @@ fn a_bad_shard_on_one_rank_is_an_error_on_every_rank() {
 /// the same GPU in the same dtype, fed the same tokens: logits within f32's tolerance
 /// (`tolerance`) or bf16's (5e-2 of the largest |logit|, as models_cpu's bf16 comparison:
 /// both round every activation to bf16, in other places), greedy tokens equal under the
-/// near-tie rule. candle-transformers' Llama has no attention biases: that preset is left out.
+/// near-tie rule. candle-transformers' Llama has no attention biases, and its Mixtral fails
+/// on CUDA: those presets are left out.
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn one_rank_matches_candle_transformers_on_the_gpu() {
@@ -247,8 +255,18 @@ fn one_rank_matches_candle_transformers_on_the_gpu() {
     }
     let device = Device::new_cuda_with_stream(0).expect("a candle CUDA device");
     let mut compared = 0;
-    for spec in writer::presets() {
+    for spec in writer::presets().into_iter().chain(writer::moe_presets()) {
         if spec.family == writer::Family::Llama && spec.attention_bias {
+            continue;
+        }
+        // candle-transformers 0.11.1's Mixtral fails on CUDA at a prompt (its attention
+        // multiplies a non-contiguous value tensor: "matmul is only supported for contiguous
+        // tensors", seen on one H200); moe_cpu compares with it on the CPU.
+        if spec.family == writer::Family::Mixtral {
+            eprintln!(
+                "NOTE {TEST}: {}: left out (candle-transformers' Mixtral fails on CUDA)",
+                spec.name
+            );
             continue;
         }
         let dir = tempfile::tempdir().unwrap();
@@ -304,5 +322,47 @@ fn one_rank_matches_candle_transformers_on_the_gpu() {
         );
         compared += 1;
     }
-    assert!(compared >= 6, "{compared} presets compared");
+    assert!(compared >= 8, "{compared} presets compared");
+}
+
+/// A prompt longer than one exchange call takes (64 tokens a rank: 128 over 2 ranks, and
+/// shares that do not divide evenly), through the expert exchange on the layout's ranks,
+/// against the host reference; then the decode steps (one token, the smallest class).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn moe_prompts_past_one_exchange_call_match_the_host() {
+    const TEST: &str = "moe_prompts_past_one_exchange_call_match_the_host";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let spec = writer::preset("mixtral-tiny").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let tokenizer = checkpoint.tokenizer().unwrap();
+    let text = [PROMPT; 12].join(" ");
+    let mut prompt = tokenizer.encode(text, true).unwrap().get_ids().to_vec();
+    prompt.truncate(301);
+    assert!(prompt.len() > 2 * 128, "{} tokens", prompt.len());
+    let want = reference(&checkpoint, &prompt);
+    let max_seq = prompt.len() + STEPS;
+    common::run(TEST, &layout, |comm, device, _| {
+        let rank = comm.rank();
+        let n = comm.size();
+        let group = TpGroup::new(comm).unwrap();
+        let mut model = CausalLm::load(&checkpoint, &group, DType::F32, device, max_seq)
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(model.exchanges_experts(), "rank {rank}: no expert exchange");
+        let run = decode(&mut model, device, &prompt, Some(&want.tokens), STEPS);
+        let what = format!(
+            "mixtral-tiny F32, {} prompt tokens, rank {rank} of {n}",
+            prompt.len()
+        );
+        let worst = compare(&what, &want, &run, tolerance(DType::F32));
+        if rank == 0 {
+            eprintln!(
+                "NOTE {TEST}: {what}: worst |logit difference| {worst:.2e} of the largest |logit|"
+            );
+        }
+    });
 }

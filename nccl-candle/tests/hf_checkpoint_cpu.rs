@@ -37,6 +37,8 @@ fn check_config(spec: &Spec, dir: &Path) {
         Family::Mistral => ("MistralForCausalLM", "mistral"),
         Family::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
         Family::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        // Not among `presets()` (moe_cpu checks moe_presets()' configs).
+        Family::Mixtral | Family::Qwen3Moe => panic!("{}: a mixture of experts", spec.name),
     };
     assert_eq!(c["architectures"], json!([arch.0]), "{name}");
     assert_eq!(c["model_type"], arch.1, "{name}");
@@ -89,7 +91,7 @@ fn check_config(spec: &Spec, dir: &Path) {
             }
             assert!(c.get("sliding_window").is_none(), "{name}");
         }
-        Family::Mistral => {
+        Family::Mistral | Family::Mixtral => {
             assert_eq!(c["sliding_window"], json!(spec.sliding_window), "{name}");
             assert_eq!(
                 c["head_dim"],
@@ -97,7 +99,7 @@ fn check_config(spec: &Spec, dir: &Path) {
                 "{name}: null when None"
             );
         }
-        Family::Qwen2 | Family::Qwen3 => {
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
             assert_eq!(c["rope_theta"], 1000000.0, "{name}");
             assert_eq!(c["sliding_window"], json!(spec.sliding_window), "{name}");
             assert_eq!(c["use_sliding_window"], false, "{name}");
@@ -108,7 +110,7 @@ fn check_config(spec: &Spec, dir: &Path) {
         (Family::Qwen3, _) => assert_eq!(c["head_dim"], spec.head_size(), "{name}"),
         (_, Some(hd)) => assert_eq!(c["head_dim"], hd, "{name}"),
         (Family::Llama | Family::Qwen2, None) => assert!(c.get("head_dim").is_none(), "{name}"),
-        (Family::Mistral, None) => {}
+        (Family::Mistral | Family::Mixtral | Family::Qwen3Moe, None) => {}
     }
     if spec.family == Family::Qwen3 {
         assert_eq!(c["attention_bias"], spec.attention_bias, "{name}");

@@ -1,9 +1,11 @@
-//! Writes synthetic Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) for trying the
-//! model loaders without downloading a model:
+//! Writes synthetic Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, and the
+//! mixture-of-experts Mixtral and Qwen3-MoE) for trying the model loaders without downloading
+//! a model:
 //!
 //! ```text
 //! cargo run --example hf_checkpoint -- --list
 //! cargo run --example hf_checkpoint -- --preset llama-gqa-bf16 --out /tmp/llama
+//! cargo run --example hf_checkpoint -- --preset mixtral-tiny --out /tmp/mixtral
 //! cargo run --example hf_checkpoint -- --all --out /tmp/checkpoints   # one folder per preset
 //! ```
 
@@ -14,7 +16,8 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: hf_checkpoint --list
        hf_checkpoint --preset NAME --out DIR
-       hf_checkpoint --all --out DIR   (writes DIR/NAME for every preset)";
+       hf_checkpoint --all --out DIR   (writes DIR/NAME for every preset, MoE ones too,
+                                        not the large ones)";
 
 enum Command {
     List,
@@ -55,7 +58,7 @@ fn parse(args: &[String]) -> Result<Command, String> {
 
 fn list() {
     println!(
-        "{:<26} {:<8} {:>5} {:>6} {:>6} {:>6} {:>5} {:>3} {:>8} {:<5} {:>6} {:<5} extras",
+        "{:<26} {:<9} {:>5} {:>6} {:>6} {:>6} {:>5} {:>3} {:>8} {:<5} {:>6} {:<5} extras",
         "name",
         "family",
         "vocab",
@@ -70,7 +73,11 @@ fn list() {
         "tied"
     );
     let large: Vec<&str> = writer::large_presets().iter().map(|s| s.name).collect();
-    for s in writer::presets().into_iter().chain(writer::large_presets()) {
+    for s in writer::presets()
+        .into_iter()
+        .chain(writer::moe_presets())
+        .chain(writer::large_presets())
+    {
         let mut extras = Vec::new();
         if large.contains(&s.name) {
             extras.push("large: not in --all".to_string());
@@ -84,8 +91,24 @@ fn list() {
         if s.qkv_bias() {
             extras.push(if s.o_bias() { "qkvo bias" } else { "qkv bias" }.to_string());
         }
+        if s.family.is_moe() {
+            extras.push(format!(
+                "{} experts of {}, top {}{}",
+                s.experts,
+                s.expert_intermediate,
+                s.experts_per_token,
+                if s.norm_topk_prob {
+                    " renormalised"
+                } else {
+                    ""
+                }
+            ));
+            if s.sparse_step > 1 {
+                extras.push(format!("experts every {} layers", s.sparse_step));
+            }
+        }
         println!(
-            "{:<26} {:<8} {:>5} {:>6} {:>6} {:>6} {:>5} {:>3} {:>8} {:<5} {:>6} {:<5} {}",
+            "{:<26} {:<9} {:>5} {:>6} {:>6} {:>6} {:>5} {:>3} {:>8} {:<5} {:>6} {:<5} {}",
             s.name,
             s.family.model_type(),
             s.vocab,
@@ -150,13 +173,18 @@ fn run(cmd: Command) -> Result<(), String> {
         Command::List => list(),
         Command::One { preset, out } => {
             let spec = writer::preset(&preset).ok_or_else(|| {
-                let names: Vec<&str> = writer::presets().iter().map(|s| s.name).collect();
+                let names: Vec<&str> = writer::presets()
+                    .iter()
+                    .chain(&writer::moe_presets())
+                    .chain(&writer::large_presets())
+                    .map(|s| s.name)
+                    .collect();
                 format!("no preset `{preset}`; presets: {}", names.join(", "))
             })?;
             write_one(&spec, &out)?;
         }
         Command::All { out } => {
-            for spec in writer::presets() {
+            for spec in writer::presets().into_iter().chain(writer::moe_presets()) {
                 write_one(&spec, &out.join(spec.name))?;
             }
         }

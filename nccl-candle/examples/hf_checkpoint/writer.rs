@@ -1,5 +1,6 @@
-//! Synthetic Hugging Face checkpoints for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3):
-//! a directory with `config.json`, the weights (one `model.safetensors`, or shards and
+//! Synthetic Hugging Face checkpoints for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3)
+//! and the mixtures of experts built on it (Mixtral, Qwen3-MoE): a directory with
+//! `config.json`, the weights (one `model.safetensors`, or shards and
 //! `model.safetensors.index.json`), `tokenizer.json`, `tokenizer_config.json` and
 //! `generation_config.json`, laid out and named as `transformers` saves them, so that loading
 //! code meant for real checkpoints reads them unchanged.
@@ -80,6 +81,15 @@ pub enum Family {
     Qwen2,
     /// `Qwen3ForCausalLM`: per-head q/k RMSNorms.
     Qwen3,
+    /// `MixtralForCausalLM`: Mistral's attention; in every layer a router
+    /// (`block_sparse_moe.gate`) and `experts` SwiGLU experts (`w1` gate, `w3` up, `w2` down,
+    /// of `intermediate_size`) in place of the MLP; the top `num_experts_per_tok` weights
+    /// always renormalised.
+    Mixtral,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention; in layer `i` with `(i + 1) %
+    /// decoder_sparse_step == 0` a router (`mlp.gate`) and `num_experts` experts
+    /// (`gate_proj`, `up_proj`, `down_proj` of `moe_intermediate_size`), elsewhere Qwen3's MLP.
+    Qwen3Moe,
 }
 
 impl Family {
@@ -90,6 +100,8 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -100,11 +112,23 @@ impl Family {
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
+    /// Whether the family has experts (its spec's `experts` and the fields after it matter).
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen3Moe)
+    }
+
     fn is_qwen(self) -> bool {
-        matches!(self, Family::Qwen2 | Family::Qwen3)
+        matches!(self, Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe)
+    }
+
+    /// Whether attention has Qwen3's per-head q/k RMSNorms (and config.json its `head_dim`).
+    fn is_qwen3(self) -> bool {
+        matches!(self, Family::Qwen3 | Family::Qwen3Moe)
     }
 }
 
@@ -129,8 +153,9 @@ pub struct Spec {
     /// `num_key_value_heads`.
     pub kv_heads: usize,
     /// `head_dim` when `Some` (it may differ from `hidden / heads`). When `None` it is left out
-    /// (Llama, Qwen2), written as `null` (Mistral), or written as `hidden / heads` (Qwen3, whose
-    /// configs always carry it).
+    /// (Llama, Qwen2), written as `null` (Mistral, Mixtral), or written as `hidden / heads`
+    /// (Qwen3, Qwen3-MoE, whose configs always carry it). candle-transformers' Mixtral reads
+    /// no `head_dim` (it uses `hidden / heads`): leave it `None` for Mixtral.
     pub head_dim: Option<usize>,
     /// `tie_word_embeddings`: no `lm_head.weight` in the files.
     pub tie_embeddings: bool,
@@ -141,12 +166,29 @@ pub struct Spec {
     /// Llama only: Llama 3's `rope_scaling` (`original_max_position_embeddings` 64, so it
     /// matters at test lengths), `rope_theta` 500000 and a list-valued `eos_token_id`.
     pub llama3_rope: bool,
-    /// `sliding_window`: Mistral's attention window (`None` writes `null`); Qwen2/Qwen3 write it
-    /// (`null` for `None`) with `use_sliding_window` false; Llama has none.
+    /// `sliding_window`: Mistral's and Mixtral's attention window (`None` writes `null`);
+    /// Qwen2/Qwen3/Qwen3-MoE write it (`null` for `None`) with `use_sliding_window` false;
+    /// Llama has none.
     pub sliding_window: Option<usize>,
-    /// Llama/Qwen3 `attention_bias`: biases on q, k, v and o. Qwen2 has q/k/v biases (and no o
-    /// bias) whatever this says; Mistral has none.
+    /// Llama/Qwen3/Qwen3-MoE `attention_bias`: biases on q, k, v and o. Qwen2 has q/k/v biases
+    /// (and no o bias) whatever this says; Mistral and Mixtral have none.
     pub attention_bias: bool,
+    /// The experts of each mixture-of-experts layer: Mixtral's `num_local_experts`,
+    /// Qwen3-MoE's `num_experts`. 0 for the dense families, as are the fields below.
+    pub experts: usize,
+    /// `num_experts_per_tok`: the experts each token is routed to, in `1..=experts`.
+    pub experts_per_token: usize,
+    /// Each expert's feature count: Qwen3-MoE's `moe_intermediate_size`; Mixtral's experts
+    /// are of `intermediate_size`, so for Mixtral this equals `intermediate`.
+    pub expert_intermediate: usize,
+    /// Qwen3-MoE's `norm_topk_prob`: the top `experts_per_token` routing weights are
+    /// renormalised to sum to 1. Mixtral always renormalises (its config has no such field):
+    /// `true` for Mixtral, so that the spec describes the model.
+    pub norm_topk_prob: bool,
+    /// Qwen3-MoE's `decoder_sparse_step`: layer `i` has experts iff `(i + 1) % sparse_step ==
+    /// 0` (`mlp_only_layers` is always empty), the others Qwen3's MLP of `intermediate`.
+    /// Mixtral has experts in every layer: 1.
+    pub sparse_step: usize,
     /// The seed the weights are drawn from.
     pub seed: u64,
 }
@@ -162,14 +204,26 @@ impl Spec {
     pub fn qkv_bias(&self) -> bool {
         match self.family {
             Family::Qwen2 => true,
-            Family::Llama | Family::Qwen3 => self.attention_bias,
-            Family::Mistral => false,
+            Family::Llama | Family::Qwen3 | Family::Qwen3Moe => self.attention_bias,
+            Family::Mistral | Family::Mixtral => false,
         }
     }
 
     /// Whether o has a bias.
     pub fn o_bias(&self) -> bool {
-        matches!(self.family, Family::Llama | Family::Qwen3) && self.attention_bias
+        matches!(
+            self.family,
+            Family::Llama | Family::Qwen3 | Family::Qwen3Moe
+        ) && self.attention_bias
+    }
+
+    /// Whether layer `layer` has experts (a router and `experts` expert MLPs) in place of the
+    /// MLP: every layer of Mixtral, every `sparse_step`-th of Qwen3-MoE, none of the others.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.family.is_moe()
+            && self.experts > 0
+            && self.sparse_step > 0
+            && (layer + 1).is_multiple_of(self.sparse_step)
     }
 
     /// `bos_token_id`.
@@ -225,7 +279,38 @@ fn spec(
         llama3_rope: false,
         sliding_window: None,
         attention_bias: false,
+        experts: 0,
+        experts_per_token: 0,
+        expert_intermediate: 0,
+        norm_topk_prob: false,
+        sparse_step: 0,
         seed,
+    }
+}
+
+/// A mixture-of-experts preset: [`spec`]'s, with `moe` `[experts, experts_per_token,
+/// expert_intermediate, sparse_step]` and `norm_topk_prob` (Mixtral: `expert_intermediate`
+/// is `intermediate`, `sparse_step` 1, `norm_topk_prob` true).
+#[allow(clippy::too_many_arguments)] // A table's row, as `spec`'s.
+fn moe_spec(
+    name: &'static str,
+    family: Family,
+    dims: [usize; 6],
+    moe: [usize; 4],
+    norm_topk_prob: bool,
+    dtype: DType,
+    shards: usize,
+    tie_embeddings: bool,
+    seed: u64,
+) -> Spec {
+    let [experts, experts_per_token, expert_intermediate, sparse_step] = moe;
+    Spec {
+        experts,
+        experts_per_token,
+        expert_intermediate,
+        norm_topk_prob,
+        sparse_step,
+        ..spec(name, family, dims, dtype, shards, tie_embeddings, seed)
     }
 }
 
@@ -275,10 +360,45 @@ pub fn large_presets() -> Vec<Spec> {
     ]
 }
 
-/// The preset called `name`, of [`presets`] or [`large_presets`].
+/// The mixture-of-experts presets, small (CPU-fast); not among [`presets`], which the tests of
+/// the dense families run through their own models. Each splits its attention, MLPs and
+/// experts over 1, 2 and 3 ranks (query heads 6 or 12; key/value heads 6, split, or 1,
+/// replicated; every feature count a multiple of 12; 6 or 12 experts).
+///
+/// * `mixtral-tiny`: 6 experts of 96 features, top 2 (always renormalised), in both layers;
+///   6 query and key/value heads of 16; a window (4096) past every position, as an integer
+///   (candle-transformers' Mixtral has no `null` window); f32, two shards, untied.
+/// * `qwen3-moe-tiny`: 12 experts of 48 features, top 4, `norm_topk_prob`, in both layers
+///   (`decoder_sparse_step` 1); 12 query heads of 16 (192 wide, hidden 64) over 6 key/value
+///   heads; bf16, untied.
+/// * `qwen3-moe-sparse`: `decoder_sparse_step` 2: layer 0 is Qwen3's MLP of 192 features,
+///   layer 1 has 6 experts of 48, top 2, weights not renormalised; 12 query heads of 8 over
+///   one key/value head (replicated on every rank, and 4 ranks split all but the experts);
+///   f32, tied.
+#[rustfmt::skip] // A table: one preset a line.
+pub fn moe_presets() -> Vec<Spec> {
+    use DType::{BF16, F32};
+    use Family::*;
+    vec![
+        // name, family, [vocab, hidden, intermediate, layers, heads, kv_heads],
+        // [experts, experts_per_token, expert_intermediate, sparse_step], norm_topk_prob,
+        // dtype, shards, tied, seed
+        Spec { sliding_window: Some(4096),
+            ..moe_spec("mixtral-tiny", Mixtral,        [384, 96, 96, 2, 6, 6],    [6, 2, 96, 1],
+                       true,  F32,  2, false, 21) },
+        Spec { head_dim: Some(16),
+            ..moe_spec("qwen3-moe-tiny", Qwen3Moe,     [384, 64, 192, 2, 12, 6],  [12, 4, 48, 1],
+                       true,  BF16, 1, false, 22) },
+        moe_spec("qwen3-moe-sparse", Qwen3Moe,         [384, 96, 192, 2, 12, 1],  [6, 2, 48, 2],
+                 false, F32,  1, true,  23),
+    ]
+}
+
+/// The preset called `name`, of [`presets`], [`moe_presets`] or [`large_presets`].
 pub fn preset(name: &str) -> Option<Spec> {
     presets()
         .into_iter()
+        .chain(moe_presets())
         .chain(large_presets())
         .find(|s| s.name == name)
 }
@@ -325,6 +445,10 @@ fn tensor_specs(spec: &Spec) -> Vec<TensorSpec> {
     // weights near 1 but not 1, so that one left out shows.
     let bias = Init::Std(0.2);
     let norm = Init::Range(0.8, 1.2);
+    // Routers get the input projections' std: their logits are O(1) and differ from token
+    // to token, so that tokens go to different experts and the top-k weights are far from
+    // equal. Experts get an MLP's inits (of their own feature count).
+    let router = std_in(h);
     let mut out = Vec::new();
     let mut push =
         |name: String, shape: Vec<usize>, init: Init| out.push(TensorSpec { name, shape, init });
@@ -353,21 +477,48 @@ fn tensor_specs(spec: &Spec) -> Vec<TensorSpec> {
         if spec.o_bias() {
             push(format!("{p}.self_attn.o_proj.bias"), vec![h], bias);
         }
-        if spec.family == Family::Qwen3 {
+        if spec.family.is_qwen3() {
             push(format!("{p}.self_attn.q_norm.weight"), vec![hd], norm);
             push(format!("{p}.self_attn.k_norm.weight"), vec![hd], norm);
         }
-        push(
-            format!("{p}.mlp.gate_proj.weight"),
-            vec![inter, h],
-            std_in(h),
-        );
-        push(format!("{p}.mlp.up_proj.weight"), vec![inter, h], std_in(h));
-        push(
-            format!("{p}.mlp.down_proj.weight"),
-            vec![h, inter],
-            out_std(inter),
-        );
+        let (experts, e_inter) = (spec.experts, spec.expert_intermediate);
+        if spec.family == Family::Mixtral {
+            // MixtralSparseMoeBlock: the gate, then each MixtralBlockSparseTop2MLP's w1
+            // (gate), w2 (down), w3 (up).
+            let m = format!("{p}.block_sparse_moe");
+            push(format!("{m}.gate.weight"), vec![experts, h], router);
+            for e in 0..experts {
+                let x = format!("{m}.experts.{e}");
+                push(format!("{x}.w1.weight"), vec![e_inter, h], std_in(h));
+                push(format!("{x}.w2.weight"), vec![h, e_inter], out_std(e_inter));
+                push(format!("{x}.w3.weight"), vec![e_inter, h], std_in(h));
+            }
+        } else if spec.is_moe_layer(i) {
+            // Qwen3MoeSparseMoeBlock: the gate, then each expert's Qwen3MoeMLP.
+            push(format!("{p}.mlp.gate.weight"), vec![experts, h], router);
+            for e in 0..experts {
+                let x = format!("{p}.mlp.experts.{e}");
+                push(format!("{x}.gate_proj.weight"), vec![e_inter, h], std_in(h));
+                push(format!("{x}.up_proj.weight"), vec![e_inter, h], std_in(h));
+                push(
+                    format!("{x}.down_proj.weight"),
+                    vec![h, e_inter],
+                    out_std(e_inter),
+                );
+            }
+        } else {
+            push(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![inter, h],
+                std_in(h),
+            );
+            push(format!("{p}.mlp.up_proj.weight"), vec![inter, h], std_in(h));
+            push(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, inter],
+                out_std(inter),
+            );
+        }
         push(format!("{p}.input_layernorm.weight"), vec![h], norm);
         push(
             format!("{p}.post_attention_layernorm.weight"),
@@ -492,6 +643,7 @@ fn check(spec: &Spec) -> io::Result<()> {
     if spec.llama3_rope && spec.family != Family::Llama {
         return Err(invalid(format!("{}: llama3_rope is Llama's", spec.name)));
     }
+    check_experts(spec)?;
     if !matches!(spec.dtype, DType::BF16 | DType::F32) {
         return Err(invalid(format!(
             "{}: dtype {:?}: only BF16 and F32",
@@ -510,6 +662,64 @@ fn check(spec: &Spec) -> io::Result<()> {
             "{}: {} shards for {tensors} tensors",
             spec.name, spec.shards
         )));
+    }
+    Ok(())
+}
+
+/// The mixture-of-experts fields: all 0 (and `norm_topk_prob` false) for a dense family; for
+/// Mixtral and Qwen3-MoE experts, a top-k in `1..=experts`, an expert size and a sparse step,
+/// Mixtral's fixed to what its config implies (experts of `intermediate`, in every layer,
+/// weights renormalised).
+fn check_experts(spec: &Spec) -> io::Result<()> {
+    let name = spec.name;
+    if !spec.family.is_moe() {
+        let set = [
+            ("experts", spec.experts),
+            ("experts_per_token", spec.experts_per_token),
+            ("expert_intermediate", spec.expert_intermediate),
+            ("sparse_step", spec.sparse_step),
+            ("norm_topk_prob", usize::from(spec.norm_topk_prob)),
+        ];
+        if let Some((what, _)) = set.iter().find(|(_, v)| *v != 0) {
+            return Err(invalid(format!(
+                "{name}: {what} is for Mixtral and Qwen3-MoE, not {:?}",
+                spec.family
+            )));
+        }
+        return Ok(());
+    }
+    let positive = [
+        ("experts", spec.experts),
+        ("expert_intermediate", spec.expert_intermediate),
+        ("sparse_step", spec.sparse_step),
+    ];
+    if let Some((what, _)) = positive.iter().find(|(_, v)| *v == 0) {
+        return Err(invalid(format!("{name}: {what} must be positive")));
+    }
+    if !(1..=spec.experts).contains(&spec.experts_per_token) {
+        return Err(invalid(format!(
+            "{name}: experts_per_token {} not in 1..={}",
+            spec.experts_per_token, spec.experts
+        )));
+    }
+    if spec.family == Family::Mixtral {
+        if spec.expert_intermediate != spec.intermediate {
+            return Err(invalid(format!(
+                "{name}: Mixtral's experts are of intermediate_size {}, not {}",
+                spec.intermediate, spec.expert_intermediate
+            )));
+        }
+        if spec.sparse_step != 1 {
+            return Err(invalid(format!(
+                "{name}: Mixtral has experts in every layer (sparse_step 1, not {})",
+                spec.sparse_step
+            )));
+        }
+        if !spec.norm_topk_prob {
+            return Err(invalid(format!(
+                "{name}: Mixtral always renormalises its top-k weights (norm_topk_prob true)"
+            )));
+        }
     }
     Ok(())
 }
@@ -633,18 +843,40 @@ fn config(spec: &Spec) -> Value {
             set("rope_theta", json!(10000.0));
             set("sliding_window", json!(spec.sliding_window));
         }
-        Family::Qwen2 | Family::Qwen3 => {
+        // Mistral's fields (Mixtral's own rope_theta), then the experts'.
+        Family::Mixtral => {
+            set("head_dim", json!(spec.head_dim));
+            set("rms_norm_eps", json!(1e-5));
+            set("rope_theta", json!(1000000.0));
+            set("sliding_window", json!(spec.sliding_window));
+            set("num_local_experts", json!(spec.experts));
+            set("num_experts_per_tok", json!(spec.experts_per_token));
+            set("output_router_logits", json!(false));
+            set("router_aux_loss_coef", json!(0.02));
+            set("router_jitter_noise", json!(0.0));
+        }
+        Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
             set("max_window_layers", json!(spec.layers));
             set("rms_norm_eps", json!(1e-6));
             set("rope_scaling", Value::Null);
             set("rope_theta", json!(1000000.0));
             set("sliding_window", json!(spec.sliding_window));
             set("use_sliding_window", json!(false));
-            if spec.family == Family::Qwen3 {
+            if spec.family.is_qwen3() {
                 set("attention_bias", json!(spec.attention_bias));
                 set("head_dim", json!(spec.head_size()));
             } else if let Some(hd) = spec.head_dim {
                 set("head_dim", json!(hd));
+            }
+            if spec.family == Family::Qwen3Moe {
+                set("decoder_sparse_step", json!(spec.sparse_step));
+                set("mlp_only_layers", json!([]));
+                set("moe_intermediate_size", json!(spec.expert_intermediate));
+                set("norm_topk_prob", json!(spec.norm_topk_prob));
+                set("num_experts", json!(spec.experts));
+                set("num_experts_per_tok", json!(spec.experts_per_token));
+                set("output_router_logits", json!(false));
+                set("router_aux_loss_coef", json!(0.001));
             }
         }
     }
@@ -688,7 +920,8 @@ fn tokenizer_config(spec: &Spec) -> Value {
     })
 }
 
-/// Llama and Mistral tokenizers put `<s>` in front of every encoding; Qwen's add nothing.
+/// Llama, Mistral and Mixtral tokenizers put `<s>` in front of every encoding; Qwen's add
+/// nothing.
 fn adds_bos(spec: &Spec) -> bool {
     !spec.family.is_qwen()
 }

@@ -1,5 +1,5 @@
-//! A Hugging Face `config.json` for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): the
-//! fields these models use, resolved (defaults filled in, the architecture's own rules
+//! A Hugging Face `config.json` for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and
+//! its mixtures of experts (Mixtral, Qwen3-MoE): the fields these models use, resolved (defaults filled in, the architecture's own rules
 //! applied), unknown fields ignored.
 //!
 //! Past 600 lines: one walk over the JSON with an error naming each field, the families'
@@ -22,6 +22,41 @@ pub enum Family {
     Qwen2,
     /// `qwen3` / `Qwen3ForCausalLM`: RMSNorms on each query and key head.
     Qwen3,
+    /// `mixtral` / `MixtralForCausalLM`: Mistral's attention, every MLP a mixture of experts.
+    Mixtral,
+    /// `qwen3_moe` / `Qwen3MoeForCausalLM`: Qwen3's attention, MLPs mixtures of experts (all,
+    /// or those `decoder_sparse_step` and `mlp_only_layers` say).
+    Qwen3Moe,
+}
+
+/// The mixture of experts of a [`Family::Mixtral`] or [`Family::Qwen3Moe`] model: each token
+/// goes to the `experts_per_token` experts its router scores best, and their SwiGLU MLPs'
+/// outputs are summed with the router's softmax weights of those experts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertsConfig {
+    /// Experts in a layer (Mixtral's `num_local_experts`, Qwen3-MoE's `num_experts`).
+    pub experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`).
+    pub experts_per_token: usize,
+    /// Each expert's MLP features (Mixtral's `intermediate_size`, Qwen3-MoE's
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// Whether the chosen experts' weights are divided by their sum (Mixtral: always;
+    /// Qwen3-MoE: `norm_topk_prob`, false when absent).
+    pub norm_topk_prob: bool,
+    /// Layer `i` is a mixture when `(i + 1)` is a multiple of this (`decoder_sparse_step`; 1
+    /// for Mixtral) and `i` is not in [`dense_layers`](Self::dense_layers).
+    pub decoder_sparse_step: usize,
+    /// Layers with a dense MLP of `intermediate_size` whatever the step (`mlp_only_layers`).
+    pub dense_layers: Vec<usize>,
+}
+
+impl ExpertsConfig {
+    /// Whether layer `layer`'s MLP is the mixture (otherwise a dense MLP).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1))
+            && !self.dense_layers.contains(&layer)
+    }
 }
 
 /// Llama 3's rope scaling (`rope_scaling` with `rope_type` `llama3`).
@@ -85,14 +120,18 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// `torch_dtype` (`dtype` in newer files), as written (`"bfloat16"`, ...), if any.
     pub torch_dtype: Option<String>,
+    /// The mixture of experts (Mixtral, Qwen3-MoE); `None` for the dense families.
+    pub experts: Option<ExpertsConfig>,
 }
 
-/// The four families: the type, its `model_type` and its `architectures[0]`.
-const FAMILIES: [(Family, &str, &str); 4] = [
+/// The families: the type, its `model_type` and its `architectures[0]`.
+const FAMILIES: [(Family, &str, &str); 6] = [
     (Family::Llama, "llama", "LlamaForCausalLM"),
     (Family::Mistral, "mistral", "MistralForCausalLM"),
     (Family::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Family::Qwen3, "qwen3", "Qwen3ForCausalLM"),
+    (Family::Mixtral, "mixtral", "MixtralForCausalLM"),
+    (Family::Qwen3Moe, "qwen3_moe", "Qwen3MoeForCausalLM"),
 ];
 
 /// The fields without which no model can be built; the others have defaults.
@@ -106,24 +145,21 @@ const REQUIRED_SIZES: [&str; 6] = [
 ];
 
 impl Family {
-    /// The `model_type` string ("llama", "mistral", "qwen2", "qwen3").
+    /// The `model_type` string ("llama", "mistral", "qwen2", "qwen3", "mixtral",
+    /// "qwen3_moe").
     pub fn model_type(self) -> &'static str {
-        match self {
-            Family::Llama => "llama",
-            Family::Mistral => "mistral",
-            Family::Qwen2 => "qwen2",
-            Family::Qwen3 => "qwen3",
-        }
+        FAMILIES
+            .iter()
+            .find(|(family, _, _)| *family == self)
+            .map_or("", |(_, model_type, _)| model_type)
     }
 
     /// The `architectures[0]` class name (`"LlamaForCausalLM"`, ...).
     pub fn architecture(self) -> &'static str {
-        match self {
-            Family::Llama => "LlamaForCausalLM",
-            Family::Mistral => "MistralForCausalLM",
-            Family::Qwen2 => "Qwen2ForCausalLM",
-            Family::Qwen3 => "Qwen3ForCausalLM",
-        }
+        FAMILIES
+            .iter()
+            .find(|(family, _, _)| *family == self)
+            .map_or("", |(_, _, architecture)| architecture)
     }
 }
 
@@ -212,17 +248,17 @@ impl ModelConfig {
                     top.bool("mlp_bias")?.unwrap_or(false),
                 )
             }
-            Family::Qwen3 => {
+            Family::Qwen3 | Family::Qwen3Moe => {
                 let attention_bias = top.bool("attention_bias")?.unwrap_or(false);
                 (attention_bias, attention_bias, false)
             }
             Family::Qwen2 => (true, false, false),
-            Family::Mistral => (false, false, false),
+            Family::Mistral | Family::Mixtral => (false, false, false),
         };
 
         let sliding_window = match family {
-            Family::Mistral => top.usize("sliding_window")?,
-            Family::Qwen2 | Family::Qwen3 => {
+            Family::Mistral | Family::Mixtral => top.usize("sliding_window")?,
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe => {
                 // Qwen files carry a `sliding_window` even when it is off; only the switch counts.
                 if top.bool("use_sliding_window")?.unwrap_or(false) {
                     return Err(unsupported(
@@ -285,11 +321,12 @@ impl ModelConfig {
             qkv_bias,
             o_bias,
             mlp_bias,
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe),
             sliding_window,
             bos_token_id,
             eos_token_ids,
             torch_dtype,
+            experts: experts(&top, family, intermediate_size)?,
         };
         config.validate(path)?;
         Ok(config)
@@ -385,6 +422,33 @@ impl ModelConfig {
         }
         if self.sliding_window == Some(0) {
             faults.push("sliding_window is 0".to_owned());
+        }
+        if let Some(experts) = &self.experts {
+            let (names, per_token) = match self.family {
+                Family::Mixtral => (
+                    ("num_local_experts", "intermediate_size"),
+                    "num_experts_per_tok",
+                ),
+                _ => (
+                    ("num_experts", "moe_intermediate_size"),
+                    "num_experts_per_tok",
+                ),
+            };
+            if experts.experts == 0 {
+                faults.push(format!("{} is 0", names.0));
+            }
+            if experts.expert_intermediate_size == 0 {
+                faults.push(format!("{} is 0", names.1));
+            }
+            if experts.experts_per_token == 0 || experts.experts_per_token > experts.experts {
+                faults.push(format!(
+                    "{per_token} ({}) is not in 1..={} ({})",
+                    experts.experts_per_token, experts.experts, names.0
+                ));
+            }
+            if experts.decoder_sparse_step == 0 {
+                faults.push("decoder_sparse_step is 0".to_owned());
+            }
         }
         if let Some(scaling) = &self.rope_scaling {
             // `!(x >= y)` rather than `x < y`: NaN fails it too.
@@ -635,6 +699,55 @@ fn family(top: &Fields<'_>) -> Result<Family> {
             ),
         )),
     }
+}
+
+/// The mixture of experts of Mixtral and Qwen3-MoE, with transformers' defaults for absent
+/// fields; `None` for the dense families.
+fn experts(
+    top: &Fields<'_>,
+    family: Family,
+    intermediate_size: usize,
+) -> Result<Option<ExpertsConfig>> {
+    let config = match family {
+        Family::Mixtral => ExpertsConfig {
+            experts: top.usize("num_local_experts")?.unwrap_or(8),
+            experts_per_token: top.usize("num_experts_per_tok")?.unwrap_or(2),
+            expert_intermediate_size: intermediate_size,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            dense_layers: Vec::new(),
+        },
+        Family::Qwen3Moe => {
+            let dense_layers = match top.value("mlp_only_layers") {
+                None => Vec::new(),
+                Some(Value::Array(layers)) => layers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, layer)| {
+                        layer
+                            .as_u64()
+                            .and_then(|l| usize::try_from(l).ok())
+                            .ok_or_else(|| {
+                                top.wrong(&format!("mlp_only_layers[{i}]"), "a layer index", layer)
+                            })
+                    })
+                    .collect::<Result<Vec<usize>>>()?,
+                Some(other) => {
+                    return Err(top.wrong("mlp_only_layers", "a list of layer indices", other))
+                }
+            };
+            ExpertsConfig {
+                experts: top.usize("num_experts")?.unwrap_or(128),
+                experts_per_token: top.usize("num_experts_per_tok")?.unwrap_or(8),
+                expert_intermediate_size: top.usize("moe_intermediate_size")?.unwrap_or(768),
+                norm_topk_prob: top.bool("norm_topk_prob")?.unwrap_or(false),
+                decoder_sparse_step: top.usize("decoder_sparse_step")?.unwrap_or(1),
+                dense_layers,
+            }
+        }
+        Family::Llama | Family::Mistral | Family::Qwen2 | Family::Qwen3 => return Ok(None),
+    };
+    Ok(Some(config))
 }
 
 /// `rope_theta` and Llama 3's scaling, from `rope_theta` and `rope_scaling`, or from

@@ -228,6 +228,7 @@ fn llama_2_7b() {
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             torch_dtype: Some("float16".into()),
+            experts: None,
         }
     );
     assert_eq!((config.q_width(), config.kv_width()), (4096, 4096));
@@ -265,6 +266,7 @@ fn llama_3_1_8b_instruct() {
             bos_token_id: Some(128000),
             eos_token_ids: vec![128001, 128008, 128009],
             torch_dtype: Some("bfloat16".into()),
+            experts: None,
         }
     );
     assert_eq!((config.q_width(), config.kv_width()), (4096, 1024));
@@ -297,6 +299,7 @@ fn mistral_7b_v0_1_has_its_window() {
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             torch_dtype: Some("bfloat16".into()),
+            experts: None,
         }
     );
 }
@@ -343,6 +346,7 @@ fn qwen2_7b_instruct_has_qkv_biases_and_no_window() {
             bos_token_id: Some(151643),
             eos_token_ids: vec![151645],
             torch_dtype: Some("bfloat16".into()),
+            experts: None,
         }
     );
     assert_eq!((config.q_width(), config.kv_width()), (3584, 512));
@@ -377,6 +381,7 @@ fn qwen3_0_6b_has_its_own_head_dim() {
             bos_token_id: Some(151643),
             eos_token_ids: vec![151645],
             torch_dtype: Some("bfloat16".into()),
+            experts: None,
         }
     );
     assert_eq!((config.q_width(), config.kv_width()), (2048, 1024));
@@ -692,7 +697,7 @@ fn another_architecture_is_unsupported() {
     assert_refused(
         &gemma,
         CheckpointFault::Unsupported,
-        &["gemma", "llama, mistral, qwen2, qwen3"],
+        &["gemma", "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"],
     );
     let phi = edited(LLAMA_2_7B, |map| {
         map.remove("model_type");
@@ -876,4 +881,150 @@ fn validate_refuses_unusable_sizes() {
         other => panic!("expected Malformed, got {other:?}"),
     }
     assert!(parse(LLAMA_2_7B).validate(path()).is_ok());
+}
+
+/// mistralai/Mixtral-8x7B-v0.1's config.json.
+const MIXTRAL_8X7B: &str = r#"{
+  "architectures": ["MixtralForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 32768,
+  "model_type": "mixtral",
+  "num_attention_heads": 32,
+  "num_experts_per_tok": 2,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "num_local_experts": 8,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.02,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.36.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32000
+}"#;
+
+/// Qwen/Qwen3-30B-A3B's config.json.
+const QWEN3_30B_A3B: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "decoder_sparse_step": 1,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 6144,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 48,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768,
+  "norm_topk_prob": true,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 48,
+  "num_key_value_heads": 4,
+  "output_router_logits": false,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000.0,
+  "router_aux_loss_coef": 0.001,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+}"#;
+
+#[test]
+fn mixtral_8x7b() {
+    let config = parse(MIXTRAL_8X7B);
+    assert_eq!(config.family, Family::Mixtral);
+    assert_eq!(
+        (config.sliding_window, config.qkv_bias, config.qk_norm),
+        (None, false, false)
+    );
+    let experts = config.experts.clone().unwrap();
+    assert_eq!(
+        experts,
+        ExpertsConfig {
+            experts: 8,
+            experts_per_token: 2,
+            expert_intermediate_size: 14336,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            dense_layers: Vec::new(),
+        }
+    );
+    assert!((0..32).all(|layer| experts.is_sparse(layer)));
+}
+
+#[test]
+fn qwen3_30b_a3b() {
+    let config = parse(QWEN3_30B_A3B);
+    assert_eq!(config.family, Family::Qwen3Moe);
+    assert_eq!((config.head_dim, config.qk_norm), (128, true));
+    let experts = config.experts.unwrap();
+    assert_eq!(
+        (
+            experts.experts,
+            experts.experts_per_token,
+            experts.expert_intermediate_size
+        ),
+        (128, 8, 768)
+    );
+    assert!(experts.norm_topk_prob);
+    // Dense layers from the step and the list.
+    let sparse = parse(&edited(QWEN3_30B_A3B, |map| {
+        map.insert("decoder_sparse_step".into(), 2.into());
+        map.insert("mlp_only_layers".into(), serde_json::json!([3]));
+        map.remove("norm_topk_prob");
+    }));
+    let experts = sparse.experts.unwrap();
+    assert!(!experts.norm_topk_prob, "transformers' default is false");
+    let layers: Vec<bool> = (0..6).map(|l| experts.is_sparse(l)).collect();
+    assert_eq!(layers, [false, true, false, false, false, true]);
+}
+
+#[test]
+fn mixtures_of_experts_refuse_unusable_sizes() {
+    let too_many = edited(MIXTRAL_8X7B, |map| {
+        map.insert("num_experts_per_tok".into(), 9.into());
+    });
+    assert_refused(
+        &too_many,
+        CheckpointFault::Malformed,
+        &["num_experts_per_tok", "num_local_experts"],
+    );
+    let none = edited(QWEN3_30B_A3B, |map| {
+        map.insert("num_experts".into(), 0.into());
+        map.insert("decoder_sparse_step".into(), 0.into());
+    });
+    assert_refused(
+        &none,
+        CheckpointFault::Malformed,
+        &["num_experts is 0", "decoder_sparse_step is 0"],
+    );
+    let bad_list = edited(QWEN3_30B_A3B, |map| {
+        map.insert("mlp_only_layers".into(), serde_json::json!(["1"]));
+    });
+    assert_refused(
+        &bad_list,
+        CheckpointFault::Malformed,
+        &["mlp_only_layers[0]"],
+    );
 }

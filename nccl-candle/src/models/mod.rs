@@ -1,5 +1,6 @@
-//! Tensor-parallel models of the Llama family (Llama 2 and 3, Mistral, Qwen2, Qwen3) that
-//! load Hugging Face checkpoints: `config.json`, `model.safetensors` or the shards of
+//! Tensor-parallel models of the Llama family (Llama 2 and 3, Mistral, Qwen2, Qwen3) and its
+//! mixtures of experts (Mixtral, Qwen3-MoE: expert parallel) that load Hugging Face
+//! checkpoints: `config.json`, `model.safetensors` or the shards of
 //! `model.safetensors.index.json`, `tokenizer.json`.
 //!
 //! [`Checkpoint::open`] reads the configuration and the weights files' headers (no data);
@@ -33,6 +34,7 @@
 mod checkpoint;
 mod config;
 mod decoder;
+mod experts;
 mod plan;
 mod rope;
 mod sampling;
@@ -40,6 +42,6 @@ mod sampling;
 pub use checkpoint::{
     Checkpoint, TensorInfo, CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
 };
-pub use config::{Family, Llama3RopeScaling, ModelConfig};
+pub use config::{ExpertsConfig, Family, Llama3RopeScaling, ModelConfig};
 pub use decoder::{argmax, CausalLm};
 pub use sampling::{Sampler, Sampling};

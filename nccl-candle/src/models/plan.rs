@@ -9,6 +9,10 @@
 //! with the last block padded with zero rows, so any vocabulary splits; key/value heads split
 //! when `N` divides them and are replicated when they divide `N` (each rank holds the one
 //! key/value head its query heads read, as vLLM does), anything else is refused.
+//!
+//! A mixture of experts (Mixtral, Qwen3-MoE) splits by expert instead: rank `r` of `N` holds
+//! experts `r × E / N .. (r + 1) × E / N` whole (`E` a multiple of `N`), and every rank the
+//! router; the tokens go to their experts' ranks and back (expert parallelism).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -16,7 +20,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::Linear;
 
 use super::checkpoint::Checkpoint;
-use super::config::ModelConfig;
+use super::config::{Family, ModelConfig};
 use crate::tp::{RowParallelLinear, TpGroup};
 use crate::{Error, Result};
 
@@ -36,6 +40,9 @@ pub(super) struct Plan {
     pub(super) intermediate: usize,
     /// Vocabulary rows on each rank (the last rank's padded with zeros).
     pub(super) vocab_rows: usize,
+    /// Experts on each rank (0 without a mixture of experts); this rank's are
+    /// `rank × local_experts ..`.
+    pub(super) local_experts: usize,
 }
 
 impl Plan {
@@ -49,9 +56,27 @@ impl Plan {
         if !cfg.num_attention_heads.is_multiple_of(ranks) {
             return Err(refuse("num_attention_heads", cfg.num_attention_heads));
         }
-        if !cfg.intermediate_size.is_multiple_of(ranks) {
+        // Whether some layer has a dense MLP (without walking the layers: their count is
+        // the file's, unchecked here): all of them without experts; with them, layer 0 when
+        // the step skips it, or a dense layer the list names.
+        let layers = cfg.num_hidden_layers;
+        let dense_layers = match &cfg.experts {
+            None => layers > 0,
+            Some(e) => {
+                layers > 0
+                    && (e.decoder_sparse_step > 1 || e.dense_layers.iter().any(|&l| l < layers))
+            }
+        };
+        if dense_layers && !cfg.intermediate_size.is_multiple_of(ranks) {
             return Err(refuse("intermediate_size", cfg.intermediate_size));
         }
+        let local_experts = match &cfg.experts {
+            Some(experts) if !experts.experts.is_multiple_of(ranks) => {
+                return Err(refuse("num_experts", experts.experts));
+            }
+            Some(experts) => experts.experts / ranks,
+            None => 0,
+        };
         let kv = cfg.num_key_value_heads;
         let (kv_heads, kv_part) = if kv.is_multiple_of(ranks) {
             (kv / ranks, (rank, ranks))
@@ -71,7 +96,13 @@ impl Plan {
             kv_part,
             intermediate: cfg.intermediate_size / ranks,
             vocab_rows: cfg.vocab_size.div_ceil(ranks),
+            local_experts,
         })
+    }
+
+    /// Whether expert `expert` is this rank's.
+    pub(super) fn holds_expert(&self, expert: usize) -> bool {
+        (self.rank * self.local_experts..(self.rank + 1) * self.local_experts).contains(&expert)
     }
 
     /// This rank's vocabulary rows that exist (the rest of its block is padding).
@@ -94,6 +125,34 @@ pub(super) enum Split {
     Columns,
     /// Vocabulary rows, the last rank's padded.
     Vocab,
+    /// Whole on the rank that holds this expert, absent elsewhere.
+    Expert(usize),
+}
+
+/// The tensors of a mixture-of-experts layer's MLP under `mlp` (`model.layers.{i}.` and
+/// Mixtral's `block_sparse_moe` or Qwen3-MoE's `mlp`): the router's name, then each
+/// expert's gate, up and down projections' names.
+pub(super) struct ExpertNames {
+    pub(super) router: String,
+    /// For each expert: gate, up, down (weights).
+    pub(super) experts: Vec<[String; 3]>,
+}
+
+impl ExpertNames {
+    pub(super) fn new(cfg: &ModelConfig, layer: usize) -> Option<Self> {
+        let experts = cfg.experts.as_ref().filter(|e| e.is_sparse(layer))?;
+        let p = format!("model.layers.{layer}");
+        let (prefix, [gate, up, down]) = match cfg.family {
+            Family::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
+            _ => (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"]),
+        };
+        Some(Self {
+            router: format!("{prefix}.gate.weight"),
+            experts: (0..experts.experts)
+                .map(|e| [gate, up, down].map(|name| format!("{prefix}.experts.{e}.{name}.weight")))
+                .collect(),
+        })
+    }
 }
 
 /// Every tensor the configuration implies, with its whole shape and how it splits.
@@ -123,10 +182,25 @@ pub(super) fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, Sp
             (format!("{a}.k_proj.weight"), vec![kv, h], KvRows),
             (format!("{a}.v_proj.weight"), vec![kv, h], KvRows),
             (format!("{a}.o_proj.weight"), vec![h, q], Columns),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h], Rows),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h], Rows),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i], Columns),
         ]);
+        match (ExpertNames::new(cfg, layer), &cfg.experts) {
+            (Some(names), Some(experts)) => {
+                let (e, ei) = (experts.experts, experts.expert_intermediate_size);
+                all.push((names.router, vec![e, h], Whole));
+                for (expert, [gate, up, down]) in names.experts.into_iter().enumerate() {
+                    all.extend([
+                        (gate, vec![ei, h], Expert(expert)),
+                        (up, vec![ei, h], Expert(expert)),
+                        (down, vec![h, ei], Expert(expert)),
+                    ]);
+                }
+            }
+            _ => all.extend([
+                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], Rows),
+                (format!("{p}.mlp.up_proj.weight"), vec![i, h], Rows),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, i], Columns),
+            ]),
+        }
         if cfg.qkv_bias {
             all.extend([
                 (format!("{a}.q_proj.bias"), vec![q], Rows),
@@ -165,6 +239,8 @@ impl Plan {
             Split::Rows | Split::Columns => whole / self.ranks,
             Split::KvRows => whole / self.kv_part.1,
             Split::Vocab => self.vocab_range(vocab).len() * row,
+            Split::Expert(expert) if self.holds_expert(expert) => whole,
+            Split::Expert(_) => 0,
         }
     }
 }

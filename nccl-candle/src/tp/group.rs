@@ -1,6 +1,6 @@
 //! The ranks a tensor-parallel layer is split over, and the collectives that join its parts.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use candle_core::{Device, Tensor};
@@ -8,6 +8,7 @@ use nccl::diagnostics::flight::{GraphCaptureMark, RecordedGraph};
 use nccl::{Comm, ReduceOp};
 
 use super::epilogue;
+use super::expert_exchange::{ExpertSet, ExpertsKey};
 use crate::agree::{judge, Verdict};
 use crate::gather::gather_along;
 use crate::{Error, Result};
@@ -77,6 +78,12 @@ pub trait Collectives {
     fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
         let _ = (began, ended, stream);
     }
+
+    /// The communicator these collectives run on, for nccl-rs's kernels that take one (the
+    /// mixture-of-experts exchange); `None` where there is none (the provided method).
+    fn comm(&self) -> Option<&Comm> {
+        None
+    }
 }
 
 impl Collectives for Comm {
@@ -112,11 +119,28 @@ impl Collectives for Comm {
     fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
         Comm::discard_capture(self, began, ended, stream);
     }
+
+    fn comm(&self) -> Option<&Comm> {
+        Some(self)
+    }
 }
 
+/// The exchanges of the mixtures of experts loaded on a group, borrowing its communicator.
+type ExpertSets<'a> = RefCell<Vec<ExpertSet<'a>>>;
+
+self_cell::self_cell!(
+    /// A group's collectives (`None` for a one-rank world) and the expert exchanges made on
+    /// their communicator, owned together (the exchanges are dropped first).
+    struct Ranks {
+        owner: Option<Box<dyn Collectives>>,
+        #[not_covariant]
+        dependent: ExpertSets,
+    }
+);
+
 struct Shared {
-    /// `None` for a one-rank world without a communicator.
-    collectives: Option<Box<dyn Collectives>>,
+    /// The collectives (`None` for a one-rank world) and the exchanges on them.
+    ranks: Ranks,
     rank: usize,
     size: usize,
     /// Whether the layers leave their collectives out (timing only).
@@ -167,7 +191,7 @@ impl TpGroup {
     fn with(collectives: Option<Box<dyn Collectives>>, rank: usize, size: usize) -> Self {
         Self {
             shared: Rc::new(Shared {
-                collectives,
+                ranks: Ranks::new(collectives, |_| RefCell::new(Vec::new())),
                 rank,
                 size,
                 skip: Cell::new(false),
@@ -206,16 +230,21 @@ impl TpGroup {
 
     /// The collectives, when there is more than one rank.
     fn ranks(&self) -> Option<&dyn Collectives> {
-        match &self.shared.collectives {
-            Some(collectives) if self.shared.size > 1 => Some(collectives.as_ref()),
+        match self.collectives() {
+            Some(collectives) if self.shared.size > 1 => Some(collectives),
             _ => None,
         }
+    }
+
+    /// The collectives, whatever the number of ranks.
+    fn collectives(&self) -> Option<&dyn Collectives> {
+        self.shared.ranks.borrow_owner().as_deref()
     }
 
     /// Marks one end of a CUDA stream capture in the flight recorder of the group's
     /// communicator ([`Collectives::graph_capture_mark`]); `None` without one.
     pub(crate) fn graph_capture_mark(&self) -> Option<GraphCaptureMark> {
-        self.shared.collectives.as_ref()?.graph_capture_mark()
+        self.collectives()?.graph_capture_mark()
     }
 
     /// Records a graph captured on `stream` between `began` and `ended` in that flight
@@ -226,8 +255,7 @@ impl TpGroup {
         ended: Option<GraphCaptureMark>,
         stream: u64,
     ) -> Option<RecordedGraph> {
-        let collectives = self.shared.collectives.as_ref()?;
-        collectives.record_graph(began?, ended?, stream)
+        self.collectives()?.record_graph(began?, ended?, stream)
     }
 
     /// Gives back what a refused capture numbered in that flight recorder
@@ -238,11 +266,108 @@ impl TpGroup {
         ended: Option<GraphCaptureMark>,
         stream: u64,
     ) {
-        if let (Some(collectives), Some(began), Some(ended)) =
-            (self.shared.collectives.as_ref(), began, ended)
-        {
+        if let (Some(collectives), Some(began), Some(ended)) = (self.collectives(), began, ended) {
             collectives.discard_capture(began, ended, stream);
         }
+    }
+
+    /// Makes the exchanges of a mixture of experts of `key` on the group's communicator, once
+    /// for each key (collective: every rank with the same key, after an agreement that all
+    /// of them got here). Nothing without a communicator whose rank and size are the
+    /// group's (one rank, collectives without one), or for a shape the exchange does not
+    /// take (`ExpertsKey::exchangeable`); where the exchanges cannot be made on every rank
+    /// (a GPU before sm_80, memory, ...), the ranks agree on that (on `device`) and none
+    /// keeps them. Without them the layers run their experts on every token and sum over
+    /// the ranks.
+    pub(crate) fn prepare_experts(&self, key: ExpertsKey, device: &Device) -> Result<()> {
+        let (rank, size) = (self.rank(), self.size());
+        if size == 1 || !key.exchangeable(size) {
+            return Ok(());
+        }
+        let made = self.shared.ranks.with_dependent(|owner, sets| {
+            let comm = owner.as_deref().and_then(|c| c.comm())?;
+            if comm.rank() != rank || comm.size() != size {
+                return None;
+            }
+            if sets.borrow().iter().any(|set| set.key() == key) {
+                return Some(Ok(false));
+            }
+            Some(ExpertSet::new(comm, key).map(|set| {
+                sets.borrow_mut().push(set);
+                true
+            }))
+        });
+        // What every rank decided from the same facts: nothing made, or already made.
+        let made = match made {
+            None | Some(Ok(false)) => return Ok(()),
+            Some(result) => result.map(|_| ()),
+        };
+        let agreed = self.agree_checked(
+            "expert exchanges",
+            crate::fingerprint(&format!("{key:?}")),
+            made,
+            device,
+        );
+        if agreed.is_err() {
+            // Not made on every rank: none keeps them (dropped on the ranks that made them).
+            self.shared.ranks.with_dependent(|_, sets| {
+                if let Ok(mut sets) = sets.try_borrow_mut() {
+                    sets.retain(|set| set.key() != key);
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// The most tokens a rank sends in one exchange of `key`; `None` when the group has no
+    /// exchange for it (see [`prepare_experts`](Self::prepare_experts)) or leaves its
+    /// collectives out (skip mode): the layer then runs its experts on every token.
+    pub(crate) fn expert_exchange_tokens(&self, key: ExpertsKey) -> Option<usize> {
+        if self.skips_collectives() {
+            return None;
+        }
+        self.shared.ranks.with_dependent(|_, sets| {
+            let sets = sets.try_borrow().ok()?;
+            let set = sets.iter().find(|set| set.key() == key)?;
+            Some(set.max_tokens())
+        })
+    }
+
+    /// Whether every expert exchange made on the group runs inside a CUDA graph (the
+    /// shipped kernels' path; NCCL's all-to-all-v path waits on the host).
+    pub(crate) fn expert_exchanges_capturable(&self) -> bool {
+        self.shared.ranks.with_dependent(|_, sets| {
+            sets.try_borrow()
+                .is_ok_and(|sets| sets.iter().all(ExpertSet::capturable))
+        })
+    }
+
+    /// One exchange of `key` (prepared): this rank's tokens `x` dispatched by `routing`,
+    /// `experts` run on the rows this rank's experts received, and the outputs combined with
+    /// `weights` (see `ExpertSet::run`); `most` is the most tokens a rank sends in this call.
+    pub(crate) fn exchange_experts(
+        &self,
+        key: ExpertsKey,
+        x: &Tensor,
+        routing: &Tensor,
+        weights: &Tensor,
+        most: usize,
+        experts: &mut dyn FnMut(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.shared.ranks.with_dependent(|_, sets| {
+            let mut sets = sets.try_borrow_mut().map_err(|_| Error::Argument {
+                op: "expert exchange",
+                why: "called again from inside an exchange's experts".into(),
+            })?;
+            let set = sets
+                .iter_mut()
+                .find(|set| set.key() == key)
+                .ok_or_else(|| Error::Argument {
+                    op: "expert exchange",
+                    why: format!("no exchange made for {key:?}"),
+                })?;
+            set.run(x, routing, weights, most, experts)
+        })
     }
 
     /// The reduction of every rank's `tensor` (`tensor` itself on one rank), always run,

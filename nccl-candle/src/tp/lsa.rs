@@ -21,7 +21,9 @@ use super::{epilogue, Collectives};
 use crate::op::{check, extent, Failure};
 use crate::{Error, Result};
 
-type Kernels<'a> = LsaAllReduce<'a, bf16>;
+/// The shipped kernels, borrowed mutably by each call (a `RefCell` inside the cell, so that
+/// the communicator itself stays reachable by shared reference).
+type Kernels<'a> = RefCell<LsaAllReduce<'a, bf16>>;
 
 self_cell::self_cell!(
     /// A communicator and the shipped kernels that borrow it, owned together so that a
@@ -67,7 +69,7 @@ self_cell::self_cell!(
 /// operation) is an NCCL collective like any other: a peer that refused it leaves this rank
 /// waiting in NCCL (nccl-rs's watchdog or an `AbortHandle` ends that).
 pub struct LsaCollectives {
-    owned: RefCell<Owned>,
+    owned: Owned,
     rank: usize,
     size: usize,
 }
@@ -78,19 +80,16 @@ impl LsaCollectives {
     /// (NCCL before 2.29.2, ranks in several LSA teams, ...) fails on every rank alike.
     pub fn new(comm: Comm, max_elements: usize) -> Result<Self> {
         let (rank, size) = (comm.rank(), comm.size());
-        let owned = Owned::try_new(comm, |comm| LsaAllReduce::<bf16>::new(comm, max_elements))?;
-        Ok(Self {
-            owned: RefCell::new(owned),
-            rank,
-            size,
-        })
+        let owned = Owned::try_new(comm, |comm| {
+            LsaAllReduce::<bf16>::new(comm, max_elements).map(RefCell::new)
+        })?;
+        Ok(Self { owned, rank, size })
     }
 
     /// How long a shipped kernel waits for its peers before giving up (300 s unless set).
     pub fn kernel_timeout(&self) -> Duration {
         self.owned
-            .borrow()
-            .with_dependent(|_, kernels| kernels.timeout())
+            .with_dependent(|_, kernels| kernels.borrow().timeout())
     }
 
     /// Sets [`kernel_timeout`](Self::kernel_timeout) for the calls made from now on
@@ -99,8 +98,7 @@ impl LsaCollectives {
     /// into a [`TpGroup`](super::TpGroup).
     pub fn set_kernel_timeout(&self, timeout: Duration) {
         self.owned
-            .borrow_mut()
-            .with_dependent_mut(|_, kernels| kernels.set_timeout(timeout));
+            .with_dependent(|_, kernels| kernels.borrow_mut().set_timeout(timeout));
     }
 
     /// Whether this rank's kernels still serve calls, without waiting for the GPU
@@ -109,8 +107,7 @@ impl LsaCollectives {
     /// peers. Either way, drop it on every rank and make a new one.
     pub fn status(&self) -> Result<()> {
         self.owned
-            .borrow()
-            .with_dependent(|_, kernels| kernels.status())
+            .with_dependent(|_, kernels| kernels.borrow().status())
             .map_err(Error::Nccl)
     }
 
@@ -119,8 +116,7 @@ impl LsaCollectives {
     /// [`status`](Self::status) does (`LsaAllReduce::check`).
     pub fn check(&self) -> Result<()> {
         self.owned
-            .borrow()
-            .with_dependent(|_, kernels| kernels.check())
+            .with_dependent(|_, kernels| kernels.borrow().check())
             .map_err(Error::Nccl)
     }
 
@@ -137,7 +133,8 @@ impl LsaCollectives {
     }
 
     fn put_out_of_step(&self, why: &str) {
-        self.owned.borrow_mut().with_dependent_mut(|_, kernels| {
+        self.owned.with_dependent(|_, kernels| {
+            let mut kernels = kernels.borrow_mut();
             if kernels.status().is_ok() {
                 kernels.put_out_of_step(why);
             }
@@ -168,6 +165,15 @@ fn same_storage(a: &Tensor, b: &Tensor) -> bool {
     address(a) == address(b)
 }
 
+/// The kernels for one call; a call made from inside another (none does) is refused.
+fn busy<'k, 'a>(kernels: &'k Kernels<'a>) -> Result<std::cell::RefMut<'k, LsaAllReduce<'a, bf16>>> {
+    kernels.try_borrow_mut().map_err(|_| {
+        Error::Nccl(nccl::Error::InvalidUsage(
+            "LsaCollectives: a call from inside another call".into(),
+        ))
+    })
+}
+
 /// Refuses a tensor whose device stream is not the communicator's: the kernels run on the
 /// communicator's stream and candle's work is ordered on its device's, so they must be one.
 fn same_stream(comm: &Comm, stream: &Arc<CudaStream>) -> Result<()> {
@@ -191,8 +197,7 @@ impl LsaCollectives {
         let tensors = [partial, residual, weight];
         let max_count = self
             .owned
-            .borrow()
-            .with_dependent(|_, kernels| kernels.max_count());
+            .with_dependent(|_, kernels| kernels.borrow().max_count());
         epilogue::check(FUSED, partial, residual, weight).is_ok()
             && tensors
                 .iter()
@@ -218,7 +223,6 @@ impl Collectives for LsaCollectives {
         if op != ReduceOp::Sum || tensor.dtype() != DType::BF16 {
             return self
                 .owned
-                .borrow()
                 .with_dependent(|comm, _| crate::all_reduce(comm, tensor, op));
         }
         self.shipped("all_reduce", || {
@@ -238,13 +242,11 @@ impl Collectives for LsaCollectives {
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         self.owned
-            .borrow()
             .with_dependent(|comm, _| crate::all_gather(comm, tensor))
     }
 
     fn graph_capture_mark(&self) -> Option<GraphCaptureMark> {
-        let owned = self.owned.try_borrow().ok()?;
-        Some(owned.borrow_owner().graph_capture_mark())
+        Some(self.owned.borrow_owner().graph_capture_mark())
     }
 
     fn record_graph(
@@ -253,14 +255,17 @@ impl Collectives for LsaCollectives {
         ended: GraphCaptureMark,
         stream: u64,
     ) -> Option<RecordedGraph> {
-        let owned = self.owned.try_borrow().ok()?;
-        Some(owned.borrow_owner().record_graph(began, ended, stream))
+        Some(self.owned.borrow_owner().record_graph(began, ended, stream))
     }
 
     fn discard_capture(&self, began: GraphCaptureMark, ended: GraphCaptureMark, stream: u64) {
-        if let Ok(owned) = self.owned.try_borrow() {
-            owned.borrow_owner().discard_capture(began, ended, stream);
-        }
+        self.owned
+            .borrow_owner()
+            .discard_capture(began, ended, stream);
+    }
+
+    fn comm(&self) -> Option<&Comm> {
+        Some(self.owned.borrow_owner())
     }
 
     /// One fused kernel (the all-reduce, the add and the norm;
@@ -343,7 +348,7 @@ const FUSED: &str = "all_reduce_add_rms_norm";
 /// The fused epilogue as candle's in-place op on the partial output (read, never written),
 /// the residual and the norm's weight; its two results are new storages, left in `outputs`.
 struct FusedEpilogue<'a> {
-    owned: &'a RefCell<Owned>,
+    owned: &'a Owned,
     eps: f32,
     /// The new residual and the normed output, once the kernel is enqueued.
     outputs: RefCell<Option<(CudaStorage, CudaStorage)>>,
@@ -405,10 +410,9 @@ impl InplaceOp3 for FusedEpilogue<'_> {
         // SAFETY: as above.
         let mut out = unsafe { device.alloc::<bf16>(end - start) }?;
         self.owned
-            .borrow_mut()
-            .with_dependent_mut(|comm, kernels| {
+            .with_dependent(|comm, kernels| {
                 same_stream(comm, &stream)?;
-                kernels
+                busy(kernels)?
                     .all_reduce_add_rms_norm_to(
                         &mut partial,
                         &residual,
@@ -431,7 +435,7 @@ impl InplaceOp3 for FusedEpilogue<'_> {
 
 /// The sum of a bf16 tensor over the ranks, out of place, through the shipped kernels.
 struct ShippedSum<'a> {
-    owned: &'a RefCell<Owned>,
+    owned: &'a Owned,
     failure: Failure,
 }
 
@@ -467,11 +471,10 @@ impl CustomOp1 for ShippedSum<'_> {
         // SAFETY: the all-reduce writes every element of the output before anything can read
         // it; on failure the slice is dropped unread.
         let mut recv = unsafe { device.alloc::<bf16>(end - start) }?;
-        let mut owned = self.owned.borrow_mut();
-        owned
-            .with_dependent_mut(|comm, kernels| {
+        self.owned
+            .with_dependent(|comm, kernels| {
                 same_stream(comm, &stream)?;
-                kernels
+                busy(kernels)?
                     .all_reduce(&send, &mut recv, LsaAlgorithm::Auto)
                     .map_err(Error::Nccl)
             })

@@ -52,6 +52,7 @@
 
 mod embedding;
 mod epilogue;
+mod expert_exchange;
 mod group;
 mod linear;
 mod lsa;
@@ -60,6 +61,7 @@ mod stacked;
 mod threaded;
 
 pub use embedding::{masked_lookup, VocabParallelEmbedding};
+pub(crate) use expert_exchange::ExpertsKey;
 pub use group::{Collectives, TpGroup};
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use lsa::LsaCollectives;

@@ -1,6 +1,7 @@
 //! The decoder of the Llama family, this rank's part of it: rotary attention with a KV
 //! cache (grouped-query, optional q/k/v/o biases, Qwen3's per-head q/k norms, Mistral's
-//! sliding window), a SwiGLU MLP, RMSNorms, a vocab-parallel embedding and head.
+//! sliding window), a SwiGLU MLP or a mixture of them (Mixtral, Qwen3-MoE:
+//! [`experts`](super::experts)), RMSNorms, a vocab-parallel embedding and head.
 
 //!
 //! How the weights split over the ranks: see [`plan`](super::plan).
@@ -13,6 +14,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
+use super::experts::ExpertsMlp;
 use super::plan::{column, expected_tensors, row_parallel, vocab_rows, whole, Blocks, Plan};
 use super::rope::inverse_frequencies;
 use crate::decode::{attend, KvCache, PositionIndex};
@@ -194,12 +196,21 @@ impl Mlp {
     }
 }
 
+/// A layer's feed-forward part.
+#[derive(Debug, Clone)]
+enum FeedForward {
+    /// Tensor parallel: this rank's MLP features.
+    Dense(Mlp),
+    /// Expert parallel: the router and this rank's experts.
+    Experts(ExpertsMlp),
+}
+
 #[derive(Debug)]
 struct Layer {
     input_norm: Tensor,
     attention: Attention,
     post_attention_norm: Tensor,
-    mlp: Mlp,
+    mlp: FeedForward,
 }
 
 /// Rotary tables of some positions, `[seq, head_dim / 2]`.
@@ -287,7 +298,15 @@ impl CausalLm {
             Err(err) => (None, Err(err)),
         };
         group.agree_checked("loaded shards", fp, local, device)?;
-        model.ok_or_else(|| unreachable_state("no model after the agreement"))
+        let model = model.ok_or_else(|| unreachable_state("no model after the agreement"))?;
+        // Every rank loaded its shards: the exchanges of the mixtures of experts (collective).
+        if let Some(key) = model.layers.iter().find_map(|layer| match &layer.mlp {
+            FeedForward::Experts(experts) => Some(experts.key()),
+            FeedForward::Dense(_) => None,
+        }) {
+            group.prepare_experts(key, device)?;
+        }
+        Ok(model)
     }
 
     /// [`Checkpoint::open`] then [`load`](Self::load), with a failure to open the
@@ -333,20 +352,22 @@ impl CausalLm {
                 ),
             });
         }
-        let plan = Plan::new(cfg, group.rank(), group.size())?;
-        // Nine tensors a layer at least: a layer count past the files' tensors is refused
-        // before a list of that many names is made.
-        if cfg.num_hidden_layers > checkpoint.tensors().len() / 9 {
+        // Nine tensors a layer at least, and three an expert: a layer or expert count past
+        // the files' tensors is refused before a list of that many names is made.
+        let held = checkpoint.tensors().len();
+        let experts = cfg.experts.as_ref().map_or(0, |e| e.experts);
+        if cfg.num_hidden_layers > held / 9 || experts > held / 3 {
             return Err(Error::Checkpoint {
                 path: checkpoint.dir().join(super::checkpoint::CONFIG_FILE),
                 fault: crate::CheckpointFault::Tensor,
                 why: format!(
-                    "num_hidden_layers {} but the weights files hold {} tensors",
+                    "num_hidden_layers {} and {experts} experts but the weights files hold \
+                     {held} tensors",
                     cfg.num_hidden_layers,
-                    checkpoint.tensors().len()
                 ),
             });
         }
+        let plan = Plan::new(cfg, group.rank(), group.size())?;
         for (name, shape, _) in expected_tensors(cfg) {
             checkpoint.expect(&name, &shape)?;
         }
@@ -372,7 +393,10 @@ impl CausalLm {
                 input_norm: whole(&layer.pp("input_layernorm"), "weight", h)?,
                 attention: Attention::load(&layer.pp("self_attn"), group, cfg, &plan, max_seq)?,
                 post_attention_norm: whole(&layer.pp("post_attention_layernorm"), "weight", h)?,
-                mlp: Mlp::load(&layer.pp("mlp"), group, cfg, &plan)?,
+                mlp: match ExpertsMlp::load(&vb, cfg, &plan, i, dtype)? {
+                    Some(experts) => FeedForward::Experts(experts),
+                    None => FeedForward::Dense(Mlp::load(&layer.pp("mlp"), group, cfg, &plan)?),
+                },
             });
         }
         let norm = whole(&model.pp("norm"), "weight", h)?;
@@ -510,13 +534,20 @@ impl CausalLm {
     /// The layers and the final norm: the normed residual stream of every position.
     fn layers_forward(&mut self, mut x: Tensor, positions: &Positions) -> Result<Tensor> {
         let eps = self.eps;
+        let group = &self.group;
+        // The static step's kernels never wait on the host (a graph captures them).
+        let capturable = matches!(positions, Positions::Device { .. });
         if !self.fused {
             for layer in &mut self.layers {
                 let h = rms_norm(&x, &layer.input_norm, eps)?;
                 let heads = layer.attention.heads_out(&h, positions, eps)?;
                 x = (x + layer.attention.o.forward(&heads)?)?;
                 let h = rms_norm(&x, &layer.post_attention_norm, eps)?;
-                x = (&x + layer.mlp.down.forward(&layer.mlp.gated(&h)?)?)?;
+                let out = match &layer.mlp {
+                    FeedForward::Dense(mlp) => mlp.down.forward(&mlp.gated(&h)?)?,
+                    FeedForward::Experts(experts) => experts.forward(group, &h, capturable)?,
+                };
+                x = (&x + out)?;
             }
             return rms_norm(&x, &self.norm, eps);
         }
@@ -537,11 +568,18 @@ impl CausalLm {
                 &layer.post_attention_norm,
                 eps,
             )?;
-            let gated = layer.mlp.gated(&h)?;
-            (x, h) = layer
-                .mlp
-                .down
-                .forward_add_rms_norm(&gated, &x, &next, eps)?;
+            (x, h) = match &layer.mlp {
+                FeedForward::Dense(mlp) => {
+                    mlp.down
+                        .forward_add_rms_norm(&mlp.gated(&h)?, &x, &next, eps)?
+                }
+                FeedForward::Experts(experts) => {
+                    // The experts' output is whole already: the add and the norm only.
+                    let x = (&x + experts.forward(group, &h, capturable)?)?;
+                    let h = rms_norm(&x, &next, eps)?;
+                    (x, h)
+                }
+            };
         }
         Ok(h)
     }
@@ -567,6 +605,33 @@ impl CausalLm {
     pub fn local_sizes(&self) -> (usize, usize, usize, usize) {
         let p = &self.plan;
         (p.heads, p.kv_heads, p.intermediate, p.vocab_rows)
+    }
+
+    /// The experts of each mixture-of-experts layer this rank holds (0 for a dense model).
+    pub fn local_experts(&self) -> usize {
+        self.plan.local_experts
+    }
+
+    /// Whether the mixture-of-experts layers send each token to its experts' ranks and back
+    /// (nccl-rs's expert exchange, made at load); `false` for a dense model, one rank, a
+    /// group without a communicator, a shape the exchange does not take (rows not of whole
+    /// 16-byte vectors, more than its experts or ranks) or where it could not be made on
+    /// every rank (a GPU before sm_80, ...): each rank then runs its experts on every token
+    /// and the ranks sum, the same model.
+    pub fn exchanges_experts(&self) -> bool {
+        self.layers.iter().any(|layer| match &layer.mlp {
+            FeedForward::Experts(experts) => {
+                self.group.expert_exchange_tokens(experts.key()).is_some()
+            }
+            FeedForward::Dense(_) => false,
+        })
+    }
+
+    /// Whether some layer is a mixture of experts.
+    fn has_experts(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|layer| matches!(layer.mlp, FeedForward::Experts(_)))
     }
 }
 

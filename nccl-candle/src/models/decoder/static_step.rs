@@ -60,6 +60,15 @@ unsafe impl StaticDecode for CausalLm {
                 ),
             });
         }
+        if self.has_experts() && !self.group.expert_exchanges_capturable() {
+            return Err(Error::Argument {
+                op: "CausalLm::decode_step",
+                why: "the mixture of experts' exchange runs NCCL's all-to-all-v here (no LSA \
+                      team spans the ranks, or NCCL before 2.29.2), which waits on the host \
+                      for its row counts: not capturable in a CUDA graph (decode eagerly)"
+                    .into(),
+            });
+        }
         Ok(fingerprint(&(self.fused, self.local_sizes())))
     }
 
