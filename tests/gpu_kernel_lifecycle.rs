@@ -8,7 +8,10 @@
 //! * the barrier kernel meets every peer with fewer threads in a CTA than ranks;
 //! * every kernel that starts after the instance gave up, or gives up itself, writes NaN over
 //!   its outputs;
-//! * a communicator's own stream is never the per-thread default stream.
+//! * a communicator's own stream is never the per-thread default stream;
+//! * the expert exchange's kernels too: a dropped `ExpertExchange` whose dispatch waits for a
+//!   peer stops it before an abort, and a revoke behind that dispatch returns at once and
+//!   leaves the instance refusing its next call.
 //!
 //! Ranks are threads of one process: one GPU each, or two sharing GPU 0 (NCCL 2.30+), with
 //! host copies through page-locked memory (see `gpu_lsa_all_reduce`). Run on a GPU host with
@@ -23,7 +26,10 @@ use std::time::{Duration, Instant};
 use common::shape::skip;
 use common::threaded::{init_threaded, per_rank, Deadline, Staging};
 use common::Rng;
-use nccl::device::{LsaAlgorithm, LsaAllReduce, LsaEpilogue, DEV_COMM_SINCE};
+use nccl::device::{
+    ExchangePath, ExpertExchange, ExpertShape, LsaAlgorithm, LsaAllReduce, LsaEpilogue,
+    DEV_COMM_SINCE,
+};
 use nccl::{Comm, CommConfig, Error, ReduceOp, ShrinkMode};
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -241,10 +247,14 @@ fn a_revoke_or_shrink_behind_a_waiting_kernel_returns_at_once() {
             }
             if rank == 0 {
                 all_nan("the stopped call's output", rank, &staging.download(&buf));
+                // Said as a stop, though the kernel left through its give-up path.
                 let kernels = ar.as_mut().expect("made above");
-                assert!(kernels
-                    .all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags)
-                    .is_err());
+                match kernels.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags) {
+                    Err(Error::InvalidUsage(msg)) => {
+                        assert!(msg.contains("stopped"), "{what}: {msg}")
+                    }
+                    other => panic!("{what}: the stopped instance's next call: {other:?}"),
+                }
                 let idle = idle.as_mut().expect("made above");
                 match idle.all_reduce_in_place(&mut buf, LsaAlgorithm::OneShotFlags) {
                     Err(Error::InvalidUsage(msg)) => {
@@ -494,4 +504,102 @@ fn the_flight_record_names_a_rank_that_skipped_a_shipped_call() {
             .any(|f| matches!(f, Finding::GaveUp { .. })),
         "{shipped:?}"
     );
+}
+
+/// The expert exchange's lifecycle, as C1 and M1 for the all-reduce: rank 0's dispatch waits
+/// for rank 1's rows, which never come. Dropped, the instance stops the kernel (within the
+/// communicator's drop timeout and a second) before it frees the scratch window the kernel
+/// stores into, and the abort after it leaves the context working; revoked (every rank, as
+/// after a failure), the revoke returns at once and the instance refuses its next call.
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn an_exchange_dropped_or_revoked_behind_a_waiting_dispatch_stops_it() {
+    const TEST: &str = "an_exchange_dropped_or_revoked_behind_a_waiting_dispatch_stops_it";
+    const DROP_TIMEOUT: Duration = Duration::from_secs(1);
+    let revoke_since = nccl::fault::REVOKE_SINCE;
+    for revoke in [false, true] {
+        if revoke
+            && nccl::library::get()
+                .map(|lib| lib.version() < revoke_since)
+                .unwrap_or(true)
+        {
+            skip(TEST, "ncclCommRevoke needs NCCL 2.28.7");
+            return;
+        }
+        let Some((comms, _deadline)) = ranks(TEST) else {
+            return;
+        };
+        per_rank(comms, |mut comm, barrier| {
+            let (rank, ranks) = (comm.rank(), comm.size());
+            let what = if revoke { "revoke" } else { "drop" };
+            comm.set_drop_timeout(DROP_TIMEOUT);
+            let stream = comm.stream().clone();
+            let handle = comm.abort_handle().expect("abort handle");
+            let shape = ExpertShape::new(2 * ranks, 2, 256, 4);
+            let mut exchange =
+                Some(ExpertExchange::<f32>::new(&comm, shape, ExchangePath::Lsa).expect("new"));
+            if let Some(exchange) = exchange.as_mut() {
+                exchange.set_timeout(KERNEL_TIMEOUT);
+            }
+            let x = stream.alloc_zeros::<f32>(4 * 256).expect("x");
+            // Token t to experts 0 and the last: rows for rank 0 and the last rank.
+            let routing: Vec<i32> = (0..4).flat_map(|_| [0, 2 * ranks as i32 - 1]).collect();
+            let routing = stream.clone_htod(&routing).expect("routing");
+            let mut recv = stream
+                .alloc_zeros::<f32>(shape.received_rows(ranks) * 256)
+                .expect("recv");
+            let mut counts = stream.alloc_zeros::<i32>(2).expect("counts");
+            sync_within(&stream, Duration::from_secs(10), "the setup");
+            barrier.wait();
+            if rank == 0 {
+                let e = exchange.as_mut().expect("made above");
+                let _pending = e
+                    .dispatch(&x, &routing, &mut recv, &mut counts)
+                    .expect("launch");
+                step(TEST, rank, &format!("{what}: dispatched"));
+                std::thread::sleep(Duration::from_millis(300));
+                let t = Instant::now();
+                if revoke {
+                    barrier.wait();
+                    comm.revoke().expect("revoke");
+                    let took = t.elapsed();
+                    sync_within(
+                        &stream,
+                        Duration::from_secs(10),
+                        "the stream after the revoke",
+                    );
+                    println!("NOTE {TEST}: rank 0's revoke behind the dispatch took {took:?}");
+                    assert!(took < Duration::from_secs(1), "the revoke took {took:?}");
+                    let e = exchange.as_mut().expect("made above");
+                    match e.dispatch(&x, &routing, &mut recv, &mut counts) {
+                        Err(Error::InvalidUsage(msg)) => assert!(msg.contains("stopped"), "{msg}"),
+                        other => panic!("the next dispatch after the revoke: {other:?}"),
+                    }
+                } else {
+                    drop(exchange.take());
+                    let dropped = t.elapsed();
+                    std::thread::sleep(Duration::from_millis(300));
+                    handle.abort().expect("abort");
+                    stream
+                        .synchronize()
+                        .expect("the stream ends without a CUDA error");
+                    println!("NOTE {TEST}: the drop behind the dispatch took {dropped:?}");
+                    assert!(
+                        dropped < DROP_TIMEOUT + Duration::from_secs(4),
+                        "the drop took {dropped:?}"
+                    );
+                    // The context still works.
+                    let back = stream.clone_dtoh(&counts).expect("a copy after the abort");
+                    assert_eq!(back.len(), 2);
+                }
+            } else if revoke {
+                barrier.wait();
+                comm.revoke().expect("revoke");
+            }
+            barrier.wait();
+            drop(exchange.take());
+            drop(handle.abort());
+            step(TEST, rank, &format!("{what}: done"));
+        });
+    }
 }

@@ -489,6 +489,16 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 self.comm.rank()
             )));
         }
+        // A stop (abort, revoke, shrink) makes the kernels leave through the give-up
+        // path too: said as what it was, not as a timeout.
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(Error::usage(format!(
+                "LsaAllReduce on rank {}: its kernels were stopped (its communicator was \
+                 aborted, revoked or shrunk with ShrinkMode::Abort, or a shrink that aborts \
+                 failed); drop it on every rank and make a new one",
+                self.comm.rank()
+            )));
+        }
         if self.gave_up.is_set() {
             self.flight_mark(FlightRing::shipped_gave_up);
             return Err(Error::Timeout {
@@ -501,14 +511,6 @@ impl<'c, T: LsaElem> LsaAllReduce<'c, T> {
                 ),
                 waited: self.timeout,
             });
-        }
-        if self.stopped.load(Ordering::Acquire) {
-            return Err(Error::usage(format!(
-                "LsaAllReduce on rank {}: its kernels were stopped (its communicator was \
-                 aborted, revoked or shrunk with ShrinkMode::Abort, or a shrink that aborts \
-                 failed); drop it on every rank and make a new one",
-                self.comm.rank()
-            )));
         }
         Ok(())
     }

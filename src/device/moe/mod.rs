@@ -551,6 +551,16 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                 self.comm.rank()
             )));
         }
+        // A stop (abort, revoke, shrink) makes the kernels leave through the give-up
+        // path too: said as what it was, not as a timeout.
+        if self.stopped.load(Ordering::Acquire) {
+            return Err(Error::usage(format!(
+                "ExpertExchange on rank {}: its kernels were stopped (its communicator was \
+                 aborted, revoked or shrunk with ShrinkMode::Abort); drop it on every rank and \
+                 make a new one",
+                self.comm.rank()
+            )));
+        }
         if self.host_words.is_set() {
             return Err(Error::Timeout {
                 what: format!(
@@ -561,14 +571,6 @@ impl<'c, T: LsaElem> ExpertExchange<'c, T> {
                 ),
                 waited: self.timeout,
             });
-        }
-        if self.stopped.load(Ordering::Acquire) {
-            return Err(Error::usage(format!(
-                "ExpertExchange on rank {}: its kernels were stopped (its communicator was \
-                 aborted, revoked or shrunk with ShrinkMode::Abort); drop it on every rank and \
-                 make a new one",
-                self.comm.rank()
-            )));
         }
         Ok(())
     }
