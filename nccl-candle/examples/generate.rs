@@ -1,4 +1,5 @@
-//! Text generation with a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3) split over
+//! Text generation with a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3; the mixtures of
+//! experts Mixtral and Qwen3-MoE, expert-parallel) split over
 //! the GPUs of one host, tensor-parallel (`nccl_candle::models`).
 //!
 //! One rank per visible GPU, no launcher needed (also under `mpirun -np N`, `srun` or
