@@ -94,18 +94,6 @@ impl<'c> ExpertSet<'c> {
         class_sizes(self.key.top_k).last().copied().unwrap_or(1)
     }
 
-    /// Whether every exchange of the set runs in a CUDA graph (the LSA path).
-    pub(crate) fn capturable(&self) -> bool {
-        self.classes.iter().all(|class| {
-            let path = match class {
-                Exchange::Bf16(e) => e.path(),
-                Exchange::F16(e) => e.path(),
-                Exchange::F32(e) => e.path(),
-            };
-            path == ExchangePath::Lsa
-        })
-    }
-
     /// Dispatches this rank's tokens `x` (`[tokens, hidden]`) to the experts `routing`
     /// (`[tokens, top_k]`, `u32`) names, runs `experts` on the rows this rank's experts
     /// received (`[local experts, ranks × max_tokens, hidden]`, each expert's first

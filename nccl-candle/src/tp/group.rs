@@ -333,15 +333,6 @@ impl TpGroup {
         })
     }
 
-    /// Whether every expert exchange made on the group runs inside a CUDA graph (the
-    /// shipped kernels' path; NCCL's all-to-all-v path waits on the host).
-    pub(crate) fn expert_exchanges_capturable(&self) -> bool {
-        self.shared.ranks.with_dependent(|_, sets| {
-            sets.try_borrow()
-                .is_ok_and(|sets| sets.iter().all(ExpertSet::capturable))
-        })
-    }
-
     /// One exchange of `key` (prepared): this rank's tokens `x` dispatched by `routing`,
     /// `experts` run on the rows this rank's experts received, and the outputs combined with
     /// `weights` (see `ExpertSet::run`); `most` is the most tokens a rank sends in this call.

@@ -626,13 +626,6 @@ impl CausalLm {
             FeedForward::Dense(_) => false,
         })
     }
-
-    /// Whether some layer is a mixture of experts.
-    fn has_experts(&self) -> bool {
-        self.layers
-            .iter()
-            .any(|layer| matches!(layer.mlp, FeedForward::Experts(_)))
-    }
 }
 
 /// An error for a state the agreement rules out (kept typed rather than a panic).
