@@ -289,11 +289,18 @@ impl TpGroup {
             if comm.rank() != rank || comm.size() != size {
                 return None;
             }
-            if sets.borrow().iter().any(|set| set.key() == key) {
+            // The cell is borrowed only inside these methods, never across a call back.
+            let Ok(mut sets) = sets.try_borrow_mut() else {
+                return Some(Err(Error::Argument {
+                    op: "expert exchange",
+                    why: "made from inside an exchange's experts".into(),
+                }));
+            };
+            if sets.iter().any(|set| set.key() == key) {
                 return Some(Ok(false));
             }
             Some(ExpertSet::new(comm, key).map(|set| {
-                sets.borrow_mut().push(set);
+                sets.push(set);
                 true
             }))
         });
