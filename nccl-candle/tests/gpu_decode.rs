@@ -210,23 +210,12 @@ fn moe_graph_replays_on_one_rank_and_refusals_over_the_exchange() {
         return;
     };
     for (name, dtype) in [("mixtral-tiny", DType::F32), ("qwen3-moe-tiny", DType::F32)] {
-        let spec = writer::preset(name).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        writer::write(&spec, dir.path()).unwrap();
-        let checkpoint = Checkpoint::open(dir.path()).unwrap();
-        let ids = prompt(checkpoint.config().vocab_size);
-        let want = reference(&checkpoint, &ids);
+        let (_dir, checkpoint, ids, want) = written_with_reference(name);
         let max_seq = ids.len() + STEPS;
         common::run_capturable(TEST, &layout, |comm, device, barrier| {
             let rank = comm.rank();
-            let mut alone =
-                CausalLm::load(&checkpoint, &TpGroup::single(), dtype, device, max_seq).unwrap();
-            let what = format!("{name} {dtype:?}, one rank on the GPU");
-            let worst = check(&what, &mut alone, device, &ids, &want, dtype);
-            if rank == 0 {
-                eprintln!("NOTE {TEST}: {what}: replays bit-identical to the eager step; worst |logit difference| to the host {worst:.2e} of the largest");
-            }
-            drop(alone);
+            let alone = (name, dtype, max_seq);
+            check_alone(TEST, &checkpoint, device, &ids, &want, alone, rank == 0);
             barrier.wait();
             let group = TpGroup::new(comm).unwrap();
             let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)
@@ -262,6 +251,38 @@ fn moe_graph_replays_on_one_rank_and_refusals_over_the_exchange() {
     }
 }
 
+/// The preset `name` written to a temporary directory (kept while the first value lives),
+/// opened, its prompt and the host reference's run of it.
+fn written_with_reference(name: &str) -> (tempfile::TempDir, Checkpoint, Vec<u32>, Run) {
+    let spec = writer::preset(name).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let ids = prompt(checkpoint.config().vocab_size);
+    let want = reference(&checkpoint, &ids);
+    (dir, checkpoint, ids, want)
+}
+
+/// The model of `checkpoint` alone on `device` (a one-rank group, `name`, `dtype` and
+/// `max_seq` of `alone`), [`check`]ed; said by `say`.
+fn check_alone(
+    test: &str,
+    checkpoint: &Checkpoint,
+    device: &Device,
+    ids: &[u32],
+    want: &Run,
+    alone: (&str, DType, usize),
+    say: bool,
+) {
+    let (name, dtype, max_seq) = alone;
+    let mut model = CausalLm::load(checkpoint, &TpGroup::single(), dtype, device, max_seq).unwrap();
+    let what = format!("{name} {dtype:?}, one rank on the GPU");
+    let worst = check(&what, &mut model, device, ids, want, dtype);
+    if say {
+        eprintln!("NOTE {test}: {what}: replays bit-identical to the eager step; worst |logit difference| to the host {worst:.2e} of the largest");
+    }
+}
+
 /// Each run of `runs` (preset, dtype, through `LsaCollectives` and fused): one rank alone on
 /// the GPU, then the ranks of this host's layout, each [`check`]ed.
 fn graph_runs(test: &'static str, runs: &[(&str, DType, bool)]) {
@@ -270,23 +291,12 @@ fn graph_runs(test: &'static str, runs: &[(&str, DType, bool)]) {
     };
     let n = layout.size();
     for &(name, dtype, lsa) in runs {
-        let spec = writer::preset(name).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        writer::write(&spec, dir.path()).unwrap();
-        let checkpoint = Checkpoint::open(dir.path()).unwrap();
-        let ids = prompt(checkpoint.config().vocab_size);
-        let want = reference(&checkpoint, &ids);
+        let (_dir, checkpoint, ids, want) = written_with_reference(name);
         let max_seq = ids.len() + STEPS;
         common::run_capturable(test, &layout, |comm, device, barrier| {
             let rank = comm.rank();
-            let mut alone =
-                CausalLm::load(&checkpoint, &TpGroup::single(), dtype, device, max_seq).unwrap();
-            let what = format!("{name} {dtype:?}, one rank on the GPU");
-            let worst = check(&what, &mut alone, device, &ids, &want, dtype);
-            if rank == 0 {
-                eprintln!("NOTE {test}: {what}: replays bit-identical to the eager step; worst |logit difference| to the host {worst:.2e} of the largest");
-            }
-            drop(alone);
+            let alone = (name, dtype, max_seq);
+            check_alone(test, &checkpoint, device, &ids, &want, alone, rank == 0);
             barrier.wait();
             let Some(group) = common::group(test, comm, lsa) else {
                 return;

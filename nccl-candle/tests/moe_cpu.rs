@@ -8,11 +8,15 @@
 //!   candle-transformers 0.11.1's own model of the family reads every one of them and no
 //!   other, and gives finite, varied logits;
 //! * one rank against candle-transformers' model in f32: the same greedy tokens and every
-//!   logit within [`F32_TOLERANCE`] of candle's;
+//!   logit within `models_cpu`'s f32 tolerance of candle's (routing is a discrete choice of
+//!   the activations, but the routers' logits are O(1) and a token's top-k apart by far more
+//!   than f32 rounding, so both sides pick the same experts);
 //! * 2 and 3 ranks (threads, `ThreadedCollectives`) against one rank, under the same rule;
 //! * a rank count that does not split the experts is refused on every rank with
 //!   [`Error::NotDivisible`] naming them, at the load's first agreement (no other collective).
 
+#[path = "support/greedy.rs"]
+mod greedy;
 #[path = "support/reference.rs"]
 mod reference;
 #[path = "../examples/hf_checkpoint/writer.rs"]
@@ -30,25 +34,13 @@ use nccl_candle::tp::{Collectives, ThreadedCollectives, TpGroup};
 use nccl_candle::Error;
 use serde_json::{json, Value};
 
+use greedy::{compare, decode, last_logits, top2, written};
 use reference::Reference;
 use writer::{Family, Spec};
 
-/// Largest |logit difference| allowed in f32, relative to the largest |logit| (at least 1), as
-/// in `models_cpu`: both sides compute in f32 from the same f32 (or bf16-exact) weights and
-/// differ in rounding only (rotary tables, the order of sums, the all-reduce's order), a few
-/// ulps of the activations grown through 2 layers. Routing is a discrete choice of those
-/// activations, but the routers' logits are O(1) and a token's top-k apart by far more than
-/// rounding, so both sides pick the same experts.
-const F32_TOLERANCE: f32 = 1e-4;
 /// Greedy steps after the prompt.
 const STEPS: usize = 8;
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog, and then";
-
-fn written(spec: &Spec) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    writer::write(spec, dir.path()).unwrap_or_else(|e| panic!("{}: {e}", spec.name));
-    dir
-}
 
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -64,82 +56,6 @@ fn prompt(checkpoint: &Checkpoint) -> Vec<u32> {
 fn prompt_of(dir: &Path) -> Vec<u32> {
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     tokenizer.encode(PROMPT, true).unwrap().get_ids().to_vec()
-}
-
-/// The best logit's id and its lead over the second.
-fn top2(logits: &[f32]) -> (u32, f32) {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    (order[0] as u32, logits[order[0]] - logits[order[1]])
-}
-
-fn last_logits(model: &mut CausalLm, ids: &[u32], offset: usize) -> Vec<f32> {
-    let input = Tensor::new(ids, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logits = model.forward(&input, offset).unwrap();
-    assert_eq!(logits.dims(), [1, model.config().vocab_size]);
-    logits.flatten_all().unwrap().to_vec1().unwrap()
-}
-
-/// A run: each step's logits (the prompt's pass first) and the tokens chosen.
-struct Run {
-    logits: Vec<Vec<f32>>,
-    tokens: Vec<u32>,
-}
-
-/// Greedy decoding of `steps` tokens after `prompt` by `forward`, fed `feed`'s tokens
-/// when given (so that a near-tie does not derail the comparison of later steps).
-fn decode(
-    mut forward: impl FnMut(&[u32], usize) -> Vec<f32>,
-    prompt: &[u32],
-    steps: usize,
-    feed: Option<&[u32]>,
-) -> Run {
-    let mut run = Run {
-        logits: vec![forward(prompt, 0)],
-        tokens: Vec::new(),
-    };
-    for step in 0..steps {
-        let (chosen, _) = top2(&run.logits[step]);
-        run.tokens.push(chosen);
-        let next = feed.map_or(chosen, |f| f[step]);
-        if step + 1 < steps {
-            run.logits.push(forward(&[next], prompt.len() + step));
-        }
-    }
-    run
-}
-
-/// Checks `run` against `reference`: every logit within [`F32_TOLERANCE`] (relative to the
-/// reference's largest |logit|), every token the same unless the reference's two best were
-/// within twice the tolerance (a near-tie the logit bound then covers).
-fn compare(what: &str, reference: &Run, run: &Run) {
-    assert_eq!(reference.logits.len(), run.logits.len(), "{what}: steps");
-    let mut worst_seen = 0f32;
-    for (step, (want, got)) in reference.logits.iter().zip(&run.logits).enumerate() {
-        assert_eq!(want.len(), got.len(), "{what}: step {step}: vocabulary");
-        let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
-        let worst = want
-            .iter()
-            .zip(got)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            worst <= F32_TOLERANCE * scale,
-            "{what}: step {step}: max |logit difference| {worst} > {} (scale {scale})",
-            F32_TOLERANCE * scale
-        );
-        worst_seen = worst_seen.max(worst / scale);
-        let (want_token, gap) = top2(want);
-        let (got_token, _) = top2(got);
-        assert!(
-            want_token == got_token || gap <= 2.0 * F32_TOLERANCE * scale,
-            "{what}: step {step}: token {got_token}, reference {want_token} (lead {gap})"
-        );
-    }
-    println!("{what}: worst |logit difference| {worst_seen:.2e} of the largest |logit|");
 }
 
 fn ours(checkpoint: &Checkpoint, group: &TpGroup, max_seq: usize) -> CausalLm {
