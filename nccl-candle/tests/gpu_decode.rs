@@ -198,57 +198,37 @@ fn graph_replays_equal_the_eager_step_and_match_the_host() {
     );
 }
 
-/// The mixtures of experts: on one rank (every local expert on every token, no exchange) the
-/// graph's replays equal the eager step and match the host; over the expert exchange the
-/// static step is refused alike on every rank, captured or eager (it hung intermittently
-/// with two ranks sharing one H200: see `CausalLm`'s static step).
+/// The mixtures of experts: on one rank every local expert on every token (no exchange);
+/// over a communicator the shipped exchange kernels inside the graph, each local expert on
+/// every row slot of the exchange's class (NCCL's all-to-all-v path, before 2.29.2, is
+/// refused a capture: skipped there). With two ranks sharing a GPU in this process, the
+/// last run is the one whose capture once hung (a rank instantiating while its peer's
+/// agreement waited on the GPU: see `DecodeGraph::capture`'s wait for the captures of its
+/// GPU); on 2.32.3 it hung in 9 of 15 runs before that wait, in none of 10 with it.
 #[test]
 #[ignore = "needs CUDA GPUs"]
-fn moe_graph_replays_on_one_rank_and_refusals_over_the_exchange() {
-    const TEST: &str = "moe_graph_replays_on_one_rank_and_refusals_over_the_exchange";
-    let Some(layout) = common::layout(TEST) else {
+fn moe_graph_replays_equal_the_eager_step_and_match_the_host() {
+    const TEST: &str = "moe_graph_replays_equal_the_eager_step_and_match_the_host";
+    let capturable =
+        nccl::library::get().is_ok_and(|lib| lib.version() >= nccl::Version::new(2, 29, 2));
+    if !capturable {
+        common::shape::skip(
+            TEST,
+            "the expert exchange runs inside a graph from NCCL 2.29.2 on",
+        );
         return;
-    };
-    for (name, dtype) in [("mixtral-tiny", DType::F32), ("qwen3-moe-tiny", DType::F32)] {
-        let (_dir, checkpoint, ids, want) = written_with_reference(name);
-        let max_seq = ids.len() + STEPS;
-        common::run_capturable(TEST, &layout, |comm, device, barrier| {
-            let rank = comm.rank();
-            let alone = (name, dtype, max_seq);
-            check_alone(TEST, &checkpoint, device, &ids, &want, alone, rank == 0);
-            barrier.wait();
-            let group = TpGroup::new(comm).unwrap();
-            let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)
-                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            if !model.exchanges_experts() {
-                return;
-            }
-            let input = Tensor::new(ids.as_slice(), device)
-                .unwrap()
-                .unsqueeze(0)
-                .unwrap();
-            model.prefill(&input).unwrap();
-            device.synchronize().unwrap();
-            let Err(err) = DecodeGraph::capture(&mut model, 1) else {
-                panic!("rank {rank}: the capture over the exchange was not refused");
-            };
-            assert!(
-                matches!(err, Error::Graph { ref why, .. } if why.contains("expert exchange")),
-                "rank {rank}: {err}"
-            );
-            let mut eager = DecodeGraph::eager(&mut model, 1).unwrap();
-            let Err(err) = eager.step(&[1]) else {
-                panic!("rank {rank}: the eager step over the exchange was not refused");
-            };
-            assert!(
-                err.to_string().contains("expert exchange"),
-                "rank {rank}: {err}"
-            );
-            if rank == 0 {
-                eprintln!("NOTE {TEST}: {name}: the static step over the exchange refused on every rank, captured and eager");
-            }
-        });
     }
+    graph_runs(
+        TEST,
+        // f32: in bf16 a token's last choices can swap between near-equal experts (the
+        // router's logits rounded), which moves its logits by more than bf16's tolerance
+        // against the host's f32 (seen: 5.7e-2 of the largest |logit| on one rank).
+        &[
+            ("mixtral-tiny", DType::F32, false),
+            ("qwen3-moe-tiny", DType::F32, false),
+            ("qwen3-moe-tiny", DType::F32, true),
+        ],
+    );
 }
 
 /// The preset `name` written to a temporary directory (kept while the first value lives),
@@ -304,7 +284,10 @@ fn graph_runs(test: &'static str, runs: &[(&str, DType, bool)]) {
             let mut model = CausalLm::load(&checkpoint, &group, dtype, device, max_seq)
                 .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
             model.set_fused(lsa);
-            let what = format!("{name} {dtype:?}, rank {rank} of {n}, lsa+fused {lsa}");
+            let what = format!(
+                "{name} {dtype:?}, rank {rank} of {n}, lsa+fused {lsa}, expert exchange {}",
+                model.exchanges_experts()
+            );
             let worst = check(&what, &mut model, device, &ids, &want, dtype);
             if rank == 0 {
                 eprintln!("NOTE {test}: {what}: replays bit-identical to the eager step; worst |logit difference| to the host {worst:.2e} of the largest");

@@ -366,3 +366,45 @@ fn moe_prompts_past_one_exchange_call_match_the_host() {
         }
     });
 }
+
+/// The timeout set on `LsaCollectives` reaches the expert exchanges the group makes when a
+/// mixture of experts loads (without it, NCCL's group: nccl-rs's default).
+#[test]
+#[ignore = "needs CUDA GPUs"]
+fn lsa_kernel_timeout_reaches_the_expert_exchanges() {
+    const TEST: &str = "lsa_kernel_timeout_reaches_the_expert_exchanges";
+    let Some(layout) = common::layout(TEST) else {
+        return;
+    };
+    let spec = writer::preset("mixtral-tiny").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    common::run(TEST, &layout, |comm, device, _| {
+        let rank = comm.rank();
+        let set = std::time::Duration::from_secs(37);
+        let lsa = match nccl_candle::tp::LsaCollectives::new(comm, 64 * 1024) {
+            Ok(lsa) => lsa,
+            Err(e) if common::kernels_unavailable(TEST, rank, &e) => return,
+            Err(e) => panic!("rank {rank}: the shipped kernels: {e}"),
+        };
+        lsa.set_kernel_timeout(set);
+        let group = TpGroup::new(lsa).unwrap();
+        assert!(group.expert_exchange_timeouts().is_empty());
+        let model = CausalLm::load(&checkpoint, &group, DType::F32, device, 16)
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(model.exchanges_experts(), "rank {rank}: no expert exchange");
+        let timeouts = group.expert_exchange_timeouts();
+        assert!(!timeouts.is_empty(), "rank {rank}: no exchange listed");
+        assert!(
+            timeouts.iter().all(|&t| t == set),
+            "rank {rank}: {timeouts:?}, set {set:?}"
+        );
+        if rank == 0 {
+            eprintln!(
+                "NOTE {TEST}: {} exchanges took the collectives' timeout {set:?}",
+                timeouts.len()
+            );
+        }
+    });
+}

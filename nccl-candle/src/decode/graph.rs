@@ -1,11 +1,14 @@
 //! A decode step captured once into a CUDA graph and replayed for every token.
 
-use candle_core::{DType, Device, Tensor};
+use std::time::Duration;
+
+use candle_core::{DType, Device, DeviceLocation, Tensor};
 use nccl::cudarc::driver::sys::{
     self, CUgraphInstantiate_flags, CUgraphNodeType, CUstreamCaptureMode,
 };
 use nccl::cudarc::driver::{CudaGraph, CudaStream};
 
+use super::captures::{self, PendingCapture};
 use super::StepInputs;
 use crate::cuda_device;
 use crate::tp::TpGroup;
@@ -170,6 +173,10 @@ pub unsafe fn capturable_device(ordinal: usize) -> Result<Device> {
     Ok(device)
 }
 
+/// How long a rank whose capture is instantiated waits for the other captures on its GPU
+/// in this process (see `captures`) before it agrees on the outcome anyway, as a refusal.
+const INSTANTIATION_WAIT: Duration = Duration::from_secs(60);
+
 /// Ends a capture left open by a panic; the graph, if any, is dropped.
 struct CaptureGuard<'a>(Option<&'a std::sync::Arc<CudaStream>>);
 
@@ -239,6 +246,12 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
         let device = model.device().clone();
         let group = model.group().clone();
         let position = model.cached();
+        // Registered before this rank's first collective; see `captures`.
+        let ordinal = match device.location() {
+            DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
+            _ => None,
+        };
+        let pending = ordinal.map(PendingCapture::register);
         let checked = || -> Result<(StepInputs, u64)> {
             let inputs = StepInputs::new(batch, model.vocab(), model.max_seq(), &device)?;
             if let Some(why) = capture_refusal(&device) {
@@ -326,10 +339,24 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
                 }
             })
         };
-        let (graph, local) = match captured {
+        let (graph, mut local) = match captured {
             Ok(graph) => (Some(graph), Ok(())),
             Err(err) => (None, Err(err)),
         };
+        // Instantiated (or failed): no collective of this rank's while a capture sharing its
+        // context is still being instantiated, this rank's own refusal included.
+        drop(pending);
+        if let Some(ordinal) = ordinal {
+            if !captures::wait_until_instantiated(ordinal, INSTANTIATION_WAIT) && local.is_ok() {
+                local = Err(Error::Graph {
+                    op: "instantiate",
+                    why: format!(
+                        "another capture on GPU {ordinal} in this process was still being \
+                         instantiated after {INSTANTIATION_WAIT:?}"
+                    ),
+                });
+            }
+        }
         let agreed = group.agree_checked("decode graph capture", fp, local, &device);
         if agreed.is_err() {
             // Refused on every rank: what the captures numbered (fewer on a rank whose capture

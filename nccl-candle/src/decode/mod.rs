@@ -14,6 +14,7 @@
 
 mod attend;
 mod cache;
+mod captures;
 mod graph;
 mod inputs;
 

@@ -97,9 +97,8 @@ impl ExpertsMlp {
     /// only (the counts read back on the host once a dispatch ended, or the routing without
     /// an exchange). The static step a CUDA graph captures (`capturable`) never waits on the
     /// host, and runs the same kernels eagerly as in the graph: each local expert on every
-    /// token, which reads every local expert's weights whatever the routing (the static step
-    /// over an exchange, each expert on every row slot of its class, is refused for now:
-    /// see `CausalLm`'s static step).
+    /// row slot of the exchange's class (every token without an exchange), which reads every
+    /// local expert's weights whatever the routing.
     pub(super) fn forward(&self, group: &TpGroup, x: &Tensor, capturable: bool) -> Result<Tensor> {
         let (b, seq, h) = x.dims3()?;
         let tokens = b * seq;

@@ -7,6 +7,8 @@
 //! than the rows a call sends, a set holds one exchange per size class ([`TOKEN_CLASSES`]) and
 //! a call takes the smallest that holds its tokens.
 
+use std::time::Duration;
+
 use candle_core::{DType, Tensor};
 use half::{bf16, f16};
 use nccl::device::{
@@ -38,6 +40,24 @@ enum Exchange<'c> {
     F32(ExpertExchange<'c, f32>),
 }
 
+impl Exchange<'_> {
+    fn set_timeout(&mut self, timeout: Duration) {
+        match self {
+            Exchange::Bf16(e) => e.set_timeout(timeout),
+            Exchange::F16(e) => e.set_timeout(timeout),
+            Exchange::F32(e) => e.set_timeout(timeout),
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        match self {
+            Exchange::Bf16(e) => e.timeout(),
+            Exchange::F16(e) => e.timeout(),
+            Exchange::F32(e) => e.timeout(),
+        }
+    }
+}
+
 /// The exchanges of one [`ExpertsKey`], one per size class, made together on every rank.
 pub(crate) struct ExpertSet<'c> {
     key: ExpertsKey,
@@ -64,13 +84,14 @@ impl ExpertsKey {
 
 impl<'c> ExpertSet<'c> {
     /// Makes the set's exchanges on `comm` (collective: every rank with the same key; the
-    /// ranks agree inside each `ExpertExchange::new`, so a refusal is every rank's).
-    pub(crate) fn new(comm: &'c Comm, key: ExpertsKey) -> Result<Self> {
+    /// ranks agree inside each `ExpertExchange::new`, so a refusal is every rank's), each
+    /// with `timeout` (`ExpertExchange::set_timeout`) where one is given.
+    pub(crate) fn new(comm: &'c Comm, key: ExpertsKey, timeout: Option<Duration>) -> Result<Self> {
         let mut classes = Vec::new();
         for max_tokens in class_sizes(key.top_k) {
             let shape = ExpertShape::new(key.experts, key.top_k, key.hidden, max_tokens);
             let path = ExchangePath::Auto;
-            classes.push(match key.dtype {
+            let mut exchange = match key.dtype {
                 DType::BF16 => Exchange::Bf16(ExpertExchange::new(comm, shape, path)?),
                 DType::F16 => Exchange::F16(ExpertExchange::new(comm, shape, path)?),
                 DType::F32 => Exchange::F32(ExpertExchange::new(comm, shape, path)?),
@@ -80,9 +101,19 @@ impl<'c> ExpertSet<'c> {
                         dtype: other,
                     })
                 }
-            });
+            };
+            if let Some(timeout) = timeout {
+                exchange.set_timeout(timeout);
+            }
+            classes.push(exchange);
         }
         Ok(Self { key, classes })
+    }
+
+    /// How long each class's kernels wait for their peers before giving up, smallest class
+    /// first.
+    pub(crate) fn timeouts(&self) -> Vec<Duration> {
+        self.classes.iter().map(Exchange::timeout).collect()
     }
 
     pub(crate) fn key(&self) -> ExpertsKey {
@@ -188,6 +219,31 @@ mod cuda {
         f(view)
     }
 
+    /// Outside a capture, waits until `device`'s stream has run all it holds (inside one,
+    /// nothing runs: nothing to wait for).
+    ///
+    /// Why: ranks that share one CUDA context (threads on one GPU) share the driver's
+    /// staging buffers for copies from pageable memory, and candle uploads small host data
+    /// (strided layouts) that way at many ops. A rank that sends few tokens or none would
+    /// run ahead on the host, queueing such uploads behind an exchange that waits for its
+    /// peer, while the peer's own upload before the launch that rank waits for needs a
+    /// staging buffer (the hazard the crate's agreements and read-backs avoid the same way).
+    /// A rank that waits here holds none. The host-driven pass waits after each dispatch
+    /// anyway, to read the counts.
+    fn settle(device: &candle_core::CudaDevice) -> Result<()> {
+        let stream = device.cuda_stream();
+        let capturing = !matches!(
+            stream.capture_status(),
+            Ok(nccl::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        );
+        if !capturing {
+            stream
+                .synchronize()
+                .map_err(|e| Error::Nccl(nccl::Error::from(e)))?;
+        }
+        Ok(())
+    }
+
     pub(super) fn run<T: ExchangeElem>(
         exchange: &mut ExpertExchange<'_, T>,
         x: &Tensor,
@@ -251,6 +307,9 @@ mod cuda {
             false,
         )
         .narrow(0, 0, local)?;
+        // Outside a capture, this rank waits here for its dispatch to end (its peers' rows
+        // in), and below for its combine: see `settle`.
+        settle(&device)?;
         let outputs = experts(&received, &counts)?;
         if outputs.dims() != received.dims() || outputs.dtype() != received.dtype() {
             return Err(Error::Shape {
@@ -280,6 +339,7 @@ mod cuda {
                     .map_err(Error::Nccl)
             })
         })?;
+        settle(&device)?;
         let out = Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(out, device)),
             len,

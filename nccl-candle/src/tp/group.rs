@@ -2,6 +2,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use nccl::diagnostics::flight::{GraphCaptureMark, RecordedGraph};
@@ -82,6 +83,15 @@ pub trait Collectives {
     /// The communicator these collectives run on, for nccl-rs's kernels that take one (the
     /// mixture-of-experts exchange); `None` where there is none (the provided method).
     fn comm(&self) -> Option<&Comm> {
+        None
+    }
+
+    /// How long nccl-rs's kernels made for these collectives wait for their peers before
+    /// giving up, where the collectives set one
+    /// ([`LsaCollectives::kernel_timeout`](super::LsaCollectives::kernel_timeout)); the
+    /// group's expert exchanges take it too. `None`: the kernels' default (the provided
+    /// method).
+    fn kernel_timeout(&self) -> Option<Duration> {
         None
     }
 }
@@ -299,7 +309,8 @@ impl TpGroup {
             if sets.iter().any(|set| set.key() == key) {
                 return Some(Ok(false));
             }
-            Some(ExpertSet::new(comm, key).map(|set| {
+            let timeout = owner.as_deref().and_then(|c| c.kernel_timeout());
+            Some(ExpertSet::new(comm, key, timeout).map(|set| {
                 sets.push(set);
                 true
             }))
@@ -324,6 +335,19 @@ impl TpGroup {
             });
         }
         Ok(())
+    }
+
+    /// How long the kernels of the group's expert exchanges wait for their peers before
+    /// giving up: one entry per size class of each mixture's shape, in the order made
+    /// ([`LsaCollectives::kernel_timeout`](super::LsaCollectives::kernel_timeout) where the
+    /// group runs on those collectives, nccl-rs's default otherwise); empty where it made
+    /// none (see [`CausalLm::exchanges_experts`](crate::models::CausalLm::exchanges_experts)).
+    pub fn expert_exchange_timeouts(&self) -> Vec<Duration> {
+        self.shared.ranks.with_dependent(|_, sets| {
+            sets.try_borrow()
+                .map(|sets| sets.iter().flat_map(ExpertSet::timeouts).collect())
+                .unwrap_or_default()
+        })
     }
 
     /// The most tokens a rank sends in one exchange of `key`; `None` when the group has no

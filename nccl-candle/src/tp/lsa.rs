@@ -95,7 +95,8 @@ impl LsaCollectives {
     /// Sets [`kernel_timeout`](Self::kernel_timeout) for the calls made from now on
     /// (`LsaAllReduce::set_timeout`): how long the peers of a rank that refused a call alone
     /// wait before their kernels give up. Every rank alike, before the `LsaCollectives` goes
-    /// into a [`TpGroup`](super::TpGroup).
+    /// into a [`TpGroup`](super::TpGroup): the expert exchanges the group makes for a
+    /// mixture of experts when it loads take it too.
     pub fn set_kernel_timeout(&self, timeout: Duration) {
         self.owned
             .with_dependent(|_, kernels| kernels.borrow_mut().set_timeout(timeout));
@@ -266,6 +267,10 @@ impl Collectives for LsaCollectives {
 
     fn comm(&self) -> Option<&Comm> {
         Some(self.owned.borrow_owner())
+    }
+
+    fn kernel_timeout(&self) -> Option<Duration> {
+        Some(LsaCollectives::kernel_timeout(self))
     }
 
     /// One fused kernel (the all-reduce, the add and the norm;

@@ -8,27 +8,6 @@ use crate::decode::{StaticDecode, StepInputs};
 use crate::tp::TpGroup;
 use crate::{fingerprint, Error, Result};
 
-impl CausalLm {
-    /// The static step of a mixture of experts whose tokens go through the expert exchange is
-    /// refused (eager or captured; the same answer on every rank, before anything
-    /// collective): in that step, with two ranks sharing one H200, the graph test stopped
-    /// 3 times in 4 runs until the kernels' timeout (2026-11-30, cause not found), while the
-    /// host-driven pass never did. One rank, and groups without the exchange, step as the
-    /// dense models do.
-    fn refuse_exchanged_experts(&self) -> Result<()> {
-        if !self.exchanges_experts() {
-            return Ok(());
-        }
-        Err(Error::Argument {
-            op: "CausalLm::decode_step",
-            why: "the static decode step (CUDA graphs) of a mixture of experts over the expert \
-                  exchange is not supported yet (it hung intermittently with ranks sharing a \
-                  GPU); decode with the host-driven pass, CausalLm::forward"
-                .into(),
-        })
-    }
-}
-
 // SAFETY: a step touches the weights, the rotary tables, the layers' caches (allocated by
 // the prompt's append and kept by `reset` and by a prompt of the same batch, which
 // `DecodeGraph::prefill` requires), the inputs and the group's collectives, all owned here
@@ -81,12 +60,10 @@ unsafe impl StaticDecode for CausalLm {
                 ),
             });
         }
-        self.refuse_exchanged_experts()?;
         Ok(fingerprint(&(self.fused, self.local_sizes())))
     }
 
     fn decode_step(&mut self, inputs: &StepInputs) -> Result<()> {
-        self.refuse_exchanged_experts()?;
         if self.broken
             || inputs.max_seq() != self.max_seq
             || self.cache_batch() != Some(inputs.batch())
