@@ -90,6 +90,11 @@ pub unsafe trait StaticDecode {
 /// [`LsaCollectives`](crate::tp::LsaCollectives), a shipped kernel's refusal while capturing
 /// puts its instance out of step on that rank as a refused launch does (its `status` says
 /// so; drop the group on every rank).
+/// Ranks on threads of one process sharing a GPU (one CUDA context): a rank whose capture
+/// is instantiated waits, before the agreement on the outcome, until no capture of that GPU
+/// in the process is still being instantiated (instantiation can wait for the context's
+/// running kernels, and the agreement's would wait for the peer still instantiating); at
+/// most 60 s, then it refuses (an error on every rank).
 /// A step refused on one rank alone (ids of another batch, a sequence at `max_seq`) leaves
 /// its peers' replay waiting in its collectives, as with an eager pass: the communicator's
 /// watchdog or abort ends the wait (NCCL's kernels), the shipped kernels' timeout theirs.
