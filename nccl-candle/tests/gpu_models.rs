@@ -125,6 +125,16 @@ fn reference(checkpoint: &Checkpoint, prompt: &[u32]) -> Run {
     decode(&mut model, &Device::Cpu, prompt, None, STEPS)
 }
 
+/// The preset `name` written to a temporary directory (kept while the first value lives)
+/// and opened.
+fn written(name: &str) -> (tempfile::TempDir, Checkpoint) {
+    let spec = writer::preset(name).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    writer::write(&spec, dir.path()).unwrap();
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    (dir, checkpoint)
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs"]
 fn ranks_on_gpus_match_the_host_reference() {
@@ -151,10 +161,7 @@ fn ranks_on_gpus_match_the_host_reference() {
         ("qwen3-moe-tiny", DType::BF16, true),
     ];
     for (name, dtype, lsa) in runs {
-        let spec = writer::preset(name).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        writer::write(&spec, dir.path()).unwrap();
-        let checkpoint = Checkpoint::open(dir.path()).unwrap();
+        let (_dir, checkpoint) = written(name);
         let tokenizer = checkpoint.tokenizer().unwrap();
         let prompt = tokenizer.encode(PROMPT, true).unwrap().get_ids().to_vec();
         let want = reference(&checkpoint, &prompt);
@@ -335,10 +342,7 @@ fn moe_prompts_past_one_exchange_call_match_the_host() {
     let Some(layout) = common::layout(TEST) else {
         return;
     };
-    let spec = writer::preset("mixtral-tiny").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    writer::write(&spec, dir.path()).unwrap();
-    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let (_dir, checkpoint) = written("mixtral-tiny");
     let tokenizer = checkpoint.tokenizer().unwrap();
     let text = [PROMPT; 12].join(" ");
     let mut prompt = tokenizer.encode(text, true).unwrap().get_ids().to_vec();
@@ -376,10 +380,7 @@ fn lsa_kernel_timeout_reaches_the_expert_exchanges() {
     let Some(layout) = common::layout(TEST) else {
         return;
     };
-    let spec = writer::preset("mixtral-tiny").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    writer::write(&spec, dir.path()).unwrap();
-    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    let (_dir, checkpoint) = written("mixtral-tiny");
     common::run(TEST, &layout, |comm, device, _| {
         let rank = comm.rank();
         let set = std::time::Duration::from_secs(37);
