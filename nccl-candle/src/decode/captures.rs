@@ -10,7 +10,9 @@
 //! Every capture registers before its first collective, so once a rank's warm-up ended
 //! (which its peers' warm-ups had to join) every peer of this process has registered; the
 //! agreement waits until none of them is still to be instantiated. Ranks in other
-//! processes have contexts of their own and are not waited for.
+//! processes have contexts of their own and are not waited for; captures of other groups on
+//! the same GPU in this process are (the table knows devices, not groups), for at most the
+//! caller's limit. One-rank groups, whose agreement needs no GPU, do not register.
 
 use std::collections::HashMap;
 use std::sync::{Condvar, LazyLock, Mutex, MutexGuard, PoisonError};

@@ -27,8 +27,9 @@ use nccl::diagnostics::flight::RecordedGraph;
 ///   storage: [`prefill`](Self::prefill) of the batch the caches hold and `decode_step` never
 ///   free, replace or reallocate what an earlier step touched;
 /// * `decode_step` enqueues only device work on [`device`](Self::device)'s stream (candle
-///   ops, the group's collectives): no host copy, no synchronisation, and every tensor it
-///   makes and does not keep is dropped before it returns;
+///   ops, the group's collectives): no host copy, no synchronisation while the stream is
+///   captured (outside a capture it may wait for its own stream), and every tensor it makes
+///   and does not keep is dropped before it returns;
 /// * `decode_step` refuses inputs of another `max_seq` or batch than its caches' (a position
 ///   is then always inside them).
 pub unsafe trait StaticDecode {
@@ -89,12 +90,18 @@ pub unsafe trait StaticDecode {
 /// nothing, so a failed one leaves the model as it was; with
 /// [`LsaCollectives`](crate::tp::LsaCollectives), a shipped kernel's refusal while capturing
 /// puts its instance out of step on that rank as a refused launch does (its `status` says
-/// so; drop the group on every rank).
-/// Ranks on threads of one process sharing a GPU (one CUDA context): a rank whose capture
-/// is instantiated waits, before the agreement on the outcome, until no capture of that GPU
-/// in the process is still being instantiated (instantiation can wait for the context's
-/// running kernels, and the agreement's would wait for the peer still instantiating); at
-/// most 60 s, then it refuses (an error on every rank).
+/// so; drop the group on every rank), and so does a failure inside an expert exchange on
+/// one rank (its next host-driven call is refused there, and its peers' kernels give up
+/// after their timeout). A mixture of experts whose exchange runs NCCL's all-to-all-v
+/// (no LSA team, NCCL before 2.29.2) is refused a capture by its `check_step`, before
+/// anything runs; its eager steps run.
+/// Ranks on threads of one process sharing a GPU (one CUDA context): a rank of a group of
+/// two or more whose capture is instantiated waits, before the agreement on the outcome,
+/// until no such capture of that GPU in the process is still being instantiated
+/// (instantiation can wait for the context's running kernels, and the agreement's would
+/// wait for the peer still instantiating); another group's capture on that GPU is waited
+/// for too. At most 60 s, then it refuses (an error on every rank; its agreement may then
+/// meet the very hang the wait avoids, which the kernels' timeout or a watchdog ends).
 /// A step refused on one rank alone (ids of another batch, a sequence at `max_seq`) leaves
 /// its peers' replay waiting in its collectives, as with an eager pass: the communicator's
 /// watchdog or abort ends the wait (NCCL's kernels), the shipped kernels' timeout theirs.
@@ -256,6 +263,8 @@ impl<'m, M: StaticDecode> DecodeGraph<'m, M> {
             DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
             _ => None,
         };
+        // A group without collectives agrees without the GPU: nothing to wait for.
+        let ordinal = ordinal.filter(|_| group.size() > 1);
         let pending = ordinal.map(PendingCapture::register);
         let checked = || -> Result<(StepInputs, u64)> {
             let inputs = StepInputs::new(batch, model.vocab(), model.max_seq(), &device)?;

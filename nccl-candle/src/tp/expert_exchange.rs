@@ -56,6 +56,14 @@ impl Exchange<'_> {
             Exchange::F32(e) => e.timeout(),
         }
     }
+
+    fn path(&self) -> ExchangePath {
+        match self {
+            Exchange::Bf16(e) => e.path(),
+            Exchange::F16(e) => e.path(),
+            Exchange::F32(e) => e.path(),
+        }
+    }
 }
 
 /// The exchanges of one [`ExpertsKey`], one per size class, made together on every rank.
@@ -108,6 +116,15 @@ impl<'c> ExpertSet<'c> {
             classes.push(exchange);
         }
         Ok(Self { key, classes })
+    }
+
+    /// Whether a CUDA graph can capture its calls: the shipped kernels' path in every class
+    /// (NCCL's all-to-all-v path waits on the host for the row counts). Chosen alike on
+    /// every rank when the set was made.
+    pub(crate) fn capturable(&self) -> bool {
+        self.classes
+            .iter()
+            .all(|class| class.path() == ExchangePath::Lsa)
     }
 
     /// How long each class's kernels wait for their peers before giving up, smallest class

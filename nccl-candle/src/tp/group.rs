@@ -350,6 +350,16 @@ impl TpGroup {
         })
     }
 
+    /// Whether a CUDA graph can capture every expert exchange the group made (true where it
+    /// made none): see `ExpertSet::capturable`. The same answer on every rank.
+    pub(crate) fn expert_exchanges_capturable(&self) -> bool {
+        self.shared.ranks.with_dependent(|_, sets| {
+            sets.try_borrow()
+                .map(|sets| sets.iter().all(ExpertSet::capturable))
+                .unwrap_or(false)
+        })
+    }
+
     /// The most tokens a rank sends in one exchange of `key`; `None` when the group has no
     /// exchange for it (see [`prepare_experts`](Self::prepare_experts)) or leaves its
     /// collectives out (skip mode): the layer then runs its experts on every token.

@@ -12,7 +12,10 @@ use crate::{fingerprint, Error, Result};
 // the prompt's append and kept by `reset` and by a prompt of the same batch, which
 // `DecodeGraph::prefill` requires), the inputs and the group's collectives, all owned here
 // or by the inputs; it enqueues candle ops and the group's collectives on the device's
-// stream only, keeps no tensor it makes, and refuses inputs of another `max_seq` or batch.
+// stream only (the expert exchange's waits for its own dispatch and combine happen outside
+// a capture only, and its all-to-all-v path, which waits on the host, is refused a capture
+// by `check_step`), keeps no tensor it makes, and refuses inputs of another `max_seq` or
+// batch.
 unsafe impl StaticDecode for CausalLm {
     fn device(&self) -> &Device {
         self.embed.device()
@@ -44,6 +47,18 @@ unsafe impl StaticDecode for CausalLm {
     }
 
     fn check_step(&self, batch: usize) -> Result<u64> {
+        // Before anything collective, alike on every rank (the path was chosen alike): a
+        // capture of NCCL's all-to-all-v path would fail inside and leave the exchange out of
+        // step, the host-driven pass with it.
+        if self.exchanges_experts() && !self.group.expert_exchanges_capturable() {
+            return Err(Error::Argument {
+                op: "CausalLm::decode_step",
+                why: "the expert exchange runs NCCL's all-to-all-v here (no LSA team, or NCCL \
+                      before 2.29.2), which waits on the host for its row counts: no CUDA \
+                      graph can capture it (step eagerly: DecodeGraph::eager)"
+                    .into(),
+            });
+        }
         if self.broken || self.cached == 0 || self.cache_batch() != Some(batch) {
             return Err(Error::Argument {
                 op: "CausalLm::decode_step",
