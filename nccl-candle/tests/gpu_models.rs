@@ -11,6 +11,8 @@
 //!
 //! Run on a GPU host: `cargo test --test gpu_models -- --include-ignored --test-threads=1`.
 
+#[path = "support/greedy.rs"]
+mod greedy;
 #[path = "support/reference.rs"]
 mod reference;
 #[path = "../examples/hf_checkpoint/writer.rs"]
@@ -23,21 +25,11 @@ use nccl_candle::models::{CausalLm, Checkpoint};
 use nccl_candle::tp::TpGroup;
 use nccl_candle::{CheckpointFault, Error};
 
+use greedy::{compare_within as compare, top2, Run};
+
 /// Greedy steps after the prompt.
 const STEPS: usize = 6;
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog, and then";
-
-/// A run: each step's logits (the prompt's pass first) and the tokens chosen.
-struct Run {
-    logits: Vec<Vec<f32>>,
-    tokens: Vec<u32>,
-}
-
-fn top2(logits: &[f32]) -> (u32, f32) {
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    (order[0] as u32, logits[order[0]] - logits[order[1]])
-}
 
 /// Greedy decoding of `steps` steps after `prompt` on `device`, fed `feed`'s tokens when given.
 fn decode(
@@ -72,33 +64,6 @@ fn decode(
         input = vec![feed.map_or(chosen, |f| f[step])];
     }
     run
-}
-
-/// Checks `run` against `reference`: logits within `relative` of the reference's largest
-/// |logit|, tokens equal unless the reference's two best lie within twice that.
-fn compare(what: &str, reference: &Run, run: &Run, relative: f32) -> f32 {
-    let mut worst_seen = 0f32;
-    for (step, (want, got)) in reference.logits.iter().zip(&run.logits).enumerate() {
-        let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
-        let worst = want
-            .iter()
-            .zip(got)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            worst <= relative * scale,
-            "{what}: step {step}: max |logit difference| {worst} > {}",
-            relative * scale
-        );
-        worst_seen = worst_seen.max(worst / scale);
-        let (want_token, gap) = top2(want);
-        let (got_token, _) = top2(got);
-        assert!(
-            want_token == got_token || gap <= 2.0 * relative * scale,
-            "{what}: step {step}: token {got_token}, reference {want_token} (lead {gap})"
-        );
-    }
-    worst_seen
 }
 
 /// The relative tolerance of a run in `dtype` against the f32 reference: f32's as in
